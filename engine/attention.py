@@ -1,0 +1,175 @@
+"""Attention backends: one small interface, chosen by config (``auto``, ``torch``, ``triton``).
+
+A backend owns the hot per-layer operations of the model: writing new K/V into
+the paged cache, attention over it (decode and prefill), RMSNorm, rotary
+embedding and SiLU-and-mul. The model calls only this interface, so the CPU
+(torch reference) path and the GPU (Triton) path run the same model code.
+
+Batch layout (built by the model runner for every step): tokens of all scheduled
+sequences are packed along dim 0, **decode sequences first** (one query token
+each), then prefill chunks::
+
+    | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |      <- T packed tokens
+      num_decodes = 3               query_start_loc = [0, 1, 2, 3, 7, 9]
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tandem.kernels import reference as ref
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Forward metadata of one step, shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, cache slot (``block_id * block_size + offset``)
+            where each packed token's K/V is written.
+        block_tables: ``[B, max_blocks]`` int32, padded with 0 past a sequence's blocks.
+        seq_lens: ``[B]`` int32, context length of each sequence after this step
+            (cached/computed tokens plus this step's tokens).
+        query_start_loc_cpu: ``B + 1`` host ints, cumulative query lengths.
+        seq_lens_cpu: ``B`` host ints (same values as ``seq_lens``).
+        num_decodes: the first ``num_decodes`` sequences have exactly one query
+            token each and are decodes.
+        max_seq_len: ``max(seq_lens)`` (tokens).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    num_decodes: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+class AttentionBackend(ABC):
+    """Per-layer hot operations over a paged KV cache.
+
+    Methods may write only the tensors their docstrings name (the KV cache in
+    :meth:`attention`, q/k in :meth:`rotary_embedding`).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        Args:
+            query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``.
+            key_cache, value_cache: ``[NB, BS, Hkv, D]`` of this layer; written at
+                ``meta.slot_mapping``.
+            meta: the step's :class:`AttentionMetadata`.
+            scale: softmax scale.
+
+        Returns:
+            ``[T, Hq, D]``.
+        """
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """See :func:`tandem.kernels.reference.rms_norm_ref`."""
+
+    @abstractmethod
+    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]`` in place."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, 2F]`` -> ``[T, F]``."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The CPU path: the torch references of :mod:`tandem.kernels.reference`."""
+
+    name = "torch"
+
+    def attention(self, query, key, value, key_cache, value_cache, meta, scale):
+        ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return ref.paged_decode_attention_ref(
+                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                meta.max_seq_len)
+        out = torch.empty_like(query)
+        if nd:
+            out[:nd] = ref.paged_decode_attention_ref(
+                query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                scale, max(meta.seq_lens_cpu[:nd]))
+        qsl = meta.query_start_loc_cpu
+        hq, hkv = query.shape[1], key.shape[1]
+        for i in range(nd, meta.num_seqs):
+            start, end = qsl[i], qsl[i + 1]
+            q_len, seq_len = end - start, meta.seq_lens_cpu[i]
+            q = query[start:end].transpose(0, 1)
+            if q_len == seq_len:
+                # Nothing cached before this chunk: attend to the fresh K/V directly.
+                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            else:
+                k = ref._gather_kv(key_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+                v = ref._gather_kv(value_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            out[start:end] = ref._causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
+        return out
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return ref.rms_norm_ref(x, weight, eps, residual)
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache):
+        return ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return ref.silu_and_mul_ref(x)
+
+
+def _triton_backend() -> AttentionBackend:
+    from tandem.kernels.backend import TritonAttentionBackend  # imports triton lazily
+    return TritonAttentionBackend()
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": _triton_backend,
+}
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Build the backend named by config.
+
+    ``auto`` picks ``triton`` on CUDA and ``torch`` elsewhere.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    try:
+        factory = ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"attention_backend: unknown {name!r}, "
+                         f"expected one of auto, {', '.join(ATTENTION_BACKENDS)}") from None
+    return factory()
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,114 @@
+"""Per-request sampling parameters, validated where they are built.
+
+Field names and meanings follow vLLM's ``SamplingParams`` so that a user of
+vLLM or SGLang finds what they expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is out of range; ``field`` names it (e.g. ``"top_p"``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    Attributes:
+        n: number of independent samples (completions) of the prompt; they share
+            the prompt's KV blocks.
+        max_tokens: generated tokens per sample, at least 1.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+        top_p: nucleus sampling, keep the smallest set with cumulative prob >= top_p,
+            in (0, 1].
+        min_p: drop tokens whose probability is below ``min_p * p_max``, in [0, 1].
+        repetition_penalty: > 0; 1 disables. Logits of tokens seen in the prompt or
+            output are divided (positive) or multiplied (negative) by it (CTRL,
+            Keskar et al. 2019, section 4.1).
+        presence_penalty: in [-2, 2], subtracted once from the logit of every token
+            already generated (OpenAI API semantics).
+        frequency_penalty: in [-2, 2], subtracted per occurrence of a generated token.
+        seed: makes this request's samples reproducible whatever else is batched
+            with it (each request owns a ``torch.Generator``).
+        stop_token_ids: generation ends (finish reason ``stop``) on any of these.
+        stop: stop strings, applied to the detokenized text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        ignore_eos: keep generating past the end-of-sequence token.
+        logprobs: if set, return this many top log-probabilities (0..20) per
+            generated token, plus the sampled token's own.
+        min_tokens: EOS and stop token ids are masked until this many tokens exist.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise sequences through object.__setattr__ once, at build time.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidParameterError` naming the first bad field."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidParameterError("n", f"must be >= 1, got {self.n}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidParameterError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise InvalidParameterError("temperature", f"must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidParameterError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidParameterError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0.0):
+            raise InvalidParameterError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise InvalidParameterError(
+                "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise InvalidParameterError(
+                "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidParameterError("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidParameterError(
+                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidParameterError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", "token ids must be >= 0")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise InvalidParameterError("stop", "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
