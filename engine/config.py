@@ -1,0 +1,223 @@
+"""Configuration: one validated dataclass per concern, built once at the edge.
+
+``ModelConfig`` is our own description of a Llama-family model; it is converted
+once from GGUF metadata or a Hugging Face ``config.json`` and model code never
+sees Hugging Face objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.model_files import ModelFiles
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` -> torch dtype.
+
+    Raises:
+        ValueError: another name.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder.
+
+    Attributes:
+        hidden_size, intermediate_size: model and FFN widths.
+        num_layers: decoder layers.
+        num_heads, num_kv_heads, head_dim: attention geometry (GQA when
+            num_kv_heads < num_heads).
+        vocab_size: rows of the embedding.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE frequency base (GGUF ``rope.freq_base``).
+        max_model_len: maximum context in tokens (prompt + output).
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        bos_token_id, eos_token_id: special ids from the model file.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_model_len: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict, has_output_weight: bool) -> "ModelConfig":
+        """From GGUF key/values (``{"llama.block_count": 30, ...}``).
+
+        Raises:
+            ValueError: not a ``llama`` architecture file, or a required key missing.
+        """
+        arch = fields.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
+
+        def get(key: str, default=None):
+            value = fields.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF file lacks {arch}.{key}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("rope.dimension_count", hidden // num_heads)),
+            vocab_size=int(vocab),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_model_len=int(get("context_length")),
+            tie_word_embeddings=not has_output_weight,
+            bos_token_id=_opt_int(fields.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=_opt_int(fields.get("tokenizer.ggml.eos_token_id")),
+        )
+
+    @classmethod
+    def from_hf_config(cls, path: str) -> "ModelConfig":
+        """From a Hugging Face checkpoint directory's ``config.json``.
+
+        Raises:
+            ValueError: not a Llama-family config, or RoPE scaling we do not implement.
+        """
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        if cfg.get("model_type") not in ("llama", "mistral", "qwen2") and \
+                "LlamaForCausalLM" not in cfg.get("architectures", []):
+            raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
+        if cfg.get("rope_scaling"):
+            raise ValueError("rope_scaling is not supported yet")
+        if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
+            raise ValueError("attention biases are not supported yet")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            max_model_len=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None else int(v)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: tokens per block.
+        num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: memory for K and V of all layers when num_blocks is None.
+        enable_prefix_caching: reuse full blocks across requests by block hash.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    Attributes:
+        max_num_seqs: sequences in one step's batch.
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        enable_chunked_prefill: split prompts longer than the remaining budget
+            across steps; when off, a prompt is scheduled whole or not at all
+            (and the budget grows to fit one max-length prompt).
+        preemption_mode: ``recompute`` (free the victim's blocks, prefill it again later).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1")
+        if self.preemption_mode not in ("recompute",):
+            raise ValueError(f"preemption_mode: unknown {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; built once at the edge (CLI, gRPC, tests).
+
+    Attributes:
+        model: None (the default model), a .gguf path, or a checkpoint directory.
+        dtype: weights, activations and KV dtype name.
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        attention_backend: ``auto``, ``torch`` or ``triton``.
+        max_model_len: cap on the context length (None = the model's).
+        num_threads: torch intra-op threads for this engine (None = leave as is).
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

@@ -1,0 +1,243 @@
+"""The engine loop (schedule -> execute -> update) and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tandem.engine.attention import get_attention_backend
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model import load_model
+from tandem.engine.model_files import resolve_model
+from tandem.engine.model_runner import KVCache, ModelRunner
+from tandem.engine.request import Request, RequestStatus, TokenLogprobs
+from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One model, one paged KV cache, one scheduler: a colocated engine in one process.
+
+    ``step()`` is schedule -> execute -> update. The workers of a cluster wrap
+    this same engine.
+
+    Args:
+        config: the engine's :class:`EngineConfig`.
+        tokenizer: pass one to share it; otherwise it is read from the model file.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model_files = resolve_model(config.model)
+        self.model, self.model_config = load_model(self.model_files, config.torch_dtype, self.device)
+        self.tokenizer = tokenizer or Tokenizer(self.model_files)
+        cc = config.cache
+        num_blocks = cc.num_blocks or max(
+            1, cc.kv_cache_memory_bytes // KVCache.bytes_per_block(
+                self.model_config, cc.block_size, config.torch_dtype))
+        self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, config.torch_dtype,
+                                self.device)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        # A lone request must always fit in the pool, or recompute could loop forever.
+        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
+                                 self.model_config.max_model_len, num_blocks * cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
+                                  self.kv_cache_manager.get_block_ids, self.device)
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> list[Request]:
+        """Queue a prompt. Returns its ``params.n`` sample requests (index order).
+
+        Raises:
+            InvalidParameterError: empty prompt, unknown token ids, or prompt +
+                max_tokens over the context limit (``field`` names the culprit).
+        """
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise InvalidParameterError("prompt_token_ids", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError("prompt_token_ids",
+                                        f"ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameterError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                              f"exceeds the maximum context length {self.max_model_len}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        eos = self.tokenizer.eos_token_id
+        first = Request(rid, ids, params, eos_token_id=eos, priority=priority)
+        first.pending_forks = [
+            Request(f"{rid}#{i}", ids, params, eos_token_id=eos, priority=priority,
+                    arrival_time=first.arrival_time, sample_index=i, parent_id=rid,
+                    status=RequestStatus.WAITING)
+            for i in range(1, params.n)]
+        requests = [first, *first.pending_forks]
+        self.scheduler.add_request(first)
+        return requests
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (and its pending forks); frees its blocks. False if unknown."""
+        return self.scheduler.abort_request(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One iteration: schedule, execute, update.
+
+        Returns:
+            Requests that got a token or finished in this step.
+        """
+        out: SchedulerOutput = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        return self.scheduler.update(out, sampled)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt.
+
+    Attributes:
+        index: sample index (0..n-1).
+        token_ids: generated ids (a matched stop string's tokens are kept).
+        text: detokenized output, cut before a matched stop string.
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        stop_reason: the matched stop string or stop token id; None for EOS/length.
+        logprobs: per generated token, when requested.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline batch generation, the vLLM way: ``LLM(model=...).generate(prompts, params)``.
+
+    Args:
+        model: None (the default model), a .gguf file or a checkpoint directory.
+        dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
+        block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching:
+            see :class:`CacheConfig`.
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill:
+            see :class:`SchedulerConfig`.
+        attention_backend: ``auto``, ``torch`` or ``triton``.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, attention_backend: str = "auto",
+                 max_model_len: int | None = None, num_threads: int | None = None):
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, attention_backend=attention_backend,
+            max_model_len=max_model_len, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill))
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 step_callback=None) -> list[RequestOutput]:
+        """Generate completions for a batch of prompts (text or token id lists).
+
+        All prompts are queued at once and run with continuous batching.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt (default: greedy? no —
+                ``SamplingParams()``, i.e. temperature 1, 16 tokens, as in vLLM).
+            step_callback: called after every engine step (tests check invariants there).
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in input order.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_lists, params_list, step_callback)
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | None = None, step_callback=None
+             ) -> list[RequestOutput]:
+        """Like :meth:`generate`, for chat conversations under the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        token_lists = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        params = sampling_params or SamplingParams()
+        return self._run(token_lists, [params] * len(token_lists), step_callback)
+
+    def _run(self, token_lists, params_list, step_callback) -> list[RequestOutput]:
+        from tandem.engine.output_processor import OutputProcessor
+
+        engine = self.engine
+        processor = OutputProcessor(self.tokenizer)
+        groups: list[tuple[str, list[Request]]] = []
+        for ids, params in zip(token_lists, params_list):
+            reqs = engine.add_request(ids, params)
+            for r in reqs:
+                processor.add(r)
+            groups.append((reqs[0].request_id, reqs))
+        while engine.has_unfinished_requests():
+            changed = engine.step()
+            for req in changed:
+                stop = processor.process(req)
+                if stop is not None:
+                    engine.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
+                                                    stop)
+            if step_callback is not None:
+                step_callback(engine)
+        results = []
+        for rid, reqs in groups:
+            outs = [processor.completion(r) for r in reqs]
+            results.append(RequestOutput(rid, reqs[0].prompt_token_ids, outs,
+                                         reqs[0].num_cached_tokens))
+        return results

@@ -1,0 +1,193 @@
+"""Llama-family decoder over a paged KV cache.
+
+Plain torch modules with shape comments (gpt-fast style). Q/K/V and gate/up
+projections are fused at load time (one matmul each); parameter names follow the
+Hugging Face checkpoint names so that loading is the declared mapping in
+:meth:`LlamaForCausalLM.weight_mapping`. The hot per-layer operations (attention
+over the paged cache, RMSNorm, RoPE, SiLU-and-mul) go through an
+:class:`~tandem.engine.attention.AttentionBackend`.
+
+Shapes: ``T`` packed tokens of the step, ``H`` hidden size, ``Hq``/``Hkv`` query
+and KV heads, ``D`` head dim, ``V`` vocab size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tandem.engine.attention import AttentionBackend, AttentionMetadata, default_scale
+from tandem.engine.config import ModelConfig
+from tandem.kernels.reference import rope_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = default_scale(cfg.head_dim)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = self.qkv_proj(h)                                   # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)          # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = backend.rotary_embedding(positions, q, k, cos_sin_cache)
+        o = backend.attention(q, k, v, key_cache, value_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(h)))   # [T, H]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention reads and writes a paged KV cache.
+
+    Args:
+        cfg: the model's :class:`ModelConfig`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ignored_checkpoint_names = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    # -- loading ---------------------------------------------------------------------------
+    def weight_mapping(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
+        """Checkpoint (Hugging Face) name -> (parameter name, row shard or None)."""
+        cfg = self.cfg
+        q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        prefix, sep, leaf = name.rpartition(".self_attn.")
+        if sep:
+            fused = {"q_proj.weight": (0, q), "k_proj.weight": (q, kv), "v_proj.weight": (q + kv, kv)}
+            if leaf in fused:
+                return f"{prefix}.self_attn.qkv_proj.weight", fused[leaf]
+            return name, None
+        prefix, sep, leaf = name.rpartition(".mlp.")
+        if sep and leaf in ("gate_proj.weight", "up_proj.weight"):
+            return f"{prefix}.mlp.gate_up_proj.weight", (0, f) if leaf.startswith("gate") else (f, f)
+        return name, None
+
+    def init_rope(self, device: torch.device) -> None:
+        """Build the float32 cos/sin table ``[max_model_len, D]`` once."""
+        self.cos_sin_cache = rope_cos_sin_cache(
+            self.cfg.head_dim, self.cfg.max_model_len, self.cfg.rope_theta, torch.float32, device)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run the decoder on one step's packed tokens.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 positions in their sequences.
+            kv_caches: ``[L, 2, NB, BS, Hkv, D]``; this step's K/V are written into it.
+            meta: slot mapping, block tables and sequence lengths of the step.
+            backend: the attention backend.
+            after_layer: called with the layer index once that layer's K/V are in
+                ``kv_caches`` (the prefill worker starts that layer's KV transfer
+                there, overlapping it with the next layer's compute).
+
+        Returns:
+            Final hidden states ``[T, H]`` (after the last RMSNorm).
+        """
+        h = self.model.embed_tokens(input_ids)                   # [T, H]
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            if residual is None:
+                residual = h
+                h = backend.rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            else:
+                h, residual = backend.rms_norm(h, layer.input_layernorm.weight,
+                                               layer.input_layernorm.eps, residual)
+            h = layer.self_attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
+                                self.cos_sin_cache)
+            h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
+                                           layer.post_attention_layernorm.eps, residual)
+            h = layer.mlp(h, backend)
+            if after_layer is not None:
+                after_layer(i)
+        h, _ = backend.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` -> float32 logits ``[N, V]``."""
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+
+def load_model(files, dtype: torch.dtype, device: torch.device
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model from a GGUF file or a Hugging Face checkpoint directory.
+
+    The module is created on the ``meta`` device (no random init), materialised on
+    ``device`` in ``dtype`` and filled strictly from the checkpoint.
+
+    Args:
+        files: a resolved :class:`~tandem.engine.model_files.ModelFiles`.
+
+    Returns:
+        ``(model, config)``; the model is in eval mode with its RoPE table built.
+
+    Raises:
+        WeightLoadError: the checkpoint does not match the architecture.
+    """
+    from tandem.engine import weights
+
+    if files.format == "gguf":
+        fields, reader = weights.read_gguf(files.path)
+        has_output = any(t.name == "output.weight" for t in reader.tensors)
+        cfg = ModelConfig.from_gguf_fields(fields, has_output)
+        tensors = weights.iter_gguf_tensors(reader, cfg)
+    else:
+        cfg = ModelConfig.from_hf_config(files.path)
+        tensors = weights.iter_safetensors(files.path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    weights.load_weights(model, tensors)
+    model.init_rope(device)
+    model.eval()
+    return model, cfg

@@ -1,0 +1,144 @@
+"""Runs one scheduled step on the model: builds the packed batch, forwards, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.config import ModelConfig
+from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.request import Request
+from tandem.engine.sampler import SampleResult, Sampler
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class KVCache:
+    """The paged KV cache of one worker.
+
+    ``tensor`` is ``[L, 2, NB, BS, Hkv, D]`` (layer, K/V, block, offset in block,
+    KV head, head dim); one block of one layer is ``tensor[l, :, b]``
+    (``2 * BS * Hkv * D`` elements). One tensor for all layers lets the KV
+    transfer and swap address a block across layers with a single index.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.tensor = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: ``tensor[:, :, dst] = tensor[:, :, src]`` for each pair."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.tensor.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.tensor.device)
+            self.tensor[:, :, dst] = self.tensor[:, :, src]
+
+
+class ModelRunner:
+    """Turns a :class:`SchedulerOutput` into one forward pass and sampled tokens.
+
+    Args:
+        model: the loaded model.
+        kv_cache: this engine's :class:`KVCache`.
+        backend: attention backend.
+        block_table_fn: request id -> its block ids (from the KV cache manager).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 block_table_fn, device: torch.device, seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_table_fn = block_table_fn
+        self.device = device
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+
+    def prepare(self, scheduled: list[ScheduledRequest]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
+        """Pack the step's tokens, decodes first.
+
+        Returns:
+            ``(input_ids [T], positions [T], metadata, ordered)`` where ``ordered`` is
+            the scheduled list in packed order.
+        """
+        bs = self.kv_cache.block_size
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        for s in ordered:
+            req = s.request
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            block_ids = self.block_table_fn(req.request_id)
+            if s.num_new_tokens == 1:
+                input_ids.append(_token_at(req, start))
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(block_ids)
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            num_decodes=sum(1 for s in ordered if s.num_new_tokens == 1),
+            max_seq_len=max(seq_lens),
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, ordered)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, after_layer=None) -> dict[str, list[SampleResult]]:
+        """Run the step.
+
+        Returns:
+            request id -> sampled results for every request whose chunk reached its
+            last token (a parent with pending forks gets ``1 + len(forks)`` results).
+        """
+        self.kv_cache.copy_blocks(out.block_copies)
+        input_ids, positions, meta, ordered = self.prepare(out.scheduled)
+        hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
+                            after_layer)
+        rows: list[int] = []
+        row_requests: list[Request] = []
+        owners: list[str] = []
+        for i, s in enumerate(ordered):
+            if not s.samples:
+                continue
+            last = meta.query_start_loc_cpu[i + 1] - 1
+            for r in [s.request, *s.request.pending_forks]:
+                rows.append(last)
+                row_requests.append(r)
+                owners.append(s.request.request_id)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        results = self.sampler(logits.cpu(), row_requests)
+        sampled: dict[str, list[SampleResult]] = {}
+        for owner, res in zip(owners, results):
+            sampled.setdefault(owner, []).append(res)
+        return sampled
+
+
+def _token_at(req: Request, pos: int) -> int:
+    n = req.num_prompt_tokens
+    return req.prompt_token_ids[pos] if pos < n else req.output_token_ids[pos - n]

@@ -1,0 +1,70 @@
+"""Turns requests' new token ids into text, applying stop strings (offline API side).
+
+The router does the same per stream with the same two pieces
+(:class:`~tandem.engine.detokenizer.IncrementalDetokenizer` and
+:class:`~tandem.engine.detokenizer.StopStringMatcher`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.request import Request
+from tandem.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    num_processed: int = 0
+    pieces: list[str] = field(default_factory=list)
+    stop_string: str | None = None
+    done: bool = False
+
+
+class OutputProcessor:
+    """Incremental detokenization + stop strings for the requests of one ``generate`` call."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, req: Request) -> None:
+        p = req.sampling_params
+        self._states[req.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            StopStringMatcher(p.stop, p.include_stop_str_in_output))
+
+    def process(self, req: Request) -> str | None:
+        """Consume ``req``'s new tokens; returns the matched stop string, if any (the
+        caller then finishes the request)."""
+        st = self._states[req.request_id]
+        if st.done:
+            return None
+        new = req.output_token_ids[st.num_processed:]
+        st.num_processed = len(req.output_token_ids)
+        delta = st.detokenizer.add_tokens(new)
+        if req.is_finished:
+            delta += st.detokenizer.flush()
+        text, stop = st.matcher.process(delta)
+        st.pieces.append(text)
+        if stop is not None:
+            st.stop_string, st.done = stop, True
+        elif req.is_finished:
+            st.pieces.append(st.matcher.flush())
+            st.done = True
+        return stop
+
+    def text(self, request_id: str) -> str:
+        return "".join(self._states[request_id].pieces)
+
+    def completion(self, req: Request):
+        from tandem.engine.llm_engine import CompletionOutput
+
+        st = self._states[req.request_id]
+        return CompletionOutput(
+            index=req.sample_index, token_ids=list(req.output_token_ids), text=self.text(req.request_id),
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None)

@@ -1,0 +1,115 @@
+"""Request state inside an engine: tokens, progress and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"          # recompute: back in the waiting queue, blocks freed
+    FINISHED_STOPPED = "stop"        # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"       # max_tokens or the model's context length
+    FINISHED_ABORTED = "abort"       # the client cancelled
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+_arrival_seq = itertools.count()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position (raw model distribution).
+
+    Attributes:
+        token_id: the sampled token; logprob: its log-probability (finite float).
+        top: ``[(token_id, logprob), ...]`` the N most likely tokens, best first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    A request with ``n > 1`` samples becomes ``n`` Requests: the first (index 0)
+    is prefilled, the others fork from it once its prompt is computed and share
+    its blocks.
+
+    Attributes:
+        num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
+        num_cached_tokens: prompt tokens found in the prefix cache at admission.
+        priority: lower is more important (admission order, and last to be preempted).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    sample_index: int = 0
+    parent_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    # Children to fork from this request once its prompt is computed (n > 1).
+    pending_forks: list["Request"] = field(default_factory=list)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_seq))
+
+    def __post_init__(self) -> None:
+        seed = self.sampling_params.seed
+        if seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(seed + self.sample_index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Admission order: priority, then arrival. Preemption takes the largest."""
+        return (self.priority, self.arrival_time, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,131 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds.
+
+Each seeded request draws from its own ``torch.Generator``, row by row, so its
+samples do not depend on what else is in the batch. Sampling from
+``softmax(logits / T)`` uses the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)``), equivalent to the Gumbel-max trick (Gumbel 1954; Maddison et
+al. 2014, "A* Sampling", section 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.request import Request, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The sampled token of one row, with optional log-probabilities."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Args:
+        generator: the source of randomness for unseeded requests.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator or torch.Generator().manual_seed(0)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+        """Sample.
+
+        Args:
+            logits: ``[N, V]`` float32, row i belongs to ``requests[i]``.
+            requests: the rows' requests (their token history feeds the penalties,
+                their ``generator`` the randomness).
+
+        Returns:
+            ``N`` results, in row order.
+        """
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = logits
+        if any(_needs_processing(r) for r in requests):
+            processed = logits.clone()
+            for i, r in enumerate(requests):
+                if _needs_processing(r):
+                    _apply_penalties_and_masks(processed[i], r)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
+        token_ids = [0] * len(requests)
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows)
+            for i, t in zip(greedy_rows, processed[idx].argmax(dim=-1).tolist()):
+                token_ids[i] = t
+        for i, r in enumerate(requests):
+            if not r.sampling_params.greedy:
+                token_ids[i] = _sample_row(processed[i], r, r.generator or self.generator)
+        results = []
+        for i, r in enumerate(requests):
+            lp = None
+            if raw_logprobs is not None and r.sampling_params.logprobs is not None:
+                lp = _row_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
+            results.append(SampleResult(token_ids[i], lp))
+        return results
+
+
+def _needs_processing(r: Request) -> bool:
+    p = r.sampling_params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens))
+
+
+def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
+    """In place on one ``[V]`` row."""
+    p = r.sampling_params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in r.all_token_ids if t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
+        out = torch.tensor(r.output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.min_tokens > 0 and r.num_output_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            banned.append(r.eos_token_id)
+        banned = [t for t in banned if t < vocab]
+        if banned:
+            row[torch.tensor(banned)] = float("-inf")
+
+
+def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> int:
+    p = r.sampling_params
+    x = row / p.temperature
+    if 0 < p.top_k < x.shape[0]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep a token while the mass strictly before it is < top_p (the top token always stays).
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / q).argmax())
+
+
+def _row_logprobs(row: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
+    # Finite by construction: the raw log-softmax of finite logits; clamp guards -inf.
+    finfo_min = torch.finfo(row.dtype).min
+    chosen = max(float(row[token_id]), finfo_min)
+    top: tuple[tuple[int, float], ...] = ()
+    if n > 0:
+        vals, ids = torch.topk(row, n)
+        top = tuple((int(i), max(float(v), finfo_min)) for i, v in zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(token_id, chosen, top)

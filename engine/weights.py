@@ -1,0 +1,151 @@
+"""Weight loading: GGUF (dequantized with the ``gguf`` package) and safetensors.
+
+Both formats are first turned into Hugging Face parameter names (the names the
+model's parameters carry), then loaded through one declared mapping that is
+strict: a tensor the model does not know, or a parameter that no tensor fills,
+raises :class:`WeightLoadError`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from tandem.engine.config import ModelConfig
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not match the model (unknown, missing or misshapen tensors)."""
+
+
+# GGUF tensor name -> Hugging Face name; {i} is the layer index.
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_GGUF_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v)
+                  for k, v in _GGUF_TO_HF.items()]
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """Map one GGUF tensor name to its Hugging Face name.
+
+    Raises:
+        WeightLoadError: a name outside the Llama mapping.
+    """
+    for pattern, hf in _GGUF_PATTERNS:
+        m = pattern.match(name)
+        if m:
+            return hf.format(i=m.group(1)) if m.groups() else hf
+    raise WeightLoadError(f"unknown GGUF tensor {name!r}")
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of attn_q / attn_k.
+
+    llama.cpp's converter reorders each head's rows from the half-split rotary
+    layout (Hugging Face / NeoX) to the interleaved one (GPT-J); our rotary
+    embedding is half-split, so the rows go back. ``w``: ``[n_head * D, H]``.
+    """
+    d_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str):
+    """Open a GGUF file. Returns ``(fields, reader)``: fields as plain python values."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = {}
+    for key, f in reader.fields.items():
+        try:
+            fields[key] = f.contents()
+        except Exception as exc:  # a field type the reader cannot decode: keep the key visible
+            raise WeightLoadError(f"cannot decode GGUF field {key!r}: {exc}") from exc
+    return fields, reader
+
+
+def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
+
+    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized with
+    ``gguf.quants.dequantize``, exactly as the Hugging Face GGUF loader does.
+    """
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        hf_name = gguf_name_to_hf(t.name)
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # GGUF lists dims fastest-first; numpy data is already row-major [out, in].
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w = w.reshape(shape)
+        if hf_name.endswith("q_proj.weight"):
+            w = _unpermute_rows(w, config.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = _unpermute_rows(w, config.num_kv_heads)
+        yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from every ``*.safetensors`` file of a checkpoint dir.
+
+    Raises:
+        WeightLoadError: the directory has no safetensors file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors (Hugging Face names) into ``model``, strictly.
+
+    The model declares how checkpoint names map onto its (possibly fused)
+    parameters through ``model.weight_mapping(name) -> (param_name, shard)`` where
+    ``shard`` is ``None`` (whole parameter) or ``(row_offset, num_rows)``.
+
+    Raises:
+        WeightLoadError: unknown tensor, wrong shape, or parameters left unfilled.
+    """
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    ignored = getattr(model, "ignored_checkpoint_names", ())
+    for name, tensor in tensors:
+        if name in ignored or name.endswith("rotary_emb.inv_freq"):
+            continue
+        mapped = model.weight_mapping(name)
+        if mapped is None or mapped[0] not in params:
+            raise WeightLoadError(f"checkpoint tensor {name!r} has no place in the model")
+        pname, shard = mapped
+        param = params[pname]
+        target = param.data if shard is None else param.data[shard[0]:shard[0] + shard[1]]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                  f"model shape {tuple(target.shape)} ({pname})")
+        target.copy_(tensor.to(param.dtype))
+        filled[pname] += target.shape[0] if shard is not None else param.shape[0]
+    missing = [n for n, rows in filled.items() if rows != params[n].shape[0]]
+    if missing:
+        raise WeightLoadError(f"parameters not (fully) filled by the checkpoint: {missing[:8]}"
+                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))

@@ -1,0 +1,59 @@
+"""Shared fixtures: the real default model, its tokenizer, and the Hugging Face reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_files():
+    from tandem.engine.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_files):
+    from tandem.engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_files)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_files):
+    """Hugging Face transformers' Llama on the same GGUF file, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_files.directory, gguf_file=os.path.basename(model_files.path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """``hf_greedy(prompt_ids, n) -> list[int]``: n greedy tokens from transformers,
+    ignoring EOS (a plain argmax loop over its KV-cached forward)."""
+    cache: dict[tuple, list[int]] = {}
+
+    @torch.inference_mode()
+    def run(prompt_ids: list[int], n: int) -> list[int]:
+        key = (tuple(prompt_ids), n)
+        if key not in cache:
+            out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+            past, ids = out.past_key_values, []
+            for _ in range(n):
+                t = int(out.logits[0, -1].argmax())
+                ids.append(t)
+                out = hf_model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            cache[key] = ids
+        return cache[key]
+
+    return run
