@@ -1,0 +1,70 @@
+"""Launcher helpers shared by the Triton kernels of this package.
+
+Every launcher validates its arguments here before it builds a grid, so a wrong
+shape, dtype or device fails with a ``ValueError`` that names the argument
+instead of a Triton compile error or a silent out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Dtypes the kernels load and store; accumulation is always float32.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (``tl.arange`` extents must be powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """All tensors on one device; CPU tensors only under the Triton interpreter.
+
+    Raises:
+        ValueError: mixed devices, or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"tensors on different devices: {device} and {t.device}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("Triton kernels on CPU tensors need TRITON_INTERPRET=1, set before "
+                         "triton is first imported; use the torch reference backend otherwise")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Raises ValueError unless ``t.shape == shape``."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_dtype(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raises ValueError unless ``t.dtype`` is one of ``dtypes``."""
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported, expected one of {dtypes}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """Raises ValueError unless the innermost dimension has stride 1.
+
+    The kernels accept any outer strides (views of a fused QKV tensor, slices of
+    a batch) but vectorise loads along the head dimension.
+    """
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: innermost dimension must have stride 1, strides {t.stride()}")
+
+
+def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
+    """``(input_precision, upcast)`` for the ``tl.dot`` calls of the attention kernels.
+
+    float32 inputs use IEEE products: the default TF32 on GPU keeps 10 mantissa
+    bits and would miss the float32 tolerance. The interpreter computes
+    ``tl.dot`` on bfloat16 operands wrongly (triton 3.8/3.9), so on CPU bf16
+    tiles are upcast to float32 first, which is exact.
+    """
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    upcast = dtype == torch.bfloat16 and device.type == "cpu"
+    return precision, upcast
