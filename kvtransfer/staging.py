@@ -1,0 +1,274 @@
+"""What every transport shares: the header queue, the arrivals board, the receive loop.
+
+Why headers: neither Gloo nor NCCL can cancel a posted receive. A Gloo receive
+whose wait times out closes the whole pair ("Application timeout caused pair
+closure"), and an NCCL receive that never matches blocks its stream for good. So
+a receiver never posts a receive on the data channel for bytes that are not
+already on their way. The sender first queues the data send, then pushes a
+small header ``(kind, transfer_id, layer, nbytes, tag)`` onto a queue in the
+receiver-hosted ``TCPStore``; the receiver's pump thread pops headers in order,
+posts one exactly sized receive per header into a staging buffer, and files the
+result on an :class:`Arrivals` board. ``receive`` waits on that board (a
+condition variable with a deadline), so a sender that never sends costs the
+waiting caller a timeout and nothing else::
+
+    prefill                       TCPStore queue                 decode pump thread
+    send(data, tag) ─────────────────────────────────────────────> recv(staging, tag)
+    queue_push(header) ──────────> [h0, h1, ...] ──── queue_pop ─>  post recv, wait, board.put
+                                                                  receive(): board.take -> index_copy_
+
+The board keeps what arrived before ``receive`` was called, so the wire is
+always drained and the sender never stalls on a slow consumer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import threading
+import time
+from abc import abstractmethod
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from tandem.kvtransfer.base import KVReceiver, KVTransferError, check_receive_args
+from tandem.kvtransfer.layout import KVTransferTicket
+
+# Header kinds.
+DATA = 0            # a layer's bytes follow on the data channel
+SENDER_CLOSED = 1   # the sender closed the pair; nothing follows
+STOP = 2            # pushed by the receiver to itself to end its pump thread
+
+_HEADER = struct.Struct("<qqqqq")  # kind, transfer_id, layer, nbytes, tag
+_QUEUE_KEY = "headers"
+# A blocking queue_pop waits up to the store client's timeout; the pump is woken by
+# headers or by STOP, never by that timeout, so make it effectively infinite. Also the
+# wait of a receive that only a peer's death or goodbye may end.
+FOREVER = datetime.timedelta(days=3650)
+# Ids of finished or discarded transfers remembered so that late layers for them are
+# dropped on arrival; transfer ids are unique per pair, so a bounded memory suffices.
+_MAX_REMEMBERED_DONE = 1 << 16
+
+
+class Header(NamedTuple):
+    """One entry of the header queue; ``nbytes`` and ``tag`` describe the data message."""
+
+    kind: int
+    transfer_id: int = 0
+    layer: int = 0
+    nbytes: int = 0
+    tag: int = 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(*self)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Header:
+        return cls(*_HEADER.unpack(data))
+
+
+# Gloo tags are in [0, 2**31); the top one is kept for the connection watchdog.
+WATCHDOG_TAG = (1 << 31) - 1
+
+
+def message_tag(transfer_id: int, layer: int, num_layers: int) -> int:
+    """Data-channel tag of one layer of one transfer, in ``[0, WATCHDOG_TAG)``.
+
+    Tags keep concurrent transfers on one pair apart. Wrap-around collisions are
+    harmless: messages with equal tags are matched first-in first-out, which is
+    also the order in which their headers are popped.
+    """
+    return (transfer_id * num_layers + layer) % WATCHDOG_TAG
+
+
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A ``TCPStore`` server on ``host`` at a port chosen by the OS (read it from ``.port``)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the ``TCPStore`` at ``host:port``.
+
+    Raises:
+        KVTransferError: not reachable within ``timeout_s`` seconds.
+    """
+    try:
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as e:
+        raise KVTransferError(f"cannot reach the KV receiver's store at {host}:{port}: {e}") from e
+
+
+class HeaderQueue:
+    """The ordered header channel of one pair, over a ``TCPStore`` queue.
+
+    Args:
+        store: the pair's store, already prefixed with the pair name.
+        blocking: make :meth:`pop` wait without limit (the pump's own client).
+    """
+
+    def __init__(self, store: dist.Store, *, blocking: bool = False) -> None:
+        if blocking:
+            store.set_timeout(FOREVER)
+        self._store = store
+
+    def push(self, header: Header) -> None:
+        self._store.queue_push(_QUEUE_KEY, header.pack())
+
+    def pop(self) -> Header:
+        return Header.unpack(self._store.queue_pop(_QUEUE_KEY))
+
+
+class Arrivals:
+    """Layers that have landed in staging, by transfer id; the rendezvous of pump and ``receive``.
+
+    Thread-safe. A transfer's entry holds ``layer -> payload`` (whatever the
+    transport staged: a CPU byte tensor, or a GPU buffer plus event).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._staged: dict[int, dict[int, Any]] = {}
+        self._done: OrderedDict[int, None] = OrderedDict()
+        self._error: KVTransferError | None = None
+
+    def put(self, transfer_id: int, layer: int, payload: Any) -> bool:
+        """File a landed layer; returns False (payload dropped) if the transfer is finished or discarded."""
+        with self._cond:
+            if transfer_id in self._done:
+                return False
+            self._staged.setdefault(transfer_id, {})[layer] = payload
+            self._cond.notify_all()
+            return True
+
+    def take(self, transfer_id: int, wanted: set[int], deadline: float,
+             describe: Callable[[bool], str]) -> list[tuple[int, Any]]:
+        """Remove and return the staged layers of ``wanted``; wait for at least one.
+
+        Staged layers are returned even after :meth:`fail`, so transfers that
+        completed before a sender closed can still be received. ``describe(timed_out)``
+        words the error.
+
+        Raises:
+            KVTransferError: the deadline (``time.monotonic()`` seconds) passed,
+                the board failed, or the transfer was already finished/discarded.
+        """
+        with self._cond:
+            while True:
+                staged = self._staged.get(transfer_id, {})
+                ready = [(layer, staged.pop(layer)) for layer in sorted(wanted & staged.keys())]
+                if ready:
+                    return ready
+                if transfer_id in self._done:
+                    raise KVTransferError(f"transfer {transfer_id} was already received or discarded")
+                if self._error is not None:
+                    raise KVTransferError(f"{describe(False)}: {self._error}") from self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KVTransferError(describe(True))
+                self._cond.wait(left)
+
+    def finish(self, transfer_id: int) -> None:
+        """Forget ``transfer_id``: drop what is staged for it and whatever arrives later."""
+        with self._cond:
+            self._staged.pop(transfer_id, None)
+            self._done[transfer_id] = None
+            while len(self._done) > _MAX_REMEMBERED_DONE:
+                self._done.popitem(last=False)
+            self._cond.notify_all()
+
+    def fail(self, error: KVTransferError) -> None:
+        """Nothing more will arrive: wake every waiter with ``error`` (the first failure wins)."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    @property
+    def error(self) -> KVTransferError | None:
+        with self._cond:
+            return self._error
+
+    def staged_transfer_ids(self) -> list[int]:
+        """Transfers with layers waiting for ``receive`` (for leak checks)."""
+        with self._cond:
+            return sorted(t for t, layers in self._staged.items() if layers)
+
+
+class StagedReceiver(KVReceiver):
+    """A receiver whose pump thread stages layers on an :class:`Arrivals` board.
+
+    Subclasses run the pump and implement :meth:`_land`, which moves one staged
+    layer into the cache.
+    """
+
+    def __init__(self) -> None:
+        self._arrivals = Arrivals()
+
+    def receive_layers(self, ticket: KVTransferTicket, kv_cache: torch.Tensor,
+                       timeout_s: float) -> Iterator[int]:
+        check_receive_args(ticket, kv_cache)
+        return self._receive_layers(ticket, kv_cache, timeout_s)
+
+    def _receive_layers(self, ticket: KVTransferTicket, kv_cache: torch.Tensor,
+                        timeout_s: float) -> Iterator[int]:
+        num_layers = ticket.layout.num_layers
+        if ticket.num_sent_blocks == 0:
+            # The whole sequence is cached here; the sender sends nothing for it.
+            self._arrivals.finish(ticket.transfer_id)
+            yield from range(num_layers)
+            return
+        deadline = time.monotonic() + timeout_s
+        dst = torch.tensor(ticket.sent_dst_block_ids, dtype=torch.int64, device=kv_cache.device)
+        missing = set(range(num_layers))
+
+        def describe(timed_out: bool) -> str:
+            what = (f"request {ticket.request_id!r} transfer {ticket.transfer_id}: "
+                    f"{len(missing)} of {num_layers} layers not received")
+            return f"{what} within {timeout_s} s{self._state_note()}" if timed_out else what
+
+        try:
+            while missing:
+                for layer, payload in self._arrivals.take(ticket.transfer_id, missing, deadline,
+                                                          describe):
+                    self._land(ticket, layer, payload, kv_cache, dst, deadline)
+                    missing.discard(layer)
+                    yield layer
+        finally:
+            # Success, error, timeout or an abandoned generator: either way this
+            # ticket is over, and late layers for it must not pile up.
+            self._arrivals.finish(ticket.transfer_id)
+
+    def discard(self, transfer_id: int) -> None:
+        self._arrivals.finish(transfer_id)
+
+    def staged_transfer_ids(self) -> list[int]:
+        """Transfers with layers that arrived but were not yet received (should be empty when idle)."""
+        return self._arrivals.staged_transfer_ids()
+
+    @property
+    def error(self) -> KVTransferError | None:
+        """Why this pair can no longer receive, or None while it can."""
+        return self._arrivals.error
+
+    def _state_note(self) -> str:
+        """Extra words for timeout messages (e.g. that the sender never connected)."""
+        return ""
+
+    @abstractmethod
+    def _land(self, ticket: KVTransferTicket, layer: int, payload: Any, kv_cache: torch.Tensor,
+              dst: torch.Tensor, deadline: float) -> None:
+        """Write one staged layer into ``kv_cache[layer][:, dst]``; visible to the caller on return."""
+
+
+def check_staged_size(ticket: KVTransferTicket, layer: int, nbytes: int) -> None:
+    """Raise if a staged layer's size is not what the ticket says (the peers disagree on the ticket)."""
+    if nbytes != ticket.bytes_per_layer:
+        raise KVTransferError(
+            f"request {ticket.request_id!r} transfer {ticket.transfer_id} layer {layer}: "
+            f"received {nbytes} bytes, ticket expects {ticket.bytes_per_layer} "
+            f"({ticket.num_sent_blocks} blocks x {ticket.layout.bytes_per_block_per_layer})")
