@@ -1,0 +1,256 @@
+"""Turns a ``tandem.v1.GenerateRequest`` into validated engine inputs, or refuses it.
+
+Every refusal is an :class:`InvalidRequestError` whose ``field`` is the proto
+field path of the offending value (``sampling.top_p``, ``token_ids.ids[3]``,
+``chat.messages[0].role``), so the server can answer ``INVALID_ARGUMENT`` with
+a message a client can act on. Range checks of sampling parameters are
+:class:`~tandem.engine.sampling_params.SamplingParams`'s own; this module adds
+what needs the request, the tokenizer or the model (presence, vocabulary and
+context length, limits on sizes).
+
+Text fields need no UTF-8 check here: protobuf refuses to parse a string field
+holding invalid UTF-8 (``DecodeError`` before the handler runs) and refuses to
+set one to a Python string that cannot be encoded (a lone surrogate raises
+``UnicodeEncodeError``), so every ``str`` read from a message is valid Unicode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 256
+# Samples per request: each holds its own KV blocks and output state.
+MAX_N = 128
+# The stop-string matcher checks every tail shorter than the longest stop
+# string after each delta, so both the count and the length are bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
+# Proto fields declared `optional`: absent means SamplingParams' default.
+_OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
+                    "repetition_penalty", "seed", "logprobs")
+_PLAIN_FIELDS = ("min_p", "presence_penalty", "frequency_penalty",
+                 "include_stop_str_in_output", "ignore_eos", "min_tokens")
+_DEFAULT_MAX_TOKENS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}["max_tokens"]
+
+
+class InvalidRequestError(ValueError):
+    """A request is refused; ``field`` is the proto field path, ``message`` says why.
+
+    ``str(error)`` is ``"<field>: <message>"``.
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """What the router hands on for one accepted ``Generate`` call.
+
+    Attributes:
+        request_id: the client's id, or a fresh 32-hex-digit one.
+        prompt_token_ids: the prompt (chat template applied for chat input);
+            non-empty, every id below the vocabulary size, and shorter than
+            ``max_model_len``.
+        sampling_params: validated; ``max_tokens`` always leaves the prompt and
+            the output within ``max_model_len``.
+        priority: lower is more important.
+        stream: stream text deltas rather than one final message.
+        skip_special_tokens: leave special tokens out of the output text.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    priority: int
+    stream: bool
+    skip_special_tokens: bool = True
+
+
+class RequestValidator:
+    """Checks ``GenerateRequest`` messages against one model's tokenizer and context.
+
+    Args:
+        tokenizer: the served model's tokenizer; prompt ids must be below its
+            ``vocab_size``.
+        max_model_len: longest sequence (prompt + generated tokens), in tokens.
+
+    Raises:
+        ValueError: ``max_model_len`` < 2 (no room for a prompt and a token).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = tokenizer.vocab_size
+        # Added tokens (<|im_start|>, <|im_end|>, ...) written inside chat text
+        # would be tokenized as the real control tokens and could forge turns.
+        added = getattr(tokenizer.hf_tokenizer, "added_tokens_decoder", {}) or {}
+        contents = sorted({str(t) for t in added.values() if str(t)}, key=len, reverse=True)
+        self._control_tokens = re.compile("|".join(map(re.escape, contents))) if contents else None
+
+    def validate(self, request) -> ValidatedRequest:
+        """Validate ``request`` (a ``tandem.v1.GenerateRequest``) and tokenize its input.
+
+        Returns:
+            The engine-ready request.
+
+        Raises:
+            InvalidRequestError: the first problem found, naming its field. Checks
+                run cheapest first: request id, input presence, sampling
+                parameters, then tokenization and lengths.
+        """
+        request_id = self._request_id(request.request_id)
+        kind = request.WhichOneof("input")
+        self._check_input_present(request, kind)
+        has_sampling = request.HasField("sampling")
+        params = self._sampling_params(request.sampling if has_sampling else None)
+        prompt_ids = self._tokenize(request, kind)
+        params = self._fit_max_tokens(params, kind, len(prompt_ids),
+                                      has_sampling and request.sampling.HasField("max_tokens"))
+        skip = True
+        if has_sampling and request.sampling.HasField("skip_special_tokens"):
+            skip = request.sampling.skip_special_tokens
+        return ValidatedRequest(request_id, tuple(prompt_ids), params, request.priority,
+                                request.stream, skip)
+
+    # -- pieces, in the order validate() runs them ---------------------------------
+
+    @staticmethod
+    def _request_id(request_id: str) -> str:
+        if not request_id:
+            return uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                              f"got {len(request_id)}")
+        if not request_id.isprintable():
+            # It is written to logs; a newline could forge log lines.
+            raise InvalidRequestError("request_id", "must contain only printable characters")
+        return request_id
+
+    @staticmethod
+    def _check_input_present(request, kind: str | None) -> None:
+        if kind is None:
+            raise InvalidRequestError("input", "one of prompt, token_ids or chat must be set")
+        if kind == "prompt" and not request.prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if kind == "token_ids" and not request.token_ids.ids:
+            raise InvalidRequestError("token_ids", "must contain at least one token id")
+        if kind == "chat" and not request.chat.messages:
+            raise InvalidRequestError("chat.messages", "must contain at least one message")
+
+    def _sampling_params(self, sampling) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        for name in _FLOAT_FIELDS:
+            value = getattr(sampling, name)
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"sampling.{name}",
+                                          f"must be a finite number, got {value}")
+        if sampling.HasField("n") and sampling.n > MAX_N:
+            raise InvalidRequestError("sampling.n", f"must be at most {MAX_N}, got {sampling.n}")
+        if len(sampling.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "sampling.stop",
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(sampling.stop)}")
+        for i, s in enumerate(sampling.stop):
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"sampling.stop[{i}]",
+                    f"must be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        for i, t in enumerate(sampling.stop_token_ids):
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"sampling.stop_token_ids[{i}]",
+                    f"token id {t} is not below the vocabulary size {self.vocab_size}")
+        kwargs = {name: getattr(sampling, name) for name in _PLAIN_FIELDS}
+        kwargs.update({name: getattr(sampling, name)
+                       for name in _OPTIONAL_FIELDS if sampling.HasField(name)})
+        kwargs["stop"] = tuple(sampling.stop)
+        kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
+        try:
+            return SamplingParams(**kwargs)
+        except InvalidParameterError as e:
+            raise InvalidRequestError(f"sampling.{e.field}",
+                                      str(e).removeprefix(f"{e.field}: ")) from None
+
+    def _tokenize(self, request, kind: str) -> list[int]:
+        if kind == "prompt":
+            ids = self.tokenizer.encode(request.prompt)
+            if not ids:
+                raise InvalidRequestError("prompt", "encodes to no tokens")
+            return ids
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            for i, t in enumerate(ids):
+                if t >= self.vocab_size:
+                    raise InvalidRequestError(
+                        f"token_ids.ids[{i}]",
+                        f"token id {t} is not below the vocabulary size {self.vocab_size}")
+            return ids
+        return self._apply_chat_template(request.chat.messages)
+
+    def _apply_chat_template(self, messages) -> list[int]:
+        from jinja2 import TemplateError  # comes with transformers' chat templates
+
+        for i, m in enumerate(messages):
+            if not _ROLE.fullmatch(m.role):
+                raise InvalidRequestError(
+                    f"chat.messages[{i}].role",
+                    "must be 1-32 letters, digits, '_' or '-' starting with a letter "
+                    f"(e.g. 'user'), got {m.role!r}")
+            found = self._control_tokens.search(m.content) if self._control_tokens else None
+            if found:
+                raise InvalidRequestError(
+                    f"chat.messages[{i}].content",
+                    f"must not contain the control token {found.group()!r} "
+                    "(send a token_ids or prompt request to write control tokens)")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(conversation)
+        except TemplateError as e:  # the template refused the conversation
+            raise InvalidRequestError("chat.messages",
+                                      f"rejected by the chat template: {e}") from None
+        except ValueError as e:
+            # Tokenizer errors are "messages...: why"; anchor them under chat.
+            field, _, message = str(e).partition(": ")
+            raise InvalidRequestError(f"chat.{field}", message) from None
+
+    def _fit_max_tokens(self, params: SamplingParams, kind: str, num_prompt_tokens: int,
+                        max_tokens_set: bool) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidRequestError(
+                kind, f"the prompt is {num_prompt_tokens} tokens, but max_model_len is "
+                      f"{self.max_model_len}: at least one token must fit after it")
+        if max_tokens_set:
+            if params.max_tokens > room:
+                raise InvalidRequestError(
+                    "sampling.max_tokens",
+                    f"prompt tokens ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) = "
+                    f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len "
+                    f"({self.max_model_len})")
+            return params
+        if params.max_tokens <= room:
+            return params
+        # An unset max_tokens shrinks to the room left rather than failing.
+        try:
+            return dataclasses.replace(params, max_tokens=min(_DEFAULT_MAX_TOKENS, room))
+        except InvalidParameterError as e:  # min_tokens no longer fits
+            raise InvalidRequestError(f"sampling.{e.field}",
+                                      str(e).removeprefix(f"{e.field}: ")) from None
