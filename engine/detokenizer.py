@@ -84,7 +84,8 @@ class _ByteVocab:
 
 # Built once per tokenizer (~0.1 s for 50k tokens) and shared by all its
 # requests; weak keys let a dropped tokenizer take its table with it.
-_BYTE_VOCABS: "weakref.WeakKeyDictionary[Tokenizer, _ByteVocab | None]" = weakref.WeakKeyDictionary()
+_BYTE_VOCABS: "weakref.WeakKeyDictionary[Tokenizer, _ByteVocab | None]" = (
+    weakref.WeakKeyDictionary())
 
 
 def _byte_vocab(tokenizer: Tokenizer) -> _ByteVocab | None:
