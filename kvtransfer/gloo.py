@@ -110,7 +110,11 @@ class GlooReceiver(StagedReceiver):
         # Top of a thread: every failure is handed to the receive() callers through
         # the arrivals board, which is the only place anyone could act on it.
         try:
-            pair_store = dist.PrefixStore(self._pair_name, self._store)
+            # Own clients for the group's rendezvous and for the blocking pops: a store
+            # client serves one request at a time, and close() must reach the store
+            # through self._store while this thread waits.
+            pair_store = dist.PrefixStore(self._pair_name, join_store(
+                self._host, self._store.port, self._connect_timeout_s))
             try:
                 group = _gloo_group(pair_store, RECEIVER_RANK, self._host, self._connect_timeout_s)
             except RuntimeError as e:
@@ -119,8 +123,6 @@ class GlooReceiver(StagedReceiver):
             self._connected.set()
             threading.Thread(target=self._watch, args=(group,), name=f"{self._pair_name}-watchdog",
                              daemon=True).start()
-            # A second client: the pump blocks in queue_pop on it, which must not hold up
-            # close() pushing STOP through the first one.
             queue = HeaderQueue(dist.PrefixStore(
                 self._pair_name, join_store(self._host, self._store.port, self._connect_timeout_s)),
                 blocking=True)

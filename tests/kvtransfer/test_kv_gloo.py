@@ -1,0 +1,240 @@
+"""Gloo KV transport between this process (decode side) and a real peer process (prefill side)."""
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_peer import Peer, make_cache
+from tandem.kvtransfer.base import KVTransferError
+from tandem.kvtransfer.gloo import GlooReceiver, GlooSender
+from tandem.kvtransfer.layout import KVLayout, KVTransferTicket
+
+pytestmark = pytest.mark.timeout(60)
+
+SENTINEL = -7.0          # every receiver cache starts as this; untouched blocks must keep it
+SRC_NUM_BLOCKS = 24      # blocks in the peer's cache
+DST_NUM_BLOCKS = 32      # blocks in ours
+_transfer_ids = itertools.count(1)
+
+
+def _layout(dtype="float32"):
+    return KVLayout(num_layers=4, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype)
+
+
+def _dst_cache(layout):
+    return torch.full((layout.num_layers, 2, DST_NUM_BLOCKS, layout.block_size, layout.num_kv_heads,
+                       layout.head_dim), SENTINEL, dtype=layout.torch_dtype)
+
+
+def _ticket(layout, dst_block_ids, num_cached_tokens, num_tokens, request_id="req"):
+    return KVTransferTicket(request_id, next(_transfer_ids), tuple(dst_block_ids), num_cached_tokens,
+                            num_tokens, layout)
+
+
+def _assert_only(kv_cache, expected_blocks):
+    """``expected_blocks`` maps dst block -> expected ``[L, 2, bs, h, d]``; all else is SENTINEL."""
+    for block in range(kv_cache.shape[2]):
+        got = kv_cache[:, :, block]
+        if block in expected_blocks:
+            assert torch.equal(got, expected_blocks[block]), f"block {block} differs"
+        else:
+            assert torch.equal(got, torch.full_like(got, SENTINEL)), f"block {block} was written"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    receiver = GlooReceiver.listen()
+    peer = Peer()
+    peer.call("connect", "gloo", receiver.rendezvous)
+    yield receiver, peer
+    peer.stop()
+    receiver.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interleaved_transfers_land_bit_exact(pair, dtype):
+    receiver, peer = pair
+    layout = _layout(dtype)
+    seed = 11 if dtype == "float32" else 12
+    # a: 75 tokens in 5 blocks, the first 16 cached here -> 4 blocks travel.
+    a = _ticket(layout, [30, 3, 12, 7, 21], num_cached_tokens=16, num_tokens=75, request_id="a")
+    a_src = [17, 2, 9, 5]
+    # b: 40 tokens in 3 blocks, nothing cached.
+    b = _ticket(layout, [0, 25, 14], num_cached_tokens=0, num_tokens=40, request_id="b")
+    b_src = [11, 20, 1]
+    kv_cache = _dst_cache(layout)
+
+    # b is awaited by another thread before anything is sent; a only after both were sent.
+    errors = []
+    def receive_b():
+        try:
+            receiver.receive(b, kv_cache, timeout_s=20)
+        except KVTransferError as e:
+            errors.append(e)
+    thread = threading.Thread(target=receive_b)
+    thread.start()
+    peer.call("send", [(a.to_dict(), a_src), (b.to_dict(), b_src)], layout.to_dict(), SRC_NUM_BLOCKS, seed)
+    receiver.receive(a, kv_cache, timeout_s=20)
+    thread.join(20)
+    assert errors == []
+
+    src = make_cache(layout, SRC_NUM_BLOCKS, seed)
+    expected = {dst: src[:, :, s] for dst, s in zip(a.sent_dst_block_ids, a_src)}
+    expected.update({dst: src[:, :, s] for dst, s in zip(b.sent_dst_block_ids, b_src)})
+    assert sorted(expected) == [0, 3, 7, 12, 14, 21, 25]  # 30 is a's cached prefix: not written
+    _assert_only(kv_cache, expected)
+    assert receiver.staged_transfer_ids() == []
+
+
+def test_layers_are_yielded_as_they_land(pair):
+    receiver, peer = pair
+    layout = _layout()
+    ticket = _ticket(layout, [4, 9], num_cached_tokens=0, num_tokens=20)
+    src_ids = [6, 3]
+    kv_cache = _dst_cache(layout)
+    src = make_cache(layout, SRC_NUM_BLOCKS, seed=5)
+    expected = src[:, :, src_ids]
+    dst = list(ticket.sent_dst_block_ids)
+
+    peer.call("send", [(ticket.to_dict(), src_ids)], layout.to_dict(), SRC_NUM_BLOCKS, 5, [0, 1], None)
+    layers = receiver.receive_layers(ticket, kv_cache, timeout_s=20)
+    landed = [next(layers), next(layers)]
+    assert landed == [0, 1]
+    assert torch.equal(kv_cache[:2, :, dst], expected[:2])
+    # Layers 2 and 3 have not been sent: their blocks are untouched.
+    assert torch.equal(kv_cache[2:], torch.full_like(kv_cache[2:], SENTINEL))
+
+    peer.call("send", [(ticket.to_dict(), src_ids)], layout.to_dict(), SRC_NUM_BLOCKS, 5, [2, 3])
+    assert list(layers) == [2, 3]
+    assert torch.equal(kv_cache[:, :, dst], expected)
+
+
+def test_timeout_then_late_data_is_dropped_and_receiver_still_works(pair):
+    receiver, peer = pair
+    layout = _layout()
+    late = _ticket(layout, [1, 2, 3], num_cached_tokens=0, num_tokens=48, request_id="late")
+    kv_cache = _dst_cache(layout)
+
+    start = time.monotonic()
+    with pytest.raises(KVTransferError) as info:
+        receiver.receive(late, kv_cache, timeout_s=1.0)
+    elapsed = time.monotonic() - start
+    assert str(info.value) == (f"request 'late' transfer {late.transfer_id}: "
+                               "4 of 4 layers not received within 1.0 s")
+    assert 1.0 <= elapsed < 2.0
+
+    # The sender shows up after all: its bytes are drained and dropped, not written.
+    peer.call("send", [(late.to_dict(), [5, 6, 7])], layout.to_dict(), SRC_NUM_BLOCKS, 8)
+    on_time = _ticket(layout, [10, 11], num_cached_tokens=0, num_tokens=17, request_id="on-time")
+    peer.call("send", [(on_time.to_dict(), [0, 23])], layout.to_dict(), SRC_NUM_BLOCKS, 8)
+    receiver.receive(on_time, kv_cache, timeout_s=20)
+
+    src = make_cache(layout, SRC_NUM_BLOCKS, seed=8)
+    _assert_only(kv_cache, {10: src[:, :, 0], 11: src[:, :, 23]})
+    assert receiver.staged_transfer_ids() == []
+    with pytest.raises(KVTransferError, match=f"transfer {late.transfer_id} was already received or discarded"):
+        receiver.receive(late, kv_cache, timeout_s=1.0)
+
+
+def test_sender_checks_layout_before_sending(pair):
+    _, peer = pair
+    decode_layout = _layout()
+    ticket = _ticket(decode_layout, [1], num_cached_tokens=0, num_tokens=16)
+    prefill_layout = KVLayout(4, 32, 3, 64, "float32")
+    with pytest.raises(RuntimeError) as info:
+        peer.call("send", [(ticket.to_dict(), [0])], prefill_layout.to_dict(), SRC_NUM_BLOCKS, 1)
+    assert str(info.value).splitlines()[0] == (
+        "KVLayoutMismatchError: KV layout mismatch: block_size prefill=32 decode=16")
+
+
+def test_receiver_rejects_a_layer_of_the_wrong_size(pair):
+    receiver, peer = pair
+    layout = _layout()
+    # The two ends disagree on the cached prefix: the sender sends 3 blocks, we expect 2.
+    ours = _ticket(layout, [1, 2, 3], num_cached_tokens=16, num_tokens=48, request_id="skew")
+    theirs = KVTransferTicket("skew", ours.transfer_id, ours.dst_block_ids, 0, 48, layout)
+    peer.call("send", [(theirs.to_dict(), [4, 5, 6])], layout.to_dict(), SRC_NUM_BLOCKS, 2)
+    kv_cache = _dst_cache(layout)
+    with pytest.raises(KVTransferError) as info:
+        receiver.receive(ours, kv_cache, timeout_s=20)
+    assert str(info.value) == (f"request 'skew' transfer {ours.transfer_id} layer 0: received 73728 "
+                               "bytes, ticket expects 49152 (2 blocks x 24576)")
+    _assert_only(kv_cache, {})
+    assert receiver.staged_transfer_ids() == []
+
+
+def test_receive_without_a_sender_times_out_and_says_so():
+    layout = _layout()
+    with GlooReceiver.listen(connect_timeout_s=30) as receiver:
+        ticket = _ticket(layout, [0], num_cached_tokens=0, num_tokens=1, request_id="alone")
+        with pytest.raises(KVTransferError) as info:
+            receiver.receive(ticket, _dst_cache(layout), timeout_s=0.5)
+    assert str(info.value) == (f"request 'alone' transfer {ticket.transfer_id}: 4 of 4 layers not "
+                               "received within 0.5 s (the sender has not connected)")
+
+
+def test_close_wakes_a_waiting_receive():
+    layout = _layout()
+    receiver = GlooReceiver.listen(connect_timeout_s=30)
+    ticket = _ticket(layout, [0], num_cached_tokens=0, num_tokens=1, request_id="closing")
+    errors = []
+    def receive():
+        try:
+            receiver.receive(ticket, _dst_cache(layout), timeout_s=30)
+        except KVTransferError as e:
+            errors.append(str(e))
+    thread = threading.Thread(target=receive)
+    thread.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    receiver.close()
+    thread.join(5)
+    assert time.monotonic() - start < 2.0
+    assert errors == [f"request 'closing' transfer {ticket.transfer_id}: 4 of 4 layers not received: "
+                      "the receiver is closed"]
+
+
+def test_peer_death_fails_both_directions_fast():
+    layout = _layout()
+    receiver = GlooReceiver.listen()
+    peer = Peer()
+    try:
+        peer.call("connect", "gloo", receiver.rendezvous)
+        sender = GlooSender.connect(peer.call("listen", "gloo"), timeout_s=20)
+
+        ticket = _ticket(layout, [3, 4], num_cached_tokens=0, num_tokens=32, request_id="doomed")
+        peer.call("send", [(ticket.to_dict(), [1, 2])], layout.to_dict(), SRC_NUM_BLOCKS, 3, [0, 1], None)
+        kv_cache = _dst_cache(layout)
+        layers = receiver.receive_layers(ticket, kv_cache, timeout_s=30)
+        assert [next(layers), next(layers)] == [0, 1]
+
+        peer.die()
+        start = time.monotonic()
+        with pytest.raises(KVTransferError) as info:
+            next(layers)
+        assert time.monotonic() - start < 5.0  # the watchdog, not the 30 s timeout
+        assert str(info.value).startswith(
+            f"request 'doomed' transfer {ticket.transfer_id}: 2 of 4 layers not received: "
+            "lost the connection to the sender: ")
+        assert str(receiver.error).startswith("lost the connection to the sender: ")
+        # Layers that landed before the death stay landed.
+        src = make_cache(layout, SRC_NUM_BLOCKS, seed=3)
+        assert torch.equal(kv_cache[:2, :, [3, 4]], src[:2, :, [1, 2]])
+
+        # Our sender towards the dead peer fails within its timeout instead of hanging.
+        out = _ticket(layout, [0], num_cached_tokens=0, num_tokens=5, request_id="to-dead")
+        src_cache = make_cache(layout, SRC_NUM_BLOCKS, seed=4)
+        start = time.monotonic()
+        with pytest.raises(KVTransferError):
+            for layer in range(layout.num_layers):
+                sender.send_layer(out, layer, [0], src_cache)
+            sender.finish(out, timeout_s=5)
+        assert time.monotonic() - start < 6.0
+        assert sender.error is not None
+        sender.close()
+    finally:
+        peer.stop()
+        receiver.close()
