@@ -1,0 +1,363 @@
+"""KV cache manager: each request's block table on top of the :class:`BlockPool`.
+
+Plain Python, no torch. The scheduler calls, per request and step::
+
+    blocks, n = get_computed_blocks(rid, prompt)          # prefix-cache lookup (first step)
+    allocate_slots(rid, num_computed_tokens, num_new_tokens, blocks)  # False: no room
+    take_pending_copies()                                 # copy-on-write, run before forward
+    ... forward pass writes KV of the new tokens ...
+    cache_blocks(rid, token_ids, num_computed_tokens)     # register now-full blocks
+    free(rid)                                             # finished, aborted or preempted
+
+Token ranges of one :meth:`KVCacheManager.allocate_slots` call (block size 4,
+``num_computed_tokens=6``, ``num_new_tokens=5``)::
+
+    token index   0  1  2  3 | 4  5  6  7 | 8  9  10 11
+                  c  c  c  c | c  c  n  n | n  n  n  .
+    block table   [   b0     |    b1      |    b2     ]
+                  |<-- computed -->|<--- write --->|
+
+The write range ``[6, 11)`` starts inside ``b1``. If ``b1`` is shared (ref count
+> 1, after a fork) or cached (another request may hit it), writing into it would
+corrupt someone else's KV, so ``b1`` is first replaced by a fresh block and the
+copy ``(b1, fresh)`` is queued: copy-on-write. ``b2`` is a fresh block.
+
+A block becomes findable by hash only in :meth:`KVCacheManager.cache_blocks`,
+after the forward pass that wrote its last token: a block that was allocated but
+only partly written (the request was cancelled mid-step) never enters the cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from tandem.engine.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of all requests, keyed by ``request_id``.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block (> 0).
+        enable_caching: prefix caching on or off.
+
+    Attributes:
+        prefix_cache_queries: tokens looked up by :meth:`get_computed_blocks`
+            (every call counts, also repeated calls for a request that waits).
+        prefix_cache_hits: of those, tokens found cached.
+
+    Raises:
+        ValueError: ``block_size`` < 1 or ``num_blocks`` < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[Block]] = {}
+        # Chained hashes of the request's first len(...) blocks, as far as they
+        # have been hashed; extended by cache_blocks so each call is O(new blocks).
+        # Invariant: same keys as req_to_blocks; len <= len(block table).
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- counts -----------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out, including evictable cached free blocks."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by some request, in ``[0, 1]``."""
+        return self.block_pool.usage
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids; ``[]`` for a request holding no blocks."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks in the request's block table; 0 for an unknown request."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    # -- prefix cache lookup ----------------------------------------------------
+
+    def get_computed_blocks(self, request_id: str,
+                            token_ids: Sequence[int]) -> tuple[list[Block], int]:
+        """Longest prefix of ``token_ids`` whose full blocks are in the prefix cache.
+
+        The hit is capped so that at least one token is left to compute: the
+        last prompt token always runs through the model, so its logits exist
+        (a prompt of exactly k full blocks hits at most k - 1 of them).
+        No references are taken: pass the blocks to :meth:`allocate_slots` in the
+        same scheduling step, before any other allocation can evict them.
+
+        Args:
+            request_id: the request (for symmetry with the other calls; the
+                lookup depends only on ``token_ids``).
+            token_ids: the request's tokens so far (prompt, plus any output of a
+                resumed request).
+
+        Returns:
+            ``(blocks, num_computed_tokens)`` with
+            ``num_computed_tokens == len(blocks) * block_size`` (tokens).
+            ``([], 0)`` when prefix caching is disabled.
+        """
+        del request_id
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_hit_blocks = max(len(token_ids) - 1, 0) // bs
+        blocks: list[Block] = []
+        parent: BlockHash | None = None
+        for i in range(max_hit_blocks):
+            block_hash = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block_hash
+        num_computed_tokens = len(blocks) * bs
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_computed_tokens
+        return blocks, num_computed_tokens
+
+    # -- allocation -------------------------------------------------------------
+
+    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                       new_computed_blocks: Iterable[Block] = ()) -> bool:
+        """Make the request's block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        On the request's first call, references are taken on
+        ``new_computed_blocks`` (from :meth:`get_computed_blocks`) and they start
+        its block table. Then every block of the table that overlaps the write
+        range ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` and
+        is shared or cached is replaced by a fresh block (copy-on-write; a copy
+        is queued for :meth:`take_pending_copies` when the block already holds
+        this request's computed tokens), and fresh blocks are appended until
+        the table covers the range. A table already long enough is not shrunk.
+
+        Args:
+            request_id: the request.
+            num_computed_tokens: tokens whose KV is already written (for a new
+                request with a prefix hit: ``len(new_computed_blocks) * block_size``).
+            num_new_tokens: tokens this step writes.
+            new_computed_blocks: cached blocks of the prefix hit; only on the
+                request's first allocation.
+
+        Returns:
+            ``True`` on success; ``False`` if there are too few free blocks, in
+            which case nothing has changed. Free cached blocks count as free,
+            except those in ``new_computed_blocks`` (this call takes them).
+
+        Raises:
+            ValueError: a negative count; ``new_computed_blocks`` for a request
+                that already holds blocks, or one of them no longer cached (it
+                was evicted since the lookup); ``num_computed_tokens`` beyond the
+                blocks the request holds. Nothing is changed.
+        """
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got num_computed_tokens="
+                             f"{num_computed_tokens}, num_new_tokens={num_new_tokens}")
+        bs = self.block_size
+        hits = list(new_computed_blocks)
+        table = self.req_to_blocks.get(request_id, [])
+        if hits:
+            if table:
+                raise ValueError(f"request {request_id!r} already holds blocks; "
+                                 "new_computed_blocks is for its first allocation only")
+            for block in hits:
+                if block.block_hash is None:
+                    raise ValueError(f"{block} was evicted after get_computed_blocks; "
+                                     "look up and allocate in the same step")
+        held = table + hits
+        if num_computed_tokens > len(held) * bs:
+            raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens "
+                             f"do not fit in its {len(held)} blocks of {bs} tokens")
+
+        # Plan without mutating, so that failure changes nothing.
+        num_fresh = max(0, _cdiv(num_computed_tokens + num_new_tokens, bs) - len(held))
+        cow_indices: list[int] = []
+        if num_new_tokens:
+            first = num_computed_tokens // bs
+            last = (num_computed_tokens + num_new_tokens - 1) // bs
+            for i in range(first, min(last + 1, len(held))):
+                # A cached block's content must stay what its hash says; a
+                # shared block's content belongs to its other holders too.
+                if held[i].ref_cnt > 1 or held[i].block_hash is not None:
+                    cow_indices.append(i)
+        num_taken_free_hits = len({b.block_id for b in hits if b.ref_cnt == 0})
+        num_available = self.block_pool.num_free_blocks - num_taken_free_hits
+        if num_fresh + len(cow_indices) > num_available:
+            return False
+
+        self.block_pool.touch(hits)
+        table = self.req_to_blocks.setdefault(request_id, [])
+        table.extend(hits)
+        block_hashes = self.req_to_block_hashes.setdefault(request_id, [])
+        block_hashes.extend(b.block_hash for b in hits)
+        new_blocks = self.block_pool.get_new_blocks(len(cow_indices) + num_fresh)
+        replaced: list[Block] = []
+        for i, new in zip(cow_indices, new_blocks):
+            old = table[i]
+            if i * bs < num_computed_tokens:
+                # Keep this request's tokens [i * bs, num_computed_tokens).
+                self._pending_copies.append((old.block_id, new.block_id))
+            table[i] = new
+            replaced.append(old)
+            # Block i is being rewritten: the request's hash chain ends before it.
+            del block_hashes[i:]
+        table.extend(new_blocks[len(cow_indices):])
+        # Released only after get_new_blocks, so a replaced block is never
+        # handed back as its own copy.
+        self.block_pool.free_blocks(reversed(replaced))
+        return True
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write copies queued since the last call, as ``(src_block_id, dst_block_id)``.
+
+        The model runner must execute them in order (a later copy may read an
+        earlier one's destination), before the forward pass that writes the new
+        tokens. Clears the queue.
+        """
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def fork(self, parent_request_id: str, child_request_id: str) -> None:
+        """Give ``child_request_id`` the parent's block table, sharing every block.
+
+        Each block's ref count goes up by one (n > 1 samples of one prompt share
+        the prompt's blocks). Takes no free blocks; a later write into a shared
+        block goes through copy-on-write in :meth:`allocate_slots`.
+
+        Raises:
+            KeyError: the parent holds no block table.
+            ValueError: the child already has one.
+        """
+        if parent_request_id not in self.req_to_blocks:
+            raise KeyError(f"fork: unknown parent request {parent_request_id!r}")
+        if child_request_id in self.req_to_blocks:
+            raise ValueError(f"fork: request {child_request_id!r} already holds blocks")
+        table = self.req_to_blocks[parent_request_id]
+        self.block_pool.touch(table)
+        self.req_to_blocks[child_request_id] = list(table)
+        self.req_to_block_hashes[child_request_id] = list(
+            self.req_to_block_hashes[parent_request_id])
+
+    # -- prefix cache registration ----------------------------------------------
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int],
+                     num_computed_tokens: int) -> None:
+        """Register the request's full, computed blocks in the prefix cache.
+
+        Blocks ``i < num_computed_tokens // block_size`` not yet hashed for this
+        request are hashed (chained) and cached. Call after the forward pass
+        that computed them. A request holding no blocks (already freed) is a
+        no-op, as is disabled prefix caching.
+
+        Args:
+            request_id: the request.
+            token_ids: its tokens, at least ``num_computed_tokens`` of them.
+            num_computed_tokens: tokens whose KV is now written.
+
+        Raises:
+            ValueError: fewer than ``num_computed_tokens`` token ids, or more
+                computed tokens than the request's blocks hold; or a block
+                already cached under a hash these tokens do not produce.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if not self.enable_caching or table is None:
+            return
+        bs = self.block_size
+        if num_computed_tokens > len(token_ids) or num_computed_tokens > len(table) * bs:
+            raise ValueError(
+                f"request {request_id!r}: {num_computed_tokens} computed tokens, but "
+                f"{len(token_ids)} token ids and {len(table)} blocks of {bs} tokens")
+        block_hashes = self.req_to_block_hashes[request_id]
+        parent = block_hashes[-1] if block_hashes else None
+        for i in range(len(block_hashes), num_computed_tokens // bs):
+            block_hash = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            # False is fine: another block already holds this hash, or this
+            # block (shared through a fork) was cached by its other holder.
+            self.block_pool.cache_block(table[i], block_hash)
+            block_hashes.append(block_hash)
+            parent = block_hash
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash; returns how many were dropped."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- release ----------------------------------------------------------------
+
+    def free(self, request_id: str) -> bool:
+        """Release the request's blocks, tail first.
+
+        Tail first: blocks that reach ref count 0 join the free block queue in
+        that order, so under LRU a sequence's tail blocks are evicted before its
+        head blocks (the head is the prefix most likely to be shared again).
+
+        Returns:
+            ``True`` if the request held a block table, ``False`` (no-op) otherwise.
+        """
+        table = self.req_to_blocks.pop(request_id, None)
+        if table is None:
+            return False
+        del self.req_to_block_hashes[request_id]
+        self.block_pool.free_blocks(reversed(table))
+        return True
+
+    # -- swap (preemption to host memory) ---------------------------------------
+    # swap_out(request_id) / swap_in(request_id) go here: a second BlockPool
+    # sized in host blocks, the request's table moved between the two, and the
+    # (device_block_id, host_block_id) pairs queued for the model runner the way
+    # take_pending_copies queues copy-on-write pairs. Like allocate_slots, both
+    # must check capacity first and change nothing when it is short.
+
+    # -- checks -----------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Check the pool's invariants and that block tables account for every reference.
+
+        Raises:
+            AssertionError: naming the first violated invariant.
+        """
+        pool = self.block_pool
+        pool.check_invariants()
+        assert self.req_to_block_hashes.keys() == self.req_to_blocks.keys(), (
+            "requests with a hash chain differ from requests with a block table")
+        refs: Counter[int] = Counter()
+        for request_id, table in self.req_to_blocks.items():
+            refs.update(b.block_id for b in table)
+            block_hashes = self.req_to_block_hashes[request_id]
+            assert len(block_hashes) <= len(table), (
+                f"request {request_id!r}: {len(block_hashes)} block hashes "
+                f"for {len(table)} blocks")
+            for i, block_hash in enumerate(block_hashes):
+                assert table[i].block_hash in (None, block_hash), (
+                    f"request {request_id!r}: block {i} ({table[i]}) is cached "
+                    "under a hash its tokens do not produce")
+        total_refs = sum(refs.values())
+        total_ref_cnt = sum(b.ref_cnt for b in pool.blocks)
+        assert total_refs == total_ref_cnt, (
+            f"block tables hold {total_refs} references, ref counts sum to {total_ref_cnt}")
+        for block in pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"{block}: ref_cnt != {refs[block.block_id]} block-table references")
+        for src, dst in self._pending_copies:
+            assert 0 <= src < pool.num_blocks and 0 <= dst < pool.num_blocks, (
+                f"pending copy ({src}, {dst}) names a block outside the pool")
