@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -39,8 +38,8 @@ import torch.distributed as dist
 from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_send_args
 from tandem.kvtransfer.layout import KVTransferTicket
 from tandem.kvtransfer.staging import (DATA, FOREVER, SENDER_CLOSED, STOP, WATCHDOG_TAG, Header,
-                                       HeaderQueue, StagedReceiver, check_staged_size, host_store,
-                                       join_store, message_tag)
+                                       HeaderQueue, InflightTicket, StagedReceiver,
+                                       check_staged_size, host_store, join_store, message_tag)
 
 logger = logging.getLogger(__name__)
 
@@ -177,16 +176,6 @@ class GlooReceiver(StagedReceiver):
         self._arrivals.fail(KVTransferError("the receiver is closed"))
 
 
-@dataclass
-class _Inflight:
-    """Sender-side state of one ticket between its first send_layer and finish."""
-
-    ticket: KVTransferTicket
-    layers: set[int] = field(default_factory=set)
-    # (work, buffer): the buffer must outlive the send.
-    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
-
-
 class GlooSender(KVSender):
     """Prefill end of a Gloo pair. Create with :meth:`connect`."""
 
@@ -197,7 +186,7 @@ class GlooSender(KVSender):
         self._queue = queue
         self._peer = peer
         self._lock = threading.Lock()
-        self._inflight: dict[int, _Inflight] = {}
+        self._inflight: dict[int, InflightTicket] = {}
         self._error: KVTransferError | None = None
         self._closed = False
 
@@ -240,13 +229,8 @@ class GlooSender(KVSender):
             data = kv_cache[layer].index_select(1, src).cpu().view(-1).view(torch.uint8)
         with self._lock:
             self._check_usable()
-            inflight = self._inflight.setdefault(ticket.transfer_id, _Inflight(ticket))
-            if inflight.ticket != ticket:
-                raise ValueError(f"transfer_id {ticket.transfer_id} is in flight for request "
-                                 f"{inflight.ticket.request_id!r}, not {ticket.request_id!r}")
-            if layer in inflight.layers:
-                raise ValueError(f"request {ticket.request_id!r}: layer {layer} already sent")
-            inflight.layers.add(layer)
+            inflight = self._inflight.setdefault(ticket.transfer_id, InflightTicket(ticket))
+            inflight.add_layer(ticket, layer)
             if data is None:
                 return
             tag = message_tag(ticket.transfer_id, layer, ticket.layout.num_layers)
@@ -270,7 +254,7 @@ class GlooSender(KVSender):
             raise KVTransferError(f"request {ticket.request_id!r} transfer {ticket.transfer_id}: "
                                   "no layer was sent")
         self._wait_sends(inflight.sends, deadline, ticket)
-        missing = sorted(set(range(ticket.layout.num_layers)) - inflight.layers)
+        missing = inflight.missing_layers()
         if missing:
             raise KVTransferError(f"request {ticket.request_id!r} transfer {ticket.transfer_id}: "
                                   f"layers {missing} were never sent")

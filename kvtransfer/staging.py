@@ -29,6 +29,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -197,6 +198,32 @@ class Arrivals:
         """Transfers with layers waiting for ``receive`` (for leak checks)."""
         with self._cond:
             return sorted(t for t, layers in self._staged.items() if layers)
+
+
+@dataclass
+class InflightTicket:
+    """Sender-side state of one ticket between its first ``send_layer`` and ``finish``."""
+
+    ticket: KVTransferTicket
+    layers: set[int] = field(default_factory=set)
+    # (completion handle, buffer): a Gloo work or a CUDA event; the buffer must outlive the send.
+    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+    def add_layer(self, ticket: KVTransferTicket, layer: int) -> None:
+        """Record that ``layer`` is being sent.
+
+        Raises:
+            ValueError: the transfer id belongs to another ticket, or the layer was sent already.
+        """
+        if self.ticket != ticket:
+            raise ValueError(f"transfer_id {ticket.transfer_id} is in flight for request "
+                             f"{self.ticket.request_id!r}, not {ticket.request_id!r}")
+        if layer in self.layers:
+            raise ValueError(f"request {ticket.request_id!r}: layer {layer} already sent")
+        self.layers.add(layer)
+
+    def missing_layers(self) -> list[int]:
+        return sorted(set(range(self.ticket.layout.num_layers)) - self.layers)
 
 
 class StagedReceiver(KVReceiver):

@@ -2,7 +2,8 @@
 
 The pipe plays the control plane (it carries rendezvous dicts and tickets, never
 KV). Each command is a tuple ``(name, *args)``; the reply is ``("ok", value)`` or
-``("error", "ExceptionType: message")``.
+``("error", "ExceptionType: message")``. ``connect`` takes an optional dict of
+keyword arguments for the transport's ``connect`` (e.g. ``{"device": "cuda:1"}``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Peer:
 def serve(conn) -> None:
     """Peer main loop: runs commands until ``exit``."""
     sender = receiver = None
+    device = "cpu"  # where this peer's KV caches live
     while True:
         name, *args = conn.recv()
         try:
@@ -72,14 +74,16 @@ def serve(conn) -> None:
                 conn.send(("ok", None))
                 return
             if name == "connect":
-                transport, rendezvous = args
-                sender = get_transport(transport).sender.connect(rendezvous, timeout_s=20)
+                transport, rendezvous, *options = args
+                kwargs = options[0] if options else {}
+                device = kwargs.get("device", "cpu")
+                sender = get_transport(transport).sender.connect(rendezvous, timeout_s=20, **kwargs)
                 value = None
             elif name == "listen":
                 receiver = get_transport(args[0]).receiver.listen()
                 value = receiver.rendezvous
             elif name == "send":
-                value = _send(sender, *args)
+                value = _send(sender, device, *args)
             elif name == "receive":
                 ticket_dict, num_blocks, timeout_s = args
                 ticket = KVTransferTicket.from_dict(ticket_dict)
@@ -98,15 +102,15 @@ def serve(conn) -> None:
             conn.send(("ok", value))
 
 
-def _send(sender, jobs: list[tuple[dict, list[int]]], layout_dict: dict, num_blocks: int, seed: int,
-          layers: list[int] | None = None, finish_timeout_s: float | None = 10.0) -> None:
+def _send(sender, device: str, jobs: list[tuple[dict, list[int]]], layout_dict: dict, num_blocks: int,
+          seed: int, layers: list[int] | None = None, finish_timeout_s: float | None = 10.0) -> None:
     """Send ``layers`` (default: all) of each ``(ticket, src_block_ids)`` job from one cache.
 
     Layers are interleaved across jobs (job 0 layer 0, job 1 layer 0, job 0 layer 1, ...),
     as a prefill batch computing several requests layer by layer would send them.
     """
     layout = KVLayout.from_dict(layout_dict)
-    kv_cache = make_cache(layout, num_blocks, seed)
+    kv_cache = make_cache(layout, num_blocks, seed).to(device)
     tickets = [(KVTransferTicket.from_dict(t), src) for t, src in jobs]
     for layer in (range(layout.num_layers) if layers is None else layers):
         for ticket, src in tickets:

@@ -82,8 +82,8 @@ def test_interleaved_transfers_land_bit_exact(pair, dtype):
     assert errors == []
 
     src = make_cache(layout, SRC_NUM_BLOCKS, seed)
-    expected = {dst: src[:, :, s] for dst, s in zip(a.sent_dst_block_ids, a_src)}
-    expected.update({dst: src[:, :, s] for dst, s in zip(b.sent_dst_block_ids, b_src)})
+    expected = {dst: src[:, :, s] for dst, s in zip(a.sent_dst_block_ids, a_src, strict=True)}
+    expected.update({dst: src[:, :, s] for dst, s in zip(b.sent_dst_block_ids, b_src, strict=True)})
     assert sorted(expected) == [0, 3, 7, 12, 14, 21, 25]  # 30 is a's cached prefix: not written
     _assert_only(kv_cache, expected)
     assert receiver.staged_transfer_ids() == []
