@@ -159,7 +159,8 @@ def bench_decode(kn, b: int, hq: int, hkv: int, d: int, seq_len: int, dtype: tor
                 case=f"B={b} Hq={hq} Hkv={hkv} D={d} ctx={seq_len} splits={splits}",
                 dtype=str(dtype).removeprefix("torch."), ms=ms, metric="GB/s", value=gbps,
                 pct_peak=100 * gbps / args.peak_gbps,
-                peer=f"{sdpa_label} (pre-gathered KV)", peer_ms=sdpa_ms, peer_value=nbytes / sdpa_ms / 1e6,
+                peer=f"{sdpa_label} (pre-gathered KV)", peer_ms=sdpa_ms,
+                peer_value=nbytes / sdpa_ms / 1e6,
                 peer2="ref(gather+sdpa)", peer2_ms=ref_ms, max_err=err, ok=ok)
 
 
@@ -311,7 +312,7 @@ def run_all(kn, args) -> list[dict]:
 
 
 HEADER = (f"{'kernel':<20} {'case':<46} {'ms':>8} {'value':>9} {'unit':<7} {'%peak':>6} "
-          f"{'peer ms':>8} {'peer':>9} {'x peer':>6} {'max err':>9} ok")
+          f"{'peer ms':>8} {'peer':>9} {'x peer':>6} {'max err':>9} ok  peer")
 
 
 def _fmt(r: dict) -> str:
@@ -320,7 +321,7 @@ def _fmt(r: dict) -> str:
     speedup = f"{r['peer_ms'] / r['ms']:6.2f}" if r.get("peer_ms") else f"{'-':>6}"
     return (f"{r['kernel']:<20} {r['case']:<46} {r['ms']:8.4f} {r['value']:9.1f} "
             f"{r['metric']:<7} {r['pct_peak']:6.1f} {peer_ms} {peer_v} {speedup} "
-            f"{r['max_err']:9.2e} {'yes' if r['ok'] else 'NO'}")
+            f"{r['max_err']:9.2e} {'yes' if r['ok'] else 'NO ':<3} {r.get('peer') or '-'}")
 
 
 def main(argv: list[str] | None = None) -> int:

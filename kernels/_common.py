@@ -57,14 +57,15 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: innermost dimension must have stride 1, strides {t.stride()}")
 
 
-def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
+def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str | None, bool]:
     """``(input_precision, upcast)`` for the ``tl.dot`` calls of the attention kernels.
 
     float32 inputs use IEEE products: the default TF32 on GPU keeps 10 mantissa
-    bits and would miss the float32 tolerance. The interpreter computes
+    bits and would miss the float32 tolerance; half types keep the backend's
+    default (None), which only concerns float32 operands. The interpreter computes
     ``tl.dot`` on bfloat16 operands wrongly (triton 3.8/3.9), so on CPU bf16
     tiles are upcast to float32 first, which is exact.
     """
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    precision = "ieee" if dtype == torch.float32 else None
     upcast = dtype == torch.bfloat16 and device.type == "cpu"
     return precision, upcast

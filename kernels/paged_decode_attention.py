@@ -163,6 +163,19 @@ def _merge_splits_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+def _tile_config(block_d: int, elem_size: int, device: torch.device) -> dict[str, int]:
+    """Context tokens per tile and launch options.
+
+    A K plus a V tile of ``BLOCK_N x BLOCK_D`` per pipeline stage; 32 KiB per
+    stage (64 tokens of 128 half-precision dims) leaves room for three stages in
+    shared memory, wider rows get shorter tiles, float32 one stage less.
+    """
+    if device.type != "cuda":
+        return dict(block_n=64, num_warps=4, num_stages=1)
+    block_n = 64 if block_d * elem_size <= 256 else 32
+    return dict(block_n=block_n, num_warps=4, num_stages=3 if elem_size < 4 else 2)
+
+
 def _target_programs(device: torch.device) -> int:
     """Programs needed to keep the device busy: two waves of one program per SM."""
     if device.type == "cuda":
@@ -190,7 +203,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, *,
-                           num_splits: int | None = None, block_n: int = 64,
+                           num_splits: int | None = None, block_n: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton).
 
@@ -207,7 +220,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
             would drop the tail of the context under split-K.
         num_splits: context splits (1 = single pass); None lets
             :func:`choose_num_splits` pick from the batch shape.
-        block_n: context tokens per tile (power of two >= 16).
+        block_n: context tokens per tile (power of two >= 16); None picks from
+            the head dim and dtype.
         out: optional ``[B, Hq, D]`` output (may be a view of a larger tensor).
 
     Returns:
@@ -237,6 +251,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
     if not 1 <= d <= _MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} not in [1, {_MAX_HEAD_DIM}]")
+    block_d = max(16, next_pow2(d))
+    cfg = _tile_config(block_d, query.element_size(), query.device)
+    block_n = cfg["block_n"] if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if out is None:
@@ -255,12 +272,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
 
     group = hq // hkv
-    block_d = max(16, next_pow2(d))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
+    context = max(max_seq_len, 1)
+    tokens_per_split = triton.cdiv(triton.cdiv(context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(context, tokens_per_split)
     precision, upcast = dot_options(query.dtype, query.device)
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_G=max(16, next_pow2(group)),
-                  BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision, UPCAST=upcast)
+                  BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision, UPCAST=upcast,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k_strides = key_cache.stride()[:3]
     v_strides = value_cache.stride()[:3]
     grid = (b, hkv, num_splits)

@@ -62,9 +62,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
                  qk_scale, offs_d, mask_d,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One online-softmax step of the ``[BLOCK_M]`` query rows over keys
-    ``start_n .. start_n + BLOCK_N``. Unmasked tiles lie wholly inside the context
-    and wholly at or below the diagonal of every row."""
+    # One online-softmax step of the [BLOCK_M] query rows over keys
+    # start_n .. start_n + BLOCK_N. Unmasked tiles lie wholly inside the context
+    # and wholly at or below the diagonal of every row.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         mask_n = offs_n < seq_len
@@ -168,14 +168,22 @@ def _paged_prefill_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _tile_config(group: int, head_dim: int, device: torch.device) -> dict[str, int]:
-    """Tile sizes and launch options: ``BLOCK_M`` rows (query tokens x group heads)."""
-    if device.type == "cuda":
-        block_m = 128 if head_dim <= 128 else 64
-        return dict(block_m=block_m, block_n=64, num_warps=8 if block_m == 128 else 4,
-                    num_stages=3)
-    # Interpreter: bigger tiles mean fewer Python-level steps; stages/warps are ignored.
-    return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+def _tile_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """Tile sizes and launch options: ``BLOCK_M`` rows (query tokens x group heads).
+
+    Sized so that Q plus ``num_stages`` K/V tiles stay within ~160 KiB of shared
+    memory (Hopper allows 227 KiB per block): float32 and ``D > 128`` tiles are
+    smaller and less deeply pipelined.
+    """
+    if device.type != "cuda":
+        # Interpreter: bigger tiles mean fewer Python-level steps; stages/warps are ignored.
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(block_m=64 if head_dim <= 128 else 32, block_n=32, num_warps=4,
+                    num_stages=2)
+    if head_dim <= 128:
+        return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
@@ -236,7 +244,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"GQA group {group} above {_MAX_GROUP}")
     if not 1 <= d <= _MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} not in [1, {_MAX_HEAD_DIM}]")
-    cfg = _tile_config(group, d, query.device)
+    cfg = _tile_config(d, query.dtype, query.device)
     block_m = cfg["block_m"] if block_m is None else block_m
     block_n = cfg["block_n"] if block_n is None else block_n
     for name, v in (("block_m", block_m), ("block_n", block_n)):

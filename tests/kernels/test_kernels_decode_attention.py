@@ -23,7 +23,7 @@ SEQ_LENS = [1, 17, 300, 64]
 
 
 def _run(paged_kv, device, seq_lens, num_kv_heads, group, head_dim, dtype, block_size=16,
-         num_splits=None, block_n=64, seed=0):
+         num_splits=None, block_n=None, seed=0):
     k, v, k_clean, v_clean, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size,
                                               dtype, device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -86,7 +86,8 @@ def test_decode_noncontiguous_query_and_out(paged_kv, device):
 
 
 # paged_kv and device are pure (a function, a constant): sharing them across examples is safe.
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seq_lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),
        group=st.sampled_from([1, 2, 3, 5]), block_size=st.sampled_from([4, 16]),
        num_splits=st.integers(1, 5), seed=st.integers(0, 1000))

@@ -119,7 +119,8 @@ def _chunks(draw):
 
 
 # paged_kv and device are pure (a function, a constant): sharing them across examples is safe.
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chunks=_chunks(), group=st.sampled_from([1, 2, 3, 5]),
        block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
 def test_prefill_property(paged_kv, device, chunks, group, block_size, seed):
