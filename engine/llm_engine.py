@@ -32,15 +32,26 @@ class LLMEngine:
     Args:
         config: the engine's :class:`EngineConfig`.
         tokenizer: pass one to share it; otherwise it is read from the model file.
+        weights_from: another engine of the same model, dtype and device whose
+            (read-only) weights this one shares instead of loading them again.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 weights_from: "LLMEngine | None" = None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
-        self.model, self.model_config = load_model(self.model_files, config.torch_dtype, self.device)
+        if weights_from is not None:
+            if (weights_from.model_files, weights_from.config.dtype, weights_from.device) != \
+                    (self.model_files, config.dtype, self.device):
+                raise ValueError("weights_from: model, dtype and device must match")
+            self.model, self.model_config = weights_from.model, weights_from.model_config
+            tokenizer = tokenizer or weights_from.tokenizer
+        else:
+            self.model, self.model_config = load_model(self.model_files, config.torch_dtype,
+                                                       self.device)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
         num_blocks = cc.num_blocks or max(
@@ -158,6 +169,7 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch`` or ``triton``.
+        weights_from: an existing ``LLM`` whose loaded weights to share.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
@@ -165,7 +177,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None):
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 weights_from: "LLM | None" = None):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             max_model_len=max_model_len, num_threads=num_threads,
@@ -175,7 +188,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill))
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config,
+                                weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -187,8 +201,8 @@ class LLM:
 
         Args:
             prompts: one prompt or a list; a prompt is a string or a list of token ids.
-            sampling_params: one for all prompts, or one per prompt (default: greedy? no —
-                ``SamplingParams()``, i.e. temperature 1, 16 tokens, as in vLLM).
+            sampling_params: one for all prompts, or one per prompt (default
+                ``SamplingParams()``: temperature 1, 16 tokens, as in vLLM).
             step_callback: called after every engine step (tests check invariants there).
 
         Returns:

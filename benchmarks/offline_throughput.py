@@ -1,0 +1,119 @@
+"""Offline throughput: Tandem's engine vs Hugging Face ``generate`` on the same model.
+
+Workload: N prompts of random length in [min_prompt, max_prompt] tokens (ids drawn
+from the ordinary vocabulary with a fixed seed), ``output_len`` generated tokens
+each, greedy, EOS ignored. Both systems run in this process, in the same dtype,
+one after the other; the peer runs batched and left-padded (``--peer-batch-size``).
+
+    python benchmarks/offline_throughput.py                      # 64 prompts, bf16
+    python benchmarks/offline_throughput.py --num-prompts 16 --dtype float32
+
+Prints output tokens/s for both and the ratio; ``--out`` writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import torch
+
+
+def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    # Skip the first ids (special/control tokens in most vocabularies).
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def run_tandem(prompts, output_len: int, dtype: str, args) -> dict:
+    from tandem.engine.llm_engine import LLM
+    from tandem.engine.sampling_params import SamplingParams
+
+    llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
+            "total_tok_s": (n + sum(map(len, prompts))) / dt,
+            "outputs": [o.outputs[0].token_ids for o in outs]}
+
+
+@torch.inference_mode()
+def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.model_files import resolve_model
+
+    files = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(
+        files.directory, gguf_file=os.path.basename(files.path), dtype=getattr(torch, dtype))
+    model.eval()
+    pad = 2
+
+    def batch_generate(batch):
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        return out[:, width:]
+
+    batch_generate([prompts[0][:32]])   # warm-up
+    t0 = time.perf_counter()
+    n = 0
+    for i in range(0, len(prompts), batch_size):
+        n += batch_generate(prompts[i:i + batch_size]).numel()
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
+            "total_tok_s": (n + sum(map(len, prompts))) / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--peer-batch-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--out", default=None, help="write results as JSON here")
+    args = ap.parse_args()
+
+    prompts = make_workload(args.num_prompts, args.min_prompt, args.max_prompt, 49152, args.seed)
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+          f"{args.output_len} output tokens each, {args.dtype}, torch threads {torch.get_num_threads()}")
+    ours = run_tandem(prompts, args.output_len, args.dtype, args)
+    print(f"tandem : {ours['output_tok_s']:8.1f} output tok/s  ({ours['seconds']:.1f} s)")
+    result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__,
+              "tandem": {k: v for k, v in ours.items() if k != "outputs"}}
+    if not args.skip_peer:
+        hf = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size)
+        print(f"hf     : {hf['output_tok_s']:8.1f} output tok/s  ({hf['seconds']:.1f} s, "
+              f"batch {args.peer_batch_size}, padded)")
+        ratio = ours["output_tok_s"] / hf["output_tok_s"]
+        print(f"ratio  : {ratio:.2f}x")
+        result.update(hf=hf, ratio=ratio)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

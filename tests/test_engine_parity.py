@@ -1,0 +1,118 @@
+"""Greedy parity with Hugging Face transformers on the real default model (float32),
+and the same outputs whatever the engine's memory-management settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.llm_engine import LLM
+from tandem.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 48
+
+_LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. "
+    "Before that, books were copied by hand in monasteries, a slow and expensive craft. "
+    "Within fifty years presses had spread to more than two hundred cities across Europe, "
+    "and millions of volumes had been printed. Pamphlets, newspapers and scientific "
+    "journals followed, and literacy rose as printed material became cheaper. ")
+
+
+def parity_prompts(tokenizer) -> list[list[int]]:
+    """8 prompts: chat and raw, short and long (~700 tokens), different lengths."""
+    chat = [
+        "What is the capital of France?",
+        "Write a short poem about autumn leaves.",
+        "Explain recursion to a child in two sentences.",
+        "Summarize this text:\n" + _LONG_TEXT * 7,
+    ]
+    raw = [
+        "The quick brown fox",
+        "def fibonacci(n):\n",
+        "Once upon a time, in a small village by the sea,",
+        _LONG_TEXT * 8 + "In conclusion,",
+    ]
+    out = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chat]
+    out += [tokenizer.encode(r) for r in raw]
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    p = parity_prompts(tokenizer)
+    lengths = sorted(len(x) for x in p)
+    assert lengths[0] < 16 and 600 <= lengths[-1] <= 900, lengths
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, hf_greedy):
+    return [hf_greedy(p, NUM_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def base_llm():
+    return LLM(dtype="float32", num_blocks=512)
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _check(llm: LLM, prompts, reference, **kw):
+    def invariants(engine):
+        engine.kv_cache_manager.check_invariants()
+
+    outs = llm.generate(prompts, GREEDY, step_callback=invariants, **kw)
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert g == r, f"prompt {i}: first mismatch at {next(j for j, (a, b) in enumerate(zip(g, r)) if a != b)}"
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks   # every block back (cached ones are evictable)
+    assert not llm.engine.has_unfinished_requests()
+    return outs
+
+
+def test_greedy_parity_batched(base_llm, prompts, reference):
+    _check(base_llm, prompts, reference)
+
+
+def test_parity_each_prompt_alone(base_llm, prompts, reference):
+    for p, r in zip(prompts[:2] + prompts[-1:], reference[:2] + reference[-1:]):
+        assert base_llm.generate([p], GREEDY)[0].outputs[0].token_ids == r
+
+
+@pytest.mark.parametrize("chunked,budget", [(True, 64), (False, 2048)])
+def test_chunked_prefill_on_off(base_llm, prompts, reference, chunked, budget):
+    llm = LLM(dtype="float32", num_blocks=512, enable_chunked_prefill=chunked,
+              max_num_batched_tokens=budget, weights_from=base_llm)
+    _check(llm, prompts, reference)
+
+
+def test_prefix_caching_on_off(base_llm, prompts, reference):
+    on = LLM(dtype="float32", num_blocks=512, enable_prefix_caching=True, weights_from=base_llm)
+    _check(on, prompts, reference)
+    second = _check(on, prompts, reference)       # same prompts again: served from the cache
+    bs = on.engine.kv_cache.block_size
+    for o, p in zip(second, prompts):
+        assert o.num_cached_tokens == ((len(p) - 1) // bs) * bs
+    off = LLM(dtype="float32", num_blocks=512, enable_prefix_caching=False, weights_from=base_llm)
+    _check(off, prompts, reference)
+    assert all(o.num_cached_tokens == 0 for o in _check(off, prompts, reference))
+
+
+def test_recompute_preemption_keeps_outputs(base_llm, prompts, reference):
+    # 80 blocks x 16 tokens: the two ~700-token prompts alone need ~96 blocks at the end.
+    llm = LLM(dtype="float32", num_blocks=80, max_num_batched_tokens=256,
+              weights_from=base_llm)
+    _check(llm, prompts, reference)
+    assert llm.engine.num_preemptions > 0
+
+
+def test_max_model_len_capped_by_pool(base_llm):
+    llm = LLM(dtype="float32", num_blocks=4, weights_from=base_llm)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([list(range(100, 160))], SamplingParams(max_tokens=8))

@@ -1,0 +1,217 @@
+"""Sampling: parameter validation, the sampler's distributions and penalties on
+synthetic logits, and seeded / n > 1 / logprobs behaviour on the real model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler
+from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 1.2}, "min_p"),
+    ({"n": 0}, "n"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"stop": ("",)}, "stop"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+])
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field
+    assert str(e.value).startswith(field + ":")
+
+
+def _req(params: SamplingParams, prompt=(5, 6), output=(), rid="r") -> Request:
+    r = Request(rid, list(prompt), params, eos_token_id=2)
+    r.output_token_ids.extend(output)
+    return r
+
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.1])
+
+
+def _draw(params: SamplingParams, n: int, logits=None) -> torch.Tensor:
+    logits = PROBS.log() if logits is None else logits
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    r = _req(params)
+    counts = torch.zeros(logits.shape[0])
+    for _ in range(n):
+        counts[sampler(logits[None].clone(), [r])[0].token_id] += 1
+    return counts / n
+
+
+def _within(freq: torch.Tensor, expect: torch.Tensor, n: int) -> None:
+    # 5 standard deviations of a binomial proportion: fails by chance with p < 1e-6.
+    sd = (expect * (1 - expect) / n).sqrt()
+    assert torch.all((freq - expect).abs() <= 5 * sd + 1e-9), (freq, expect)
+
+
+def test_temperature_one_matches_distribution():
+    n = 4000
+    _within(_draw(SamplingParams(temperature=1.0), n), PROBS, n)
+
+
+def test_temperature_sharpens():
+    n = 4000
+    p = PROBS.pow(1 / 0.5)
+    _within(_draw(SamplingParams(temperature=0.5), n), p / p.sum(), n)
+
+
+def test_top_k_top_p_min_p_truncate():
+    n = 3000
+    _within(_draw(SamplingParams(top_k=2), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+    # top_p 0.7: 0.5 < 0.7 so token 1 is kept too (mass before it 0.5 < 0.7); token 2 is not.
+    _within(_draw(SamplingParams(top_p=0.7), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+    # min_p 0.4: keep p >= 0.2 -> tokens 0 and 1.
+    _within(_draw(SamplingParams(min_p=0.4), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+
+
+def test_greedy_and_ties_take_first_max():
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 5.0, 0.0]])
+    out = sampler(logits, [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0))])
+    assert [o.token_id for o in out] == [1, 0]
+
+
+def test_penalties_exact():
+    from tandem.engine.sampler import _apply_penalties_and_masks
+
+    row = torch.tensor([2.0, -2.0, 1.0, 4.0, 0.5])
+    r = _req(SamplingParams(repetition_penalty=2.0), prompt=(0, 1), output=(3,))
+    _apply_penalties_and_masks(row, r)
+    assert row.tolist() == [1.0, -4.0, 1.0, 2.0, 0.5]
+
+    row = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    r = _req(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=(4,), output=(1, 1, 3))
+    _apply_penalties_and_masks(row, r)
+    assert row.tolist() == [1.0, 0.0, 1.0, 0.25, 1.0]
+
+    row = torch.zeros(5)
+    r = _req(SamplingParams(min_tokens=2, stop_token_ids=(4,), max_tokens=5), output=(1,))
+    _apply_penalties_and_masks(row, r)
+    assert row.tolist() == [0.0, 0.0, -math.inf, 0.0, -math.inf]
+
+
+def test_logprobs_are_raw_log_softmax_and_sorted():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    res = Sampler()(logits, [_req(SamplingParams(temperature=0, logprobs=3))])[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert res.token_id == 1
+    assert res.logprobs.logprob == pytest.approx(float(ref[1]))
+    assert [t for t, _ in res.logprobs.top] == [1, 2, 0]
+    assert all(math.isfinite(v) for _, v in res.logprobs.top)
+
+
+def test_seeded_row_independent_of_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=0.8, seed=42)
+    alone = [Sampler()(logits[:1], [_req(p)])[0].token_id for _ in range(1)]
+    with_others = Sampler()(logits, [_req(p), _req(SamplingParams()), _req(SamplingParams(seed=7))])
+    assert with_others[0].token_id == alone[0]
+
+
+# -- on the real model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    from tandem.engine.llm_engine import LLM
+
+    return LLM(dtype="float32", num_blocks=256)
+
+
+@pytest.mark.slow
+def test_c06_seeded_request_beside_unseeded(llm, tokenizer):
+    """Field case C06: R1 (seed 42) is identical in all 8 runs, whatever runs beside it."""
+    r1 = tokenizer.encode("Tell me a story about a dragon.")
+    r2 = tokenizer.encode("List some fruits:")
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=42)
+    outs = []
+    for r2_seed in (None, 7):
+        p2 = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=r2_seed)
+        for _ in range(4):
+            res = llm.generate([r1, r2], [seeded, p2])
+            outs.append(res[0].outputs[0].token_ids)
+    outs.append(llm.generate([r1], seeded)[0].outputs[0].token_ids)   # alone
+    assert all(o == outs[0] for o in outs), outs
+    assert len(outs[0]) == 16
+    # ...and the unseeded neighbour really varies (it is not secretly seeded).
+    unseeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    draws = {tuple(llm.generate([r2], unseeded)[0].outputs[0].token_ids) for _ in range(4)}
+    assert len(draws) > 1
+
+
+@pytest.mark.slow
+def test_n_samples_share_prompt_blocks(llm, tokenizer):
+    prompt = tokenizer.encode("Write a list of ten animals and describe each one briefly:" * 4)
+    bs = llm.engine.kv_cache.block_size
+    greedy1 = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    peak = []
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+                       step_callback=lambda e: (e.kv_cache_manager.check_invariants(),
+                                                peak.append(e.kv_cache_manager.num_blocks
+                                                            - e.kv_cache_manager.num_free_blocks)))
+    assert [c.index for c in out[0].outputs] == [0, 1, 2, 3]
+    for c in out[0].outputs:
+        assert c.token_ids == greedy1[0].outputs[0].token_ids
+    total = len(prompt) + 12
+    unshared = 4 * math.ceil(total / bs)
+    full_prompt_blocks = len(prompt) // bs
+    # Four samples share the full prompt blocks; each owns only its tail blocks.
+    assert max(peak) == full_prompt_blocks + 4 * (math.ceil(total / bs) - full_prompt_blocks)
+    assert max(peak) < unshared
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.slow
+def test_n_seeded_samples_differ_and_reproduce(llm, tokenizer):
+    prompt = tokenizer.encode("My favourite word is")
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True, seed=11)
+    a = [c.token_ids for c in llm.generate([prompt], p)[0].outputs]
+    b = [c.token_ids for c in llm.generate([prompt], p)[0].outputs]
+    assert a == b
+    assert len({tuple(x) for x in a}) > 1
+
+
+@pytest.mark.slow
+def test_logprobs_on_model(llm, tokenizer):
+    prompt = tokenizer.encode("The capital of France is")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 5
+        assert lp.top[0][0] == tok                     # greedy picks the top-1
+        assert all(math.isfinite(v) and v <= 0 for _, v in lp.top)
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+@pytest.mark.slow
+def test_stop_token_ids_and_stop_strings(llm, tokenizer):
+    prompt = tokenizer.encode("A B C D E F G H I J K")
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    stop_id = base.token_ids[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                stop_token_ids=(stop_id,)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_id) + 1]
+    # A stop string spanning several tokens, taken from the greedy text itself.
+    stop = base.text[12:19]
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) >= 2
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                stop=(stop,)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:base.text.index(stop)]
+    with_stop = llm.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=(stop,),
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert with_stop.text == base.text[:base.text.index(stop) + len(stop)]
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
