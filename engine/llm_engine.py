@@ -102,6 +102,34 @@ class LLMEngine:
         self.scheduler.add_request(first)
         return requests
 
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int]
+                ) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt that another worker will prefill.
+
+        Reuses blocks this cache already holds for the prompt's prefix.
+
+        Returns:
+            ``(block_ids, num_cached_tokens)`` covering the whole prompt, or None if
+            the pool has no room now (nothing changed).
+        """
+        kv = self.kv_cache_manager
+        blocks, num_cached = kv.get_computed_blocks(request_id, prompt_token_ids)
+        if not kv.allocate_slots(request_id, num_cached, len(prompt_token_ids) - num_cached, blocks):
+            return None
+        return kv.get_block_ids(request_id), num_cached
+
+    def release(self, request_id: str) -> bool:
+        """Free a reservation whose request never started here."""
+        return self.kv_cache_manager.free(request_id)
+
+    def add_prefilled_request(self, request: Request, vocab_size: int | None = None) -> None:
+        """Start decoding a request whose prompt KV landed in its reserved blocks and
+        whose first token (sampled by the prefill worker) is in ``output_token_ids``."""
+        from tandem.engine.sampler import skip_first_draw
+
+        skip_first_draw(request, vocab_size or self.model_config.vocab_size)
+        self.scheduler.add_prefilled(request)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks. False if unknown."""
         return self.scheduler.abort_request(request_id) is not None
@@ -125,6 +153,23 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def stats(self, worker_id: str = "engine", role: str = "colocated", num_step_tokens: int = 0
+              ) -> "WorkerStats":
+        """A snapshot of load and counters (see :class:`~tandem.engine.outputs.WorkerStats`)."""
+        from tandem.engine.outputs import WorkerStats
+
+        kv, sch = self.kv_cache_manager, self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sch.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sch.running
+                      if r.num_computed_tokens < r.num_tokens - 1)
+        return WorkerStats(
+            worker_id=worker_id, role=role, num_running=sch.num_running,
+            num_waiting=sch.num_waiting, num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
+            num_preemptions=sch.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_step_tokens=num_step_tokens,
+            queued_prefill_tokens=queued)
 
 
 @dataclass

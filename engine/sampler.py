@@ -73,6 +73,16 @@ class Sampler:
         return results
 
 
+def skip_first_draw(r: Request, vocab_size: int) -> None:
+    """Advance ``r``'s generator past one sampled token.
+
+    Used when another worker sampled the first token (disaggregated prefill), so the
+    rest of a seeded request continues exactly as it would in one engine.
+    """
+    if r.generator is not None and not r.sampling_params.greedy:
+        torch.empty(vocab_size).exponential_(generator=r.generator)
+
+
 def _needs_processing(r: Request) -> bool:
     p = r.sampling_params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

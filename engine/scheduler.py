@@ -99,6 +99,17 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
+    def add_prefilled(self, request: Request) -> None:
+        """Put a request whose prompt KV is already in this cache (a remote prefill,
+        blocks reserved beforehand) straight into the running queue; its first
+        generated token is in ``request.output_token_ids``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks. Unknown ids are ignored."""
         req = self.requests.get(request_id)

@@ -1,0 +1,142 @@
+"""An engine driven by its own thread, talked to through a command queue.
+
+Every change to the engine's state (adding, reserving, aborting requests) runs
+on the loop thread between steps, so the scheduler and the KV cache manager are
+never touched by two threads at once and need no locks. Callers on other threads
+(a Ray actor's event loop) get a ``concurrent.futures.Future`` for each command.
+
+Each step's token deltas for all requests go out as one
+:class:`~tandem.engine.outputs.StepOutput` in the outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestDelta, StepOutput
+from tandem.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Runs ``engine`` in a daemon thread until :meth:`shutdown`.
+
+    Args:
+        engine: the engine; only the loop thread uses it after :meth:`start`.
+        worker_id, role: reported in stats.
+        idle_wait_s: how long an idle loop sleeps before looking again (seconds;
+            any command wakes it at once).
+    """
+
+    def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.worker_id, self.role = worker_id, role
+        self.idle_wait_s = idle_wait_s
+        self.outbox: queue.Queue[StepOutput] = queue.Queue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._published: dict[str, int] = {}       # request id -> output tokens already sent
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the loop thread before the next step."""
+        fut: Future = Future()
+        if self.error is not None:
+            fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {self.error}"))
+            return fut
+        self._commands.put((fn, args, fut))
+        self._wake.set()
+        return fut
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    self.step()
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as exc:  # the worker reports it; the thread must not die silently
+            logger.exception("engine loop %s failed", self.worker_id)
+            self.error = exc
+            self._fail_all(exc)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def step(self) -> None:
+        """One engine step, then publish its deltas. Subclasses may wrap the engine step."""
+        t0 = time.perf_counter()
+        changed = self.engine.step()
+        self.publish(changed, time.perf_counter() - t0)
+
+    def publish(self, changed: list[Request], step_time_s: float = 0.0,
+                extra: list[RequestDelta] = ()) -> None:
+        deltas = [self.delta(r) for r in changed]
+        deltas.extend(extra)
+        num_tokens = sum(len(d.new_token_ids) for d in deltas)
+        self.outbox.put(StepOutput(tuple(deltas),
+                                   self.engine.stats(self.worker_id, self.role, num_tokens),
+                                   step_time_s))
+
+    def delta(self, r: Request) -> RequestDelta:
+        """The request's output tokens not yet published."""
+        sent = self._published.get(r.request_id, 0)
+        new = tuple(r.output_token_ids[sent:])
+        lps = tuple(r.output_logprobs[sent:]) if r.sampling_params.logprobs is not None else ()
+        if r.is_finished:
+            self._published.pop(r.request_id, None)
+        else:
+            self._published[r.request_id] = r.num_output_tokens
+        return RequestDelta(r.request_id, new, lps, r.status.finish_reason, r.stop_reason,
+                            r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens)
+
+    def mark_published(self, request_id: str, num_tokens: int) -> None:
+        """Tokens of a request that reached the client another way (the prefill's first token)."""
+        self._published[request_id] = num_tokens
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """After a crash: finish every request as ``error`` so no stream waits forever."""
+        sch = self.engine.scheduler
+        deltas = []
+        for r in list(sch.waiting) + list(sch.running):
+            deltas.append(RequestDelta(r.request_id, (), (), "error", str(exc)[:200],
+                                       r.num_prompt_tokens, r.num_cached_tokens,
+                                       r.num_output_tokens))
+        self.outbox.put(StepOutput(tuple(deltas), self.engine.stats(self.worker_id, self.role)))
+        while True:   # refuse pending commands too
+            try:
+                _, _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {exc}"))

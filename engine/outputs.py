@@ -1,0 +1,73 @@
+"""Small typed messages that leave a worker: per-step token deltas and worker stats.
+
+The same dataclasses cross Ray (pickled) and are turned into protobuf in one
+place, the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.request import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step did for one request.
+
+    Attributes:
+        request_id: the request (``parent#i`` for sample i > 0 of an n > 1 request).
+        new_token_ids: tokens generated in this step (usually one).
+        new_logprobs: their log-probabilities, when asked for.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` once finished, else None.
+        stop_reason: the stop token id that ended it, if any.
+        num_prompt_tokens, num_cached_tokens, num_output_tokens: usage so far (tokens).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's load and counters, sent with every step (gauges are snapshots,
+    counters are totals since start).
+
+    Attributes:
+        worker_id, role: e.g. ``decode-0``, ``decode`` | ``prefill`` | ``colocated``.
+        num_running, num_waiting: requests in the running / waiting queues.
+        num_free_blocks, num_blocks: KV blocks free (incl. evictable cached) / total.
+        kv_cache_usage: fraction of blocks in use, 0..1.
+        num_preemptions: total recompute preemptions.
+        prefix_cache_queries, prefix_cache_hits: total tokens looked up / found.
+        num_step_tokens: tokens run in the last step.
+        queued_prefill_tokens: prompt tokens waiting or being prefilled.
+    """
+
+    worker_id: str
+    role: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_step_tokens: int = 0
+    queued_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One message per engine step: every request's new tokens, plus the worker's stats."""
+
+    deltas: tuple[RequestDelta, ...]
+    stats: WorkerStats
+    step_time_s: float = 0.0

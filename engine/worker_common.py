@@ -1,0 +1,43 @@
+"""What both worker kinds do the same way: CPU pinning, engine construction, KV layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def pin_cpus(cpus: list[int] | None) -> list[int]:
+    """Pin this process to ``cpus`` (and size torch's thread pool to match).
+
+    Disaggregation's advantage is that prefill and decode do not share a device;
+    on a CPU-only machine, pinning them to different cores is the closest
+    equivalent. ``None`` leaves the affinity as it is.
+
+    Returns:
+        The cores this process may run on afterwards.
+    """
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+        torch.set_num_threads(len(cpus))
+    return sorted(os.sched_getaffinity(0))
+
+
+def kv_layout_of(engine) -> dict:
+    """The engine's KV cache layout as a plain dict (see ``tandem.kvtransfer.KVLayout``)."""
+    from tandem.kvtransfer.layout import KVLayout
+
+    return KVLayout.from_cache(engine.kv_cache.tensor).to_dict()
+
+
+def model_info(engine, config: EngineConfig) -> dict:
+    return {"model_name": engine.model_files.name, "max_model_len": engine.max_model_len,
+            "block_size": config.cache.block_size, "dtype": config.dtype,
+            "vocab_size": engine.tokenizer.vocab_size,
+            "model_vocab_size": engine.model_config.vocab_size,
+            "num_blocks": engine.kv_cache_manager.num_blocks}

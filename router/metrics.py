@@ -1,0 +1,250 @@
+"""Prometheus metrics for the whole cluster, served by the router.
+
+Names follow vLLM's (``vllm:num_requests_running`` -> ``tandem:num_requests_running``)
+where one exists; the disaggregation-specific ones (KV transfer) are added.
+Workers send their stats with every step output, so one scrape of the router's
+``/metrics`` sees the cluster. Each :class:`Metrics` owns its registry, so two
+servers can live in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+logger = logging.getLogger("tandem.requests")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+@dataclass
+class RequestTrace:
+    """Timestamps (``time.monotonic`` seconds) of one request in the router."""
+
+    request_id: str
+    num_prompt_tokens: int
+    decode_worker: str
+    arrival: float = field(default_factory=time.monotonic)
+    dispatched: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prefill_worker: str | None = None
+    num_output_tokens: int = 0
+
+
+class Metrics:
+    """The router's metric set and its request hooks.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+        log_prompts: (unused by metrics) kept with the request log settings.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        m, w = ["model_name"], ["model_name", "worker", "role"]
+        # Worker-side gauges (latest step's snapshot).
+        self.num_requests_running = Gauge("tandem:num_requests_running",
+                                          "Requests in a worker's running batch.", w, registry=r)
+        self.num_requests_waiting = Gauge("tandem:num_requests_waiting",
+                                          "Requests waiting in a worker's queue.", w, registry=r)
+        self.num_requests_swapped = Gauge("tandem:num_requests_swapped",
+                                          "Requests swapped out to host memory.", w, registry=r)
+        self.kv_cache_usage_perc = Gauge("tandem:kv_cache_usage_perc",
+                                         "Fraction of KV blocks in use (0..1).", w, registry=r)
+        # Counters.
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished or "
+                                     "aborted requests.", m, registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens",
+                                         "Generated tokens streamed to clients.", m, registry=r)
+        self.request_success = Counter("tandem:request_success", "Finished requests.",
+                                       m + ["finished_reason"], registry=r)
+        self.num_preemptions = Counter("tandem:num_preemptions", "Preemptions.",
+                                       w + ["kind"], registry=r)
+        self.prefix_cache_queries = Counter("tandem:prefix_cache_queries",
+                                            "Tokens looked up in the prefix cache.", w, registry=r)
+        self.prefix_cache_hits = Counter("tandem:prefix_cache_hits",
+                                         "Tokens found in the prefix cache.", w, registry=r)
+        self.kv_transfer_bytes = Counter("tandem:kv_transfer_bytes",
+                                         "KV bytes moved from prefill to decode workers.",
+                                         m + ["worker"], registry=r)
+        self.kv_transfer_failures = Counter("tandem:kv_transfer_failures",
+                                            "KV transfers that failed or timed out.",
+                                            m + ["worker"], registry=r)
+        self.request_aborts = Counter("tandem:request_aborts",
+                                      "Requests aborted (client cancel or disconnect).", m,
+                                      registry=r)
+        self.invalid_requests = Counter("tandem:invalid_requests",
+                                        "Requests refused with INVALID_ARGUMENT.",
+                                        m + ["field"], registry=r)
+        # Histograms.
+        lat = dict(registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", m, **lat)
+        self.itl = Histogram("tandem:inter_token_latency_seconds",
+                             "Time between streamed tokens.", m, **lat)
+        self.tpot = Histogram("tandem:request_time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1).", m, **lat)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "End-to-end latency.", m,
+                             registry=r, buckets=_LATENCY_BUCKETS + (160.0, 320.0))
+        self.queue_time = Histogram("tandem:request_queue_time_seconds",
+                                    "Arrival to dispatch (KV blocks reserved).", m, **lat)
+        self.prefill_time = Histogram("tandem:request_prefill_time_seconds",
+                                      "Dispatch to first token.", m, **lat)
+        self.decode_time = Histogram("tandem:request_decode_time_seconds",
+                                     "First token to last token.", m, **lat)
+        self.kv_transfer_seconds = Histogram("tandem:kv_transfer_seconds",
+                                             "Remote prefill + KV transfer of one request.",
+                                             m + ["worker"], **lat)
+        tok = dict(registry=r, buckets=_TOKEN_BUCKETS)
+        self.request_prompt_tokens = Histogram("tandem:request_prompt_tokens",
+                                               "Prompt tokens per request.", m, **tok)
+        self.request_generation_tokens = Histogram("tandem:request_generation_tokens",
+                                                   "Generated tokens per request.", m, **tok)
+        self.iteration_tokens = Histogram("tandem:iteration_tokens_total",
+                                          "Tokens run per engine step.", w, **tok)
+        self._worker_totals: dict[str, dict[str, int]] = {}
+        self._http: ThreadingHTTPServer | None = None
+
+    # -- request hooks (router event loop) -----------------------------------------------------
+    def invalid_request(self, field_name: str) -> None:
+        self.invalid_requests.labels(self.model_name, field_name.split(".")[0]).inc()
+
+    def request_started(self, v, decode_worker: str) -> RequestTrace:
+        return RequestTrace(v.request_id, len(v.prompt_token_ids), decode_worker)
+
+    def kv_transferred(self, trace: RequestTrace, prefill_worker: str, ticket: dict,
+                       seconds: float) -> None:
+        trace.prefill_worker = prefill_worker
+        from tandem.kvtransfer.layout import KVTransferTicket
+
+        t = KVTransferTicket.from_dict(ticket)
+        self.kv_transfer_bytes.labels(self.model_name, prefill_worker).inc(
+            t.bytes_per_layer * t.layout.num_layers)
+        self.kv_transfer_seconds.labels(self.model_name, prefill_worker).observe(seconds)
+
+    def kv_transfer_failed(self, prefill_worker: str) -> None:
+        self.kv_transfer_failures.labels(self.model_name, prefill_worker).inc()
+
+    def tokens(self, trace: RequestTrace, index: int, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if trace.dispatched is None:
+            trace.dispatched = trace.arrival
+        if trace.first_token is None:
+            trace.first_token = now
+            self.ttft.labels(self.model_name).observe(now - trace.arrival)
+        elif index == 0 and trace.last_token is not None:
+            self.itl.labels(self.model_name).observe(now - trace.last_token)
+        if index == 0:
+            trace.last_token = now
+        trace.num_output_tokens += n
+        self.generation_tokens.labels(self.model_name).inc(n)
+
+    def request_aborted(self) -> None:
+        self.request_aborts.labels(self.model_name).inc()
+
+    def request_finished(self, trace: RequestTrace, samples, aborted: bool) -> None:
+        now = time.monotonic()
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(trace.num_prompt_tokens)
+        self.request_prompt_tokens.labels(m).observe(trace.num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(trace.num_output_tokens)
+        self.e2e.labels(m).observe(now - trace.arrival)
+        reasons = [s.finish_reason or "abort" for s in samples]
+        for reason in reasons:
+            self.request_success.labels(m, reason).inc()
+        if trace.first_token is not None:
+            dispatched = trace.dispatched or trace.arrival
+            self.queue_time.labels(m).observe(dispatched - trace.arrival)
+            self.prefill_time.labels(m).observe(trace.first_token - dispatched)
+            self.decode_time.labels(m).observe((trace.last_token or now) - trace.first_token)
+            n0 = samples[0].num_tokens
+            if n0 > 1:
+                self.tpot.labels(m).observe(((trace.last_token or now) - trace.first_token) / (n0 - 1))
+        ttft = None if trace.first_token is None else trace.first_token - trace.arrival
+        tpot = None
+        if trace.first_token is not None and samples[0].num_tokens > 1:
+            tpot = ((trace.last_token or now) - trace.first_token) / (samples[0].num_tokens - 1)
+        logger.info(
+            "request finished id=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
+            "ttft_s=%s tpot_s=%s e2e_s=%.4f finish_reason=%s prefill_worker=%s decode_worker=%s",
+            trace.request_id, trace.num_prompt_tokens, trace.num_output_tokens,
+            max(s.num_cached_tokens for s in samples), _fmt(ttft), _fmt(tpot), now - trace.arrival,
+            ",".join(reasons), trace.prefill_worker or "-", trace.decode_worker)
+
+    # -- worker stats (router event loop) -------------------------------------------------------
+    def worker_step(self, worker, step) -> None:
+        s = step.stats
+        labels = (self.model_name, s.worker_id, s.role)
+        self.num_requests_running.labels(*labels).set(s.num_running)
+        self.num_requests_waiting.labels(*labels).set(s.num_waiting)
+        self.num_requests_swapped.labels(*labels).set(0)
+        self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
+        if s.num_step_tokens or step.deltas:
+            self.iteration_tokens.labels(*labels).observe(s.num_step_tokens)
+        last = self._worker_totals.setdefault(s.worker_id, {})
+        for name, value, counter, extra in (
+                ("preempt", s.num_preemptions, self.num_preemptions, ("recompute",)),
+                ("queries", s.prefix_cache_queries, self.prefix_cache_queries, ()),
+                ("hits", s.prefix_cache_hits, self.prefix_cache_hits, ())):
+            diff = value - last.get(name, 0)
+            if diff > 0:
+                counter.labels(*labels, *extra).inc(diff)
+            last[name] = value
+
+    # -- exposition -----------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve_http(self, host: str, port: int, healthy: Callable[[], bool]) -> int:
+        """Serve ``/metrics`` and ``/health`` (200 when serving, 503 when not).
+
+        Returns:
+            The bound port.
+        """
+        metrics = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server API)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, code, ctype = metrics.render(), 200, CONTENT_TYPE_LATEST
+                elif path == "/health":
+                    ok = healthy()
+                    body, code, ctype = (b"ok\n" if ok else b"not serving\n"), (200 if ok else 503), \
+                        "text/plain"
+                else:
+                    body, code, ctype = b"not found\n", 404, "text/plain"
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):   # scrapes are not worth a log line each
+                pass
+
+        self._http = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="metrics-http").start()
+        return self._http.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -1,0 +1,117 @@
+"""Per-request output assembly in the router: token deltas -> text deltas -> responses.
+
+One :class:`SampleStream` per sample of a request turns the worker's token
+deltas into text with :class:`~tandem.engine.detokenizer.IncrementalDetokenizer`
+(never a split UTF-8 character, spaces kept) and applies stop strings with
+:class:`~tandem.engine.detokenizer.StopStringMatcher` (text that might start a
+stop string is held back and released exactly once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.outputs import RequestDelta
+from tandem.engine.request import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.v1 import tandem_pb2 as pb
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class SampleUpdate:
+    """What one delta added to a sample: text, ids, logprobs and whether it ended."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # True when the router ended the sample (stop string) while the worker still runs it.
+    needs_abort: bool = False
+
+
+@dataclass
+class SampleStream:
+    """Text state of one sample (index) of a request."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: RequestDelta) -> SampleUpdate | None:
+        """Consume a worker delta; None once the sample already finished."""
+        if self.finished:
+            return None
+        ids = list(delta.new_token_ids)
+        self.num_tokens += len(ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        text = self.detokenizer.add_tokens(ids)
+        if delta.finish_reason is not None:
+            text += self.detokenizer.flush()
+        emit, stop = self.matcher.process(text)
+        upd = SampleUpdate(emit, ids, list(delta.new_logprobs))
+        if stop is not None:
+            upd.finish_reason, upd.stop_reason = "stop", stop
+            upd.needs_abort = delta.finish_reason is None
+        elif delta.finish_reason is not None:
+            upd.text += self.matcher.flush()
+            upd.finish_reason, upd.stop_reason = delta.finish_reason, delta.stop_reason
+        self.finish_reason, self.stop_reason = upd.finish_reason, upd.stop_reason
+        self.pieces.append(upd.text)
+        self.token_ids.extend(ids)
+        self.logprobs.extend(upd.logprobs)
+        return upd
+
+    def fail(self, reason: str, message: str | None = None) -> SampleUpdate | None:
+        """End the sample from the router's side (abort, worker error)."""
+        if self.finished:
+            return None
+        self.finish_reason, self.stop_reason = reason, message
+        return SampleUpdate("", [], [], reason, message)
+
+
+def new_sample_streams(tokenizer, prompt_token_ids, params: SamplingParams,
+                       skip_special_tokens: bool) -> list[SampleStream]:
+    return [SampleStream(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens),
+                         StopStringMatcher(params.stop, params.include_stop_str_in_output))
+            for i in range(params.n)]
+
+
+def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int],
+                logprobs: list[TokenLogprobs], num_prompt_tokens: int) -> pb.GenerateResponse:
+    """Build one ``GenerateResponse``; usage and the stop reason ride on the final one."""
+    resp = pb.GenerateResponse(request_id=request_id, index=s.index, text=text,
+                               token_ids=token_ids, finish_reason=FINISH_REASONS[s.finish_reason])
+    for lp in logprobs:
+        resp.logprobs.append(pb.TokenLogprobs(
+            token_id=lp.token_id, logprob=lp.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    if s.finished:
+        if isinstance(s.stop_reason, str) and s.finish_reason == "stop":
+            resp.stop_str = s.stop_reason
+        elif isinstance(s.stop_reason, int):
+            resp.stop_token_id = s.stop_reason
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=num_prompt_tokens,
+                                     completion_tokens=s.num_tokens,
+                                     cached_tokens=s.num_cached_tokens))
+    return resp
