@@ -14,7 +14,11 @@ What is timed, per prompt length and dtype, for the default model's KV shape
 * ``pipe_pickle``: the same tensor pickled through a ``multiprocessing`` pipe and
   unpickled (what passing KV through a control plane would cost at best).
 
-Both ends read ``time.monotonic()``, one clock for all processes on Linux.
+``tail_ms`` is the part of that time after the prefill side handed over its last
+layer (for ``kvtransfer``, when the 30th ``send_layer`` returned; for the peers,
+which send everything at once, the whole time): with compute between layers,
+this is what a transfer adds to time to first token. Both ends read
+``time.monotonic()``, one clock for all processes on Linux.
 Bandwidth is KV bytes moved / seconds, in GB/s (1e9 bytes). Each cell is the
 median of ``--reps`` runs after one warm-up.
 
@@ -89,16 +93,17 @@ def _prefill_process(conn, data_conn, transport: str, rendezvous: dict, store_po
             start = time.monotonic()
             for layer in range(layout.num_layers):
                 sender.send_layer(ticket, layer, src_ids, kv_cache)
+            handed_over = time.monotonic()
             sender.finish(ticket, timeout_s=60)
         elif kind == "gloo_whole":
-            start = time.monotonic()
+            start = handed_over = time.monotonic()
             group.send([whole.view(-1).view(torch.uint8)], 0, 1).wait()
         elif kind == "pipe_pickle":
-            start = time.monotonic()
+            start = handed_over = time.monotonic()
             data_conn.send_bytes(pickle.dumps(whole))
         else:
             raise ValueError(f"unknown command {kind!r}")
-        conn.send(start)
+        conn.send((start, handed_over))
 
 
 def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) -> list[dict]:
@@ -124,7 +129,7 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
                 src_ids, dst_ids = _scattered(num_blocks, seed=2), _scattered(num_blocks, seed=3)
                 nbytes = NUM_LAYERS * num_blocks * layout.bytes_per_block_per_layer
                 for method in ("kvtransfer", "gloo_whole", "pipe_pickle"):
-                    seconds = []
+                    seconds, tails = [], []
                     for rep in range(reps + 1):
                         transfer_id += 1
                         ticket = KVTransferTicket(f"bench-{transfer_id}", transfer_id, tuple(dst_ids), 0,
@@ -140,14 +145,16 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
                         else:
                             pickle.loads(data_recv.recv_bytes())
                         end = time.monotonic()
-                        start = conn.recv()
+                        start, handed_over = conn.recv()
                         if rep:  # rep 0 warms up connections and allocators
                             seconds.append(end - start)
+                            tails.append(end - handed_over)
                     median = statistics.median(seconds)
                     results.append({"dtype": dtype, "num_tokens": num_tokens, "num_blocks": num_blocks,
                                     "bytes": nbytes, "method": method,
                                     "median_ms": round(median * 1e3, 3),
                                     "median_gb_per_s": round(nbytes / median / 1e9, 3),
+                                    "median_tail_ms": round(statistics.median(tails) * 1e3, 3),
                                     "all_ms": [round(s * 1e3, 3) for s in seconds]})
                     print(_row(results[-1]), flush=True)
     finally:
@@ -159,7 +166,8 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
 
 def _row(r: dict) -> str:
     return (f"{r['dtype']:>9} {r['num_tokens']:>7} {r['num_blocks']:>7} {r['bytes'] / 1e6:>9.2f} "
-            f"{r['method']:>12} {r['median_ms']:>10.2f} {r['median_gb_per_s']:>8.2f}")
+            f"{r['method']:>12} {r['median_ms']:>10.2f} {r['median_gb_per_s']:>8.2f} "
+            f"{r['median_tail_ms']:>8.2f}")
 
 
 def main() -> None:
@@ -171,7 +179,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True, help="JSON file for the results")
     args = parser.parse_args()
-    print(f"{'dtype':>9} {'tokens':>7} {'blocks':>7} {'MB':>9} {'method':>12} {'median_ms':>10} {'GB/s':>8}")
+    print(f"{'dtype':>9} {'tokens':>7} {'blocks':>7} {'MB':>9} {'method':>12} {'median_ms':>10} {'GB/s':>8} {'tail_ms':>8}")
     results = run(args.transport, args.tokens, args.dtypes, args.reps)
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),

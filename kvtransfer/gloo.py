@@ -88,7 +88,8 @@ class GlooReceiver(StagedReceiver):
         self._store = host_store(host, connect_timeout_s)
         self._connected = threading.Event()
         self._closed = False
-        # Posted receives, in header order, from the pump to the completer; None ends it.
+        # Posted receives, in header order, from the pump to the completer; an error
+        # item fails the board, None ends the completer.
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete, name=f"{self._pair_name}-completer",
                                            daemon=True)
@@ -134,7 +135,6 @@ class GlooReceiver(StagedReceiver):
             while True:
                 header = headers.pop()
                 if header.kind == STOP:
-                    self._posted.put(None)
                     return
                 if header.kind == SENDER_CLOSED:
                     # Behind the receives already posted: their layers still land.
@@ -150,6 +150,9 @@ class GlooReceiver(StagedReceiver):
         except Exception as e:  # noqa: BLE001 - see the comment at the top of this method
             self._arrivals.fail(KVTransferError(f"KV receive thread failed: {e!r}"))
             raise
+        finally:
+            # However the pump ends, the completer finishes what was posted, then exits.
+            self._posted.put(None)
 
     def _complete(self) -> None:
         # Waits for the posted receives in order, apart from the pump: Gloo runs a
