@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_send_args
+from tandem.kvtransfer.blocks import gather_blocks, scatter_blocks
 from tandem.kvtransfer.layout import KVTransferTicket
 from tandem.kvtransfer.staging import (DATA, FOREVER, SENDER_CLOSED, STOP, WATCHDOG_TAG, Header,
                                        HeaderQueue, InflightTicket, StagedReceiver,
@@ -192,7 +193,7 @@ class GlooReceiver(StagedReceiver):
               kv_cache: torch.Tensor, dst: torch.Tensor, deadline: float) -> None:
         check_staged_size(ticket, layer, payload.numel())
         blocks = payload.view(ticket.layout.torch_dtype).view(ticket.layout.block_shape(ticket.num_sent_blocks))
-        kv_cache[layer].index_copy_(1, dst, blocks.to(kv_cache.device))
+        scatter_blocks(kv_cache[layer], ticket.sent_dst_block_ids, blocks)
 
     def close(self) -> None:
         if self._closed:
@@ -254,9 +255,8 @@ class GlooSender(KVSender):
         check_send_args(ticket, layer, src_block_ids, kv_cache)
         data = None
         if ticket.num_sent_blocks:
-            src = torch.tensor(list(src_block_ids), dtype=torch.int64, device=kv_cache.device)
             # [2, n, block_size, heads, head_dim], contiguous, as raw bytes.
-            data = kv_cache[layer].index_select(1, src).cpu().view(-1).view(torch.uint8)
+            data = gather_blocks(kv_cache[layer], src_block_ids).cpu().view(-1).view(torch.uint8)
         with self._lock:
             self._check_usable()
             inflight = self._inflight.setdefault(ticket.transfer_id, InflightTicket(ticket))
