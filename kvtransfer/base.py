@@ -58,6 +58,9 @@ class KVSender(ABC):
         The blocks are gathered into a private buffer before this returns (on a
         GPU: ordered after the work already queued on the current stream), so the
         caller may go on computing the next layer and may overwrite the blocks.
+        Every ticket given to ``send_layer`` must end in :meth:`finish`, also when
+        a later layer failed: ``finish`` then raises, but it is what releases the
+        ticket's buffers.
 
         Args:
             ticket: the receiver's reservation.
