@@ -180,10 +180,13 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     args = parser.parse_args()
     print(f"{'dtype':>9} {'tokens':>7} {'blocks':>7} {'MB':>9} {'method':>12} {'median_ms':>10} {'GB/s':>8} {'tail_ms':>8}")
+    load_before = os.getloadavg()
     results = run(args.transport, args.tokens, args.dtypes, args.reps)
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    # Other work on the same cores shows up here and in the spread of all_ms.
+                    "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]]},
         "layout": {"num_layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "num_kv_heads": NUM_KV_HEADS,
                    "head_dim": HEAD_DIM, "cache_blocks": CACHE_BLOCKS},
         "transport": args.transport, "reps": args.reps, "results": results,

@@ -274,7 +274,8 @@ class NCCLSender(KVSender):
         comm = _run_with_timeout(init, timeout_s, f"joining NCCL KV pair {pair_name}")
         sender = cls(lib, comm, device, HeaderQueue(pair_store), f"{host}:{port}")
         warm_up = torch.zeros(1, dtype=torch.uint8, device=device)
-        lib.send(warm_up.data_ptr(), 1, RECEIVER_RANK, comm, sender._stream.cuda_stream)
+        with torch.cuda.device(device):
+            lib.send(warm_up.data_ptr(), 1, RECEIVER_RANK, comm, sender._stream.cuda_stream)
         sender._wait_sends([(sender._record(), warm_up)], deadline, "warm-up")
         return sender
 
@@ -313,8 +314,10 @@ class NCCLSender(KVSender):
             self._queue.push(Header(DATA, ticket.transfer_id, layer, data.numel(), 0))
             self._stream.wait_event(ready)
             try:
-                self._lib.send(data.data_ptr(), data.numel(), RECEIVER_RANK, self._comm,
-                               self._stream.cuda_stream)
+                # NCCL launches on the calling thread's current device.
+                with torch.cuda.device(self._device):
+                    self._lib.send(data.data_ptr(), data.numel(), RECEIVER_RANK, self._comm,
+                                   self._stream.cuda_stream)
             except KVTransferError as e:
                 # The receiver already posted a receive for the announced bytes.
                 self._error = KVTransferError(f"send failed after its header: {e}")
