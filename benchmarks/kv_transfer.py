@@ -13,6 +13,10 @@ What is timed, per prompt length and dtype, for the default model's KV shape
   scatter or headers: the raw wire).
 * ``pipe_pickle``: the same tensor pickled through a ``multiprocessing`` pipe and
   unpickled (what passing KV through a control plane would cost at best).
+* ``kv_overlap``: ``kvtransfer`` with ``--layer-compute-ms`` of sleep before each
+  ``send_layer``, standing in for the layer's compute (a sleep, so that it does
+  not compete for the cores); its total time includes that compute, so only its
+  ``tail_ms`` is of interest.
 
 ``tail_ms`` is the part of that time after the prefill side handed over its last
 layer (for ``kvtransfer``, when the 30th ``send_layer`` returned; for the peers,
@@ -72,7 +76,8 @@ def _plain_group(host: str, port: int, rank: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(dist.PrefixStore("whole", store), rank, 2, opts)
 
 
-def _prefill_process(conn, data_conn, transport: str, rendezvous: dict, store_port: int) -> None:
+def _prefill_process(conn, data_conn, transport: str, rendezvous: dict, store_port: int,
+                     layer_compute_s: float) -> None:
     """The sending side: runs each command from ``conn`` and answers with its start time."""
     sender = get_transport(transport).sender.connect(rendezvous, timeout_s=60)
     group = _plain_group(rendezvous["host"], store_port, rank=1)
@@ -89,9 +94,11 @@ def _prefill_process(conn, data_conn, transport: str, rendezvous: dict, store_po
             caches[layout.dtype] = _cache(layout, seed=1)
         kv_cache = caches[layout.dtype]
         whole = kv_cache[:, :, src_ids].contiguous()  # same bytes, prepared outside the clock
-        if kind == "kvtransfer":
+        if kind in ("kvtransfer", "kv_overlap"):
             start = time.monotonic()
             for layer in range(layout.num_layers):
+                if kind == "kv_overlap":
+                    time.sleep(layer_compute_s)
                 sender.send_layer(ticket, layer, src_ids, kv_cache)
             handed_over = time.monotonic()
             sender.finish(ticket, timeout_s=60)
@@ -106,7 +113,8 @@ def _prefill_process(conn, data_conn, transport: str, rendezvous: dict, store_po
         conn.send((start, handed_over))
 
 
-def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) -> list[dict]:
+def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int,
+        layer_compute_ms: float) -> list[dict]:
     receiver = get_transport(transport).receiver.listen()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -114,7 +122,8 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
     conn, child_conn = ctx.Pipe()
     data_recv, data_send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_prefill_process,
-                        args=(child_conn, data_send, transport, receiver.rendezvous, store.port))
+                        args=(child_conn, data_send, transport, receiver.rendezvous, store.port,
+                              layer_compute_ms / 1e3))
     child.start()
     group = _plain_group("127.0.0.1", store.port, rank=0)
     results = []
@@ -128,7 +137,7 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
                 num_blocks = -(-num_tokens // BLOCK_SIZE)
                 src_ids, dst_ids = _scattered(num_blocks, seed=2), _scattered(num_blocks, seed=3)
                 nbytes = NUM_LAYERS * num_blocks * layout.bytes_per_block_per_layer
-                for method in ("kvtransfer", "gloo_whole", "pipe_pickle"):
+                for method in ("kvtransfer", "gloo_whole", "pipe_pickle", "kv_overlap"):
                     seconds, tails = [], []
                     for rep in range(reps + 1):
                         transfer_id += 1
@@ -138,7 +147,7 @@ def run(transport: str, tokens_list: list[int], dtypes: list[str], reps: int) ->
                             buffer = torch.empty(nbytes, dtype=torch.uint8)
                             work = group.recv([buffer], 1, 1)
                         conn.send((method, ticket.to_dict(), src_ids))
-                        if method == "kvtransfer":
+                        if method in ("kvtransfer", "kv_overlap"):
                             receiver.receive(ticket, dst_cache, timeout_s=60)
                         elif method == "gloo_whole":
                             work.wait()
@@ -177,11 +186,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--layer-compute-ms", type=float, default=1.0,
+                        help="stand-in compute per layer for kv_overlap (ms)")
     parser.add_argument("--out", required=True, help="JSON file for the results")
     args = parser.parse_args()
     print(f"{'dtype':>9} {'tokens':>7} {'blocks':>7} {'MB':>9} {'method':>12} {'median_ms':>10} {'GB/s':>8} {'tail_ms':>8}")
     load_before = os.getloadavg()
-    results = run(args.transport, args.tokens, args.dtypes, args.reps)
+    results = run(args.transport, args.tokens, args.dtypes, args.reps, args.layer_compute_ms)
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
@@ -189,7 +200,8 @@ def main() -> None:
                     "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]]},
         "layout": {"num_layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "num_kv_heads": NUM_KV_HEADS,
                    "head_dim": HEAD_DIM, "cache_blocks": CACHE_BLOCKS},
-        "transport": args.transport, "reps": args.reps, "results": results,
+        "transport": args.transport, "reps": args.reps, "layer_compute_ms": args.layer_compute_ms,
+        "results": results,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
