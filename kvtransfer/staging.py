@@ -4,18 +4,21 @@ Why headers: neither Gloo nor NCCL can cancel a posted receive. A Gloo receive
 whose wait times out closes the whole pair ("Application timeout caused pair
 closure"), and an NCCL receive that never matches blocks its stream for good. So
 a receiver never posts a receive on the data channel for bytes that are not
-already on their way. The sender first queues the data send, then pushes a
-small header ``(kind, transfer_id, layer, nbytes, tag)`` onto a queue in the
-receiver-hosted ``TCPStore``; the receiver's pump thread pops headers in order,
-posts one exactly sized receive per header into a staging buffer, and files the
-result on an :class:`Arrivals` board. ``receive`` waits on that board (a
-condition variable with a deadline), so a sender that never sends costs the
-waiting caller a timeout and nothing else::
+already (or, for NCCL, about to be) on their way. For every layer the sender
+queues the data send and pushes a small header ``(kind, transfer_id, layer,
+nbytes, tag)`` onto a queue in the receiver-hosted ``TCPStore``; the receiver's
+pump thread pops headers in order and posts one exactly sized receive per
+header into a staging buffer; the layer is filed on an :class:`Arrivals` board
+once the receive completed (Gloo) or with the CUDA event that marks its
+completion (NCCL). ``receive`` waits on that board (a condition variable
+with a deadline), so a sender that never sends costs the waiting caller a
+timeout and nothing else::
 
-    prefill                       TCPStore queue                 decode pump thread
-    send(data, tag) ─────────────────────────────────────────────> recv(staging, tag)
-    queue_push(header) ──────────> [h0, h1, ...] ──── queue_pop ─>  post recv, wait, board.put
-                                                                  receive(): board.take -> index_copy_
+    prefill                    TCPStore queue               decode
+    send(data, tag) ───────────────────────────────────────> recv(staging, tag) posted by the pump
+    queue_push(header) ──> [h0, h1, ...] ── queue_pop ──> pump: post recv per header
+                                                         completion -> board.put(transfer, layer)
+                                                         receive(): board.take -> scatter into kv_cache
 
 The board keeps what arrived before ``receive`` was called, so the wire is
 always drained and the sender never stalls on a slow consumer.
