@@ -42,11 +42,37 @@ class NoRoomError(RuntimeError):
     """The KV pool could not fit the prompt before the reservation timeout."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted while a call for it was on its way."""
+
+
+class _Tombstones:
+    """Ids of requests aborted before they arrived; bounded, oldest forgotten first."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._ids: dict[str, None] = {}
+        self.capacity = capacity
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        if len(self._ids) > self.capacity:
+            del self._ids[next(iter(self._ids))]
+
+    def discard(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+
 @dataclass
 class _Transfer:
+    """A reservation. Its fields change only on the engine loop thread."""
+
     ticket: object
     peer_id: str
-    landed: Future = field(default_factory=Future)   # result None, or the KVTransferError
+    landed: Future = field(default_factory=Future)   # result None, or the transfer's error
+    outcome_known: bool = False
     released: bool = False
 
 
@@ -76,7 +102,7 @@ class DecodeWorker:
         self._receivers: dict[str, object] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._transfer_ids = itertools.count()
-        self._lock = threading.Lock()
+        self._tombstones = _Tombstones()
 
     # -- control plane ------------------------------------------------------------------------
     async def info(self) -> dict:
@@ -112,39 +138,55 @@ class DecodeWorker:
         from tandem.kvtransfer.layout import KVLayout, KVTransferTicket
 
         receiver = self._receivers[peer_id]
+        layout = KVLayout.from_cache(self.engine.kv_cache.tensor)
+        prompt = list(prompt_token_ids)
+
+        def try_reserve() -> dict | None:
+            # On the loop thread: an abort that overtook this call leaves a tombstone.
+            if request_id in self._tombstones:
+                self._tombstones.discard(request_id)
+                raise RequestAbortedError(f"{request_id} was aborted before its reservation")
+            got = self.engine.reserve(request_id, prompt)
+            if got is None:
+                return None
+            ticket = KVTransferTicket(request_id, next(self._transfer_ids), tuple(got[0]),
+                                      got[1], len(prompt), layout)
+            transfer = _Transfer(ticket, peer_id)
+            self._transfers[request_id] = transfer
+            threading.Thread(target=self._receive, args=(receiver, transfer), daemon=True,
+                             name=f"kv-recv-{request_id}").start()
+            return ticket.to_dict()
+
         deadline = time.monotonic() + self.reserve_timeout_s
         delay = 0.005
         while True:
-            got = await asyncio.wrap_future(self.loop.call(self.engine.reserve, request_id,
-                                                           list(prompt_token_ids)))
-            if got is not None:
-                break
+            ticket = await asyncio.wrap_future(self.loop.call(try_reserve))
+            if ticket is not None:
+                return ticket
             if time.monotonic() > deadline:
-                raise NoRoomError(f"{self.worker_id}: no KV room for {len(prompt_token_ids)} "
+                raise NoRoomError(f"{self.worker_id}: no KV room for {len(prompt)} "
                                   f"prompt tokens within {self.reserve_timeout_s} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
-        block_ids, num_cached = got
-        ticket = KVTransferTicket(request_id, next(self._transfer_ids), tuple(block_ids),
-                                  num_cached, len(prompt_token_ids),
-                                  KVLayout.from_cache(self.engine.kv_cache.tensor))
-        transfer = _Transfer(ticket, peer_id)
-        self._transfers[request_id] = transfer
-        threading.Thread(target=self._receive, args=(receiver, transfer), daemon=True,
-                         name=f"kv-recv-{request_id}").start()
-        return ticket.to_dict()
 
     def _receive(self, receiver, transfer: _Transfer) -> None:
+        """Receive thread: land every layer, then report the outcome to the loop thread."""
+        error = None
         try:
             receiver.receive(transfer.ticket, self.engine.kv_cache.tensor, self.transfer_timeout_s)
-            transfer.landed.set_result(None)
         except Exception as exc:   # KVTransferError and friends: the request falls back
             logger.warning("KV transfer for %s failed: %s", transfer.ticket.request_id, exc)
-            transfer.landed.set_exception(exc)
-        with self._lock:
-            release = transfer.released
-        if release:   # released while layers could still land: free the blocks only now
-            self._free_reservation(transfer.ticket.request_id)
+            error = exc
+        self.loop.call(self._landed, transfer, error)
+
+    def _landed(self, transfer: _Transfer, error: BaseException | None) -> None:
+        transfer.outcome_known = True
+        if transfer.released:   # released while layers could still land: free only now
+            self.engine.release(transfer.ticket.request_id)
+        if error is None:
+            transfer.landed.set_result(None)
+        else:
+            transfer.landed.set_exception(error)
 
     async def start_decode(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, first_token_id: int,
@@ -156,7 +198,9 @@ class DecodeWorker:
             True if it decodes from the transferred KV; False if the transfer failed
             and the request is prefilled again here (recompute) instead.
         """
-        transfer = self._transfers.pop(request_id)
+        transfer = self._transfers.get(request_id)
+        if transfer is None:
+            raise RequestAbortedError(f"{request_id}: no reservation (aborted?)")
         req = Request(request_id, list(prompt_token_ids), params,
                       eos_token_id=self.engine.tokenizer.eos_token_id, priority=priority)
         req.output_token_ids.append(first_token_id)
@@ -165,55 +209,70 @@ class DecodeWorker:
         req.num_cached_tokens = num_cached_tokens
         try:
             await asyncio.wrap_future(transfer.landed)
+            ok = True
         except Exception:
-            await asyncio.wrap_future(self.loop.call(self._requeue, req))
-            return False
-        await asyncio.wrap_future(self.loop.call(self._admit, req))
-        return True
+            ok = False
+        return await asyncio.wrap_future(self.loop.call(self._admit, transfer, req, ok))
 
-    def _admit(self, req: Request) -> None:
-        self.engine.add_prefilled_request(req)
-        self.loop.mark_published(req.request_id, 1)
-
-    def _requeue(self, req: Request) -> None:
-        """Transfer failed: free the reservation and prefill prompt + first token here."""
+    def _admit(self, transfer: _Transfer, req: Request, landed_ok: bool) -> bool:
+        """Loop thread: decode from the landed KV, or (transfer failed) prefill here."""
         from tandem.engine.sampler import skip_first_draw
 
-        self.engine.release(req.request_id)
-        skip_first_draw(req, self.engine.model_config.vocab_size)
-        self.engine.scheduler.add_request(req)
-        self.loop.mark_published(req.request_id, 1)
+        rid = req.request_id
+        if self._transfers.get(rid) is not transfer or transfer.released:
+            raise RequestAbortedError(f"{rid} was aborted before it started decoding")
+        del self._transfers[rid]
+        if landed_ok:
+            self.engine.add_prefilled_request(req)
+        else:
+            self.engine.release(rid)
+            skip_first_draw(req, self.engine.model_config.vocab_size)
+            self.engine.scheduler.add_request(req)
+        self.loop.mark_published(rid, 1)
+        return landed_ok
 
-    async def release(self, request_id: str) -> None:
-        """Drop a reservation (the request ends without decoding here)."""
+    async def release(self, request_id: str) -> bool:
+        """Drop a reservation (the request ends without decoding here). Returns
+        whether there was one."""
+        return await asyncio.wrap_future(self.loop.call(self._release, request_id))
+
+    def _release(self, request_id: str) -> bool:
         transfer = self._transfers.pop(request_id, None)
         if transfer is None:
-            return
-        with self._lock:
-            landed = transfer.landed.done()
-            transfer.released = True
-        if landed:
-            await asyncio.wrap_future(self.loop.call(self.engine.release, request_id))
+            return False
+        transfer.released = True
+        if transfer.outcome_known:
+            self.engine.release(request_id)
         else:
-            # Layers may still land in these blocks: let the receive end first.
+            # Layers may still land in these blocks: free them when the receive ends.
             self._receivers[transfer.peer_id].discard(transfer.ticket.transfer_id)
-
-    def _free_reservation(self, request_id: str) -> None:
-        self.loop.call(self.engine.release, request_id)
+        return True
 
     # -- colocated / local requests ------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, priority: int = 0) -> None:
         """Prefill and decode a request here (colocated mode, n > 1, or a fallback)."""
-        await asyncio.wrap_future(self.loop.call(self.engine.add_request, list(prompt_token_ids),
-                                                 params, request_id, priority))
+        def add() -> None:
+            if request_id in self._tombstones:     # aborted while this call was on its way
+                self._tombstones.discard(request_id)
+                raise RequestAbortedError(f"{request_id} was aborted before it was added")
+            self.engine.add_request(list(prompt_token_ids), params, request_id, priority)
+
+        await asyncio.wrap_future(self.loop.call(add))
 
     async def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is (running, waiting, reserved); frees its blocks."""
-        if request_id in self._transfers:
-            await self.release(request_id)
+        """Stop a request wherever it is (reserved, waiting, running); frees its blocks.
+
+        An abort that arrives before the request does leaves a tombstone, so a
+        reservation racing with it is freed as soon as it is made.
+        """
+        return await asyncio.wrap_future(self.loop.call(self._abort, request_id))
+
+    def _abort(self, request_id: str) -> bool:
+        if self._release(request_id) or self.engine.abort_request(request_id):
             return True
-        return await asyncio.wrap_future(self.loop.call(self.engine.abort_request, request_id))
+        self._tombstones.add(request_id)
+        return False
 
     # -- outputs and stats ---------------------------------------------------------------------
     async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:

@@ -66,12 +66,13 @@ class PrefillLoop(EngineLoop):
 
         sampled = eng.runner.execute(out, after_layer if sending else None)
         for rid, ticket, sender, _ in sending:
-            if rid not in failed:
-                try:
-                    sender.finish(ticket, self.transfer_timeout_s)
+            # finish() even after a failed send_layer: it releases the ticket's buffers.
+            try:
+                sender.finish(ticket, self.transfer_timeout_s)
+                if rid not in failed:
                     self.kv_transfer_bytes += ticket.bytes_per_layer * ticket.layout.num_layers
-                except Exception as exc:
-                    failed[rid] = exc
+            except Exception as exc:
+                failed.setdefault(rid, exc)
         for r in eng.scheduler.update(out, sampled):
             self._resolve(r, failed.get(r.request_id))
 

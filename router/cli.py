@@ -1,7 +1,10 @@
 """The ``tandem`` command line.
 
-    tandem generate "prompt" ...          offline: run the engine in this process
-    tandem generate --chat "question" ... the same through the model's chat template
+    tandem serve [--mode disaggregated|colocated]   start a cluster and the gRPC router
+    tandem demo "question" ...                       start a cluster, stream answers, stop
+    tandem generate --endpoint HOST:PORT "prompt"    gRPC client, streaming
+    tandem chat --endpoint HOST:PORT "message"       gRPC client, chat template, streaming
+    tandem generate "prompt" ...                     no endpoint: offline, engine in this process
 """
 
 from __future__ import annotations
@@ -43,7 +46,148 @@ def _sampling_params(args):
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
 
 
+def _engine_config(args):
+    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill))
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--kv-transport", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--cpu-affinity", action="store_true",
+                   help="pin prefill and decode workers to disjoint cores (torch threads to match)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP port for /metrics and /health (0 = any free port)")
+    p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: embedded)")
+    p.add_argument("--prefill-block-size", type=int, default=None,
+                   help="prefill workers' block size if different (must match; for testing)")
+
+
+def _serve_config(args):
+    import dataclasses
+
+    from tandem.engine.config import CacheConfig
+    from tandem.router.launcher import ServeConfig
+
+    engine = _engine_config(args)
+    prefill_engine = None
+    if args.prefill_block_size is not None:
+        prefill_engine = dataclasses.replace(
+            engine, cache=dataclasses.replace(engine.cache, block_size=args.prefill_block_size))
+    return ServeConfig(mode=args.mode, host=args.host, port=args.port,
+                       num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
+                       prefill_engine=prefill_engine, kv_transport=args.kv_transport,
+                       cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
+                       ray_address=args.ray_address)
+
+
+def _cmd_serve(args) -> int:
+    import asyncio
+    import signal
+
+    from tandem.router.launcher import TandemServer
+
+    async def run() -> None:
+        server = await TandemServer(_serve_config(args)).start()
+        extra = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
+            if server.metrics_port else ""
+        print(f"tandem: serving {server.config.mode} on {args.host}:{server.port}{extra}",
+              flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("tandem: shutting down", flush=True)
+        await server.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+def _request(args, text: str, chat: bool):
+    from tandem.v1 import tandem_pb2 as pb
+
+    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, stop=args.stop)
+    if args.seed is not None:
+        sp.seed = args.seed
+    if chat:
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(
+            role="user", content=text)]), sampling=sp, stream=True)
+    return pb.GenerateRequest(prompt=text, sampling=sp, stream=True)
+
+
+def stream_over_grpc(endpoint: str, prompts: list[str], args, chat: bool, out=sys.stdout) -> int:
+    """Send each prompt to ``endpoint`` and print the streamed text as it arrives."""
+    import grpc
+
+    from tandem.v1 import tandem_pb2 as pb
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        for text in prompts:
+            print(f"\n>>> {text}", file=out, flush=True)
+            t0 = time.perf_counter()
+            ttft, final = None, None
+            try:
+                for resp in stub.Generate(_request(args, text, chat)):
+                    if ttft is None and resp.token_ids:
+                        ttft = time.perf_counter() - t0
+                    print(resp.text, end="", file=out, flush=True)
+                    if resp.finish_reason:
+                        final = resp
+            except grpc.RpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+            dt = time.perf_counter() - t0
+            reason = pb.FinishReason.Name(final.finish_reason) if final else "?"
+            n = final.usage.completion_tokens if final else 0
+            print(f"\n[{n} tokens, {reason}, TTFT {1000 * (ttft or 0):.0f} ms, {dt:.2f} s]",
+                  file=out, flush=True)
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    prompts = args.messages or [line.strip() for line in sys.stdin if line.strip()]
+    return stream_over_grpc(args.endpoint, prompts, args, chat=True)
+
+
+def _cmd_demo(args) -> int:
+    import dataclasses
+
+    from tandem.router.launcher import BackgroundServer
+
+    cfg = dataclasses.replace(_serve_config(args), port=0)
+    print(f"tandem: starting a {cfg.mode} cluster (Ray, {cfg.num_prefill} prefill + "
+          f"{cfg.num_decode} decode workers) ...", flush=True)
+    t0 = time.perf_counter()
+    server = BackgroundServer(cfg)
+    print(f"tandem: serving on {server.address} after {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        return stream_over_grpc(server.address, args.prompts, args, chat=not args.raw)
+    finally:
+        server.stop()
+        print("tandem: cluster stopped", flush=True)
+
+
 def _cmd_generate(args) -> int:
+    if args.endpoint:
+        return stream_over_grpc(args.endpoint, args.prompts, args, chat=args.chat)
     from tandem.engine.llm_engine import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -74,12 +218,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text offline (engine in this process)")
+    s = sub.add_parser("serve", help="start a cluster and serve gRPC until interrupted")
+    _add_serve_args(s)
+    _add_engine_args(s)
+    s.set_defaults(func=_cmd_serve)
+
+    d = sub.add_parser("demo", help="start a cluster, stream answers to prompts over gRPC, stop")
+    d.add_argument("prompts", nargs="+")
+    d.add_argument("--raw", action="store_true", help="send prompts as raw text (no chat template)")
+    _add_serve_args(d)
+    _add_engine_args(d)
+    _add_sampling_args(d)
+    d.set_defaults(func=_cmd_demo)
+
+    g = sub.add_parser("generate", help="generate text: via --endpoint, or offline in this process")
     g.add_argument("prompts", nargs="+")
+    g.add_argument("--endpoint", default=None, help="a running server (host:port)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_engine_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with a running server (messages from args or stdin)")
+    c.add_argument("messages", nargs="*")
+    c.add_argument("--endpoint", default="127.0.0.1:50051")
+    _add_sampling_args(c)
+    c.set_defaults(func=_cmd_chat)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

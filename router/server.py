@@ -91,11 +91,10 @@ class TandemService(pb_grpc.TandemServicer):
         decode = self.cluster.pick_decode()
         queue = self.cluster.register(rid, decode)
         trace = self.metrics.request_started(v, decode.worker_id) if self.metrics else None
-        started = False
+        prefill: list[WorkerHandle] = []
         try:
             if self.cluster.disaggregated and params.n == 1:
-                first = await self._remote_prefill(rid, v, decode, trace)
-                started = True
+                first = await self._remote_prefill(rid, v, decode, trace, prefill)
                 if first is not None:
                     for resp in self._emit(v, samples, first, trace):
                         yield resp
@@ -108,7 +107,6 @@ class TandemService(pb_grpc.TandemServicer):
                         first.num_cached_tokens)
             else:
                 await self.cluster.call(decode.actor.add_request, rid, prompt, params, v.priority)
-                started = True
                 if trace is not None:
                     trace.dispatched = time.monotonic()
             while not all(s.finished for s in samples):
@@ -127,19 +125,23 @@ class TandemService(pb_grpc.TandemServicer):
         finally:
             self.cluster.unregister(rid)
             unfinished = [s for s in samples if not s.finished]
-            if unfinished and started:
+            if unfinished:
                 # Client went away (or we failed): stop it on the workers, in the background
-                # because this task may be cancelled.
-                self._spawn(self._abort(rid, decode, unfinished))
+                # because this task may be cancelled. Aborting a request a worker has not
+                # seen yet is safe (it leaves a tombstone there).
+                self._spawn(self._abort(rid, decode, prefill, unfinished))
             if self.metrics and trace is not None:
                 self.metrics.request_finished(trace, samples, aborted=bool(unfinished))
 
-    async def _remote_prefill(self, rid: str, v: ValidatedRequest, decode: WorkerHandle, trace):
-        """Reserve on ``decode``, prefill on a prefill worker. Returns the first token's
-        delta, or None when the decode worker prefills the request itself instead."""
+    async def _remote_prefill(self, rid: str, v: ValidatedRequest, decode: WorkerHandle, trace,
+                              used: list[WorkerHandle]):
+        """Reserve on ``decode``, prefill on a prefill worker (appended to ``used``).
+        Returns the first token's delta, or None when the decode worker prefills the
+        request itself instead."""
         from tandem.kvtransfer.layout import KVLayoutMismatchError
 
         prefill = self.cluster.pick_prefill()
+        used.append(prefill)
         prompt = list(v.prompt_token_ids)
         ticket = await self.cluster.call(decode.actor.reserve, rid, prompt, prefill.worker_id)
         if trace is not None:
@@ -150,7 +152,6 @@ class TandemService(pb_grpc.TandemServicer):
             first = await self.cluster.call(prefill.actor.prefill, rid, prompt, v.sampling_params,
                                             ticket, decode.worker_id, v.priority)
         except asyncio.CancelledError:
-            self._spawn(self._abort_prefill(rid, prefill, decode))
             raise
         except Exception as exc:
             await self.cluster.call(decode.actor.release, rid)
@@ -200,9 +201,15 @@ class TandemService(pb_grpc.TandemServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, rid: str, decode: WorkerHandle, unfinished: list[SampleStream]) -> None:
+    async def _abort(self, rid: str, decode: WorkerHandle, prefill: list[WorkerHandle],
+                     unfinished: list[SampleStream]) -> None:
         if self.metrics:
             self.metrics.request_aborted()
+        for w in prefill:
+            try:
+                await self.cluster.call(w.actor.abort, rid)
+            except Exception as exc:
+                logger.warning("abort of %s on %s failed: %s", rid, w.worker_id, exc)
         try:
             await self.cluster.call(decode.actor.abort, rid)
             for s in unfinished:
@@ -219,13 +226,6 @@ class TandemService(pb_grpc.TandemServicer):
                     await self.cluster.call(w.actor.abort, sample_rid)
                 except Exception as exc:
                     logger.warning("abort of %s failed: %s", base, exc)
-
-    async def _abort_prefill(self, rid: str, prefill: WorkerHandle, decode: WorkerHandle) -> None:
-        try:
-            await self.cluster.call(prefill.actor.abort, rid)
-            await self.cluster.call(decode.actor.release, rid)
-        except Exception as exc:
-            logger.warning("abort of %s during prefill failed: %s", rid, exc)
 
 
 def _is_layout_mismatch(exc: BaseException, cls) -> bool:

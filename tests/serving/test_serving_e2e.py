@@ -1,0 +1,264 @@
+"""End to end through the public gRPC API: real Ray workers, real KV transfer, real model.
+
+Both modes must give the engine core's (and so Hugging Face's) greedy tokens, and
+every request must leave both workers' block pools as it found them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+
+from tandem.v1 import tandem_pb2 as pb
+
+from .conftest import cancel_after
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 24
+
+
+def greedy_req(ids=None, prompt=None, chat=None, max_tokens=NUM_TOKENS, stream=True, **kw):
+    sp = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    if ids is not None:
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sp, stream=stream)
+    if chat is not None:
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content=chat)]), sampling=sp, stream=stream)
+    return pb.GenerateRequest(prompt=prompt, sampling=sp, stream=stream)
+
+
+def token_ids_of(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+@pytest.fixture(scope="module")
+def parity(tokenizer, hf_greedy):
+    from tests.test_engine_parity import parity_prompts
+
+    prompts = parity_prompts(tokenizer)
+    return prompts, [hf_greedy(p, NUM_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["disagg", "coloc"])
+def test_greedy_parity_over_grpc(mode, request, parity):
+    client = request.getfixturevalue(mode)
+    prompts, reference = parity
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: client.generate(greedy_req(ids=p)), prompts))
+    for i, (resp, ref) in enumerate(zip(outs, reference)):
+        assert token_ids_of(resp) == ref, f"prompt {i}"
+        final = resp[-1]
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert final.usage.prompt_tokens == len(prompts[i])
+        assert final.usage.completion_tokens == NUM_TOKENS
+    counts = client.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+
+
+def test_prefill_kv_really_moved(disagg, tokenizer):
+    before = disagg.block_counts()["prefill-0"]["kv_transfer_bytes"]
+    ids = tokenizer.encode("Tell me about the moon. " * 6)
+    disagg.generate(greedy_req(ids=ids, max_tokens=4))
+    after = disagg.block_counts()["prefill-0"]["kv_transfer_bytes"]
+    # 30 layers x K,V x 16 tokens x 3 heads x 64 dims x 4 bytes per block, fp32.
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    assert (after - before) % per_block == 0 and after - before >= per_block
+
+
+def test_sixteen_concurrent_streams(disagg, tokenizer):
+    prompts = [tokenizer.encode(f"Count from {i} to {i + 20}:") for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda p: disagg.generate(greedy_req(ids=p, max_tokens=16)), prompts))
+    for resp in outs:
+        assert len(token_ids_of(resp)) == 16
+        assert resp[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    disagg.wait_idle()
+
+
+def test_modes_agree_on_chat_text(disagg, coloc):
+    req = greedy_req(chat="Name three planets.", max_tokens=20)
+    a, b = disagg.generate(req), coloc.generate(req)
+    assert "".join(r.text for r in a) == "".join(r.text for r in b)
+    assert token_ids_of(a) == token_ids_of(b)
+
+
+def test_model_info_health_reflection(disagg):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    info = disagg.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.model_name, info.block_size, info.dtype, info.vocab_size) == \
+        ("SmolLM2-135M-Instruct", 16, "float32", 49152)
+    assert info.max_model_len == 8192
+    health = health_pb2_grpc.HealthStub(disagg.channel)
+    for service in ("", "tandem.v1.Tandem"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(disagg.channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("mode", ["disagg", "coloc"])
+def test_c03_stop_string_spanning_tokens(mode, request):
+    client = request.getfixturevalue(mode)
+    base = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=40, stream=False))
+    text = base[0].text
+    stop = text[10:17]
+    for stream in (True, False):
+        resp = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=128,
+                                          stream=stream, stop=[stop]))
+        got = "".join(r.text for r in resp)
+        assert got == text[:text.index(stop)]
+        assert resp[-1].finish_reason == pb.FINISH_REASON_STOP and resp[-1].stop_str == stop
+    incl = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=128, stop=[stop],
+                                      include_stop_str_in_output=True))
+    assert "".join(r.text for r in incl) == text[:text.index(stop) + len(stop)]
+    client.wait_idle()
+
+
+def test_c04_several_stop_strings_streamed(disagg):
+    req = dict(prompt="Alice: Hi, Bob!\nBob: Hi,", max_tokens=8)
+    plain = disagg.generate(greedy_req(**req, stream=False, stop=["\n", "Alice:"]))[0]
+    streamed = disagg.generate(greedy_req(**req, stream=True, stop=["\n", "Alice:"]))
+    assert "".join(r.text for r in streamed) == plain.text
+    assert streamed[-1].finish_reason == plain.finish_reason
+    # Without stop strings, the held-back text is all released (nothing dropped).
+    nostop = disagg.generate(greedy_req(**req, stream=False))[0].text
+    cut = min((nostop.index(s) for s in ("\n", "Alice:") if s in nostop), default=len(nostop))
+    assert plain.text == nostop[:cut]
+    disagg.wait_idle()
+
+
+def test_c07_multibyte_utf8_stream(disagg, tokenizer):
+    s = "你好，世界 🎉👍🏽🇯🇵"
+    req = greedy_req(prompt=f"Repeat after me: {s}\nRepeat after me: {s}\nRepeat after me:",
+                     max_tokens=30)
+    streamed = disagg.generate(req)
+    assert all("\ufffd" not in r.text for r in streamed)
+    text = "".join(r.text for r in streamed)
+    req.stream = False
+    assert text == disagg.generate(req)[0].text
+    assert text == tokenizer.decode(token_ids_of(streamed))
+    assert s in text      # Chinese, emoji with a skin-tone modifier and a flag came through whole
+
+
+def test_c08_spaces_in_streamed_text(coloc, tokenizer):
+    req = greedy_req(chat="Write one sentence about the ocean.", max_tokens=30)
+    streamed = coloc.generate(req)
+    text = "".join(r.text for r in streamed)
+    req.stream = False
+    assert text == coloc.generate(req)[0].text == tokenizer.decode(token_ids_of(streamed))
+    assert text.count(" ") >= 3
+
+
+@pytest.mark.parametrize("mode", ["disagg", "coloc"])
+def test_c10_client_disconnect_aborts(mode, request):
+    client = request.getfixturevalue(mode)
+    baseline = client.wait_idle()
+    aborts_before = _counter(client.metrics_text(), "tandem:request_aborts_total")
+    call = client.stub.Generate(greedy_req(prompt="Tell me a very long story.", max_tokens=4096))
+    cancel_after(call, 1.0)
+    got = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for r in call:
+            got += len(r.token_ids)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert got > 0
+    t0 = time.monotonic()
+    after = client.wait_idle(10)
+    assert time.monotonic() - t0 < 5
+    for wid, c in after.items():
+        assert c["num_running"] == 0 and c["num_free_blocks"] == baseline[wid]["num_blocks"], (wid, c)
+    deadline = time.monotonic() + 5
+    while _counter(client.metrics_text(), "tandem:request_aborts_total") < aborts_before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_c11_non_streaming_cancel_repeated(disagg):
+    for _ in range(100):
+        call = disagg.stub.Generate(greedy_req(prompt="Write an endless poem.", max_tokens=2000,
+                                               stream=False))
+        cancel_after(call, 0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    counts = disagg.wait_idle(30)
+    for c in counts.values():
+        assert c["num_running"] == 0 and c["num_waiting"] == 0
+        assert c["num_free_blocks"] == c["num_blocks"]
+    # Still serving.
+    assert len(token_ids_of(disagg.generate(greedy_req(prompt="Hi", max_tokens=3)))) == 3
+
+
+@pytest.mark.parametrize("req,field", [
+    (pb.GenerateRequest(prompt=""), "prompt"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "token_ids"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[])), "chat.messages"),
+    (pb.GenerateRequest(), "input"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), "sampling.temperature"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_k=-5)), "sampling.top_k"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), "token_ids.ids[1]"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=9000)), "sampling.max_tokens"),
+])
+def test_c12_bad_input_invalid_argument_then_serves(disagg, req, field):
+    with pytest.raises(grpc.RpcError) as err:
+        disagg.generate(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()
+    ok = disagg.generate(greedy_req(prompt="Hello", max_tokens=2))
+    assert len(token_ids_of(ok)) == 2
+
+
+def test_c12_empty_user_message_generates(disagg):
+    resp = disagg.generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="")]),
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0)))
+    assert 1 <= len(token_ids_of(resp)) <= 4
+    disagg.wait_idle()
+
+
+def test_max_tokens_one_and_eos_first(disagg):
+    resp = disagg.generate(greedy_req(prompt="Hello world, ", max_tokens=1))
+    assert len(token_ids_of(resp)) == 1 and resp[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    disagg.wait_idle()
+
+
+def test_n_samples_and_logprobs_over_grpc(disagg):
+    req = pb.GenerateRequest(prompt="My favourite colour is", stream=False, sampling=pb.SamplingParams(
+        n=3, max_tokens=5, temperature=1.0, seed=5, ignore_eos=True, logprobs=2))
+    resp = disagg.generate(req)
+    assert sorted(r.index for r in resp) == [0, 1, 2]
+    for r in resp:
+        assert len(r.token_ids) == 5 and len(r.logprobs) == 5
+        assert all(len(lp.top_logprobs) == 2 for lp in r.logprobs)
+    assert resp == disagg.generate(req) or \
+        sorted((r.index, tuple(r.token_ids)) for r in resp) == \
+        sorted((r.index, tuple(r.token_ids)) for r in disagg.generate(req))
+    disagg.wait_idle()
+
+
+def test_seeded_sampling_same_in_both_modes(disagg, coloc):
+    req = pb.GenerateRequest(prompt="Once upon a time", stream=True, sampling=pb.SamplingParams(
+        max_tokens=12, temperature=0.9, seed=1234, ignore_eos=True))
+    assert token_ids_of(disagg.generate(req)) == token_ids_of(coloc.generate(req))
+
+
+def _counter(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                total += s.value
+    return total
