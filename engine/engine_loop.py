@@ -46,6 +46,7 @@ class EngineLoop:
         self._published: dict[str, int] = {}       # request id -> output tokens already sent
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self.error: BaseException | None = None
+        self._last_stats = None
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -74,6 +75,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self.step()
                 else:
+                    self._publish_idle_stats()
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # the worker reports it; the thread must not die silently
@@ -100,14 +102,19 @@ class EngineLoop:
         changed = self.engine.step()
         self.publish(changed, time.perf_counter() - t0)
 
-    def publish(self, changed: list[Request], step_time_s: float = 0.0,
-                extra: list[RequestDelta] = ()) -> None:
-        deltas = [self.delta(r) for r in changed]
-        deltas.extend(extra)
+    def publish(self, changed: list[Request], step_time_s: float = 0.0) -> None:
+        deltas = tuple(self.delta(r) for r in changed)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
-        self.outbox.put(StepOutput(tuple(deltas),
-                                   self.engine.stats(self.worker_id, self.role, num_tokens),
-                                   step_time_s))
+        self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
+        self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s))
+
+    def _publish_idle_stats(self) -> None:
+        """Gauges must settle when the engine goes idle (e.g. after an abort, which
+        runs no step): send the stats once more if they changed."""
+        stats = self.engine.stats(self.worker_id, self.role)
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self.outbox.put(StepOutput((), stats))
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published."""

@@ -140,6 +140,15 @@ class PrefillWorker:
             old.close()
         self._senders[peer_id] = sender
 
+    async def close_kv_channel(self, peer_id: str) -> bool:
+        """Close the pair to decode worker ``peer_id`` (e.g. before re-creating a broken
+        one). Requests for that peer then fail with ``KVTransferError`` until
+        :meth:`connect_kv` runs again. Returns whether there was a pair."""
+        sender = self._senders.pop(peer_id, None)
+        if sender is not None:
+            await asyncio.to_thread(sender.close)
+        return sender is not None
+
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       ticket: dict, peer_id: str, priority: int = 0) -> RequestDelta:
         """Run the prompt, stream its KV to ``peer_id``, sample the first token.
@@ -154,9 +163,13 @@ class PrefillWorker:
         """
         from tandem.kvtransfer.layout import KVLayout, KVTransferTicket, check_compatible
 
+        from tandem.kvtransfer.base import KVTransferError
+
         t = KVTransferTicket.from_dict(ticket)
         check_compatible(KVLayout.from_dict(kv_layout_of(self.engine)), t.layout)
-        sender = self._senders[peer_id]
+        sender = self._senders.get(peer_id)
+        if sender is None:
+            raise KVTransferError(f"{self.worker_id}: no KV channel to {peer_id}")
         first = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                     stop=())
         fut: Future = Future()

@@ -119,6 +119,23 @@ class Cluster:
     def start(self) -> None:
         for w in self.decode:
             self._pumps.append(asyncio.ensure_future(self._pump(w)))
+        for w in self.prefill:
+            self._pumps.append(asyncio.ensure_future(self._watch(w)))
+
+    async def _watch(self, w: WorkerHandle, period_s: float = 1.0) -> None:
+        """Prefill workers send no step outputs: poll their stats, which also shows
+        whether they are alive."""
+        while w.alive:
+            try:
+                w.stats = await asyncio.wait_for(self.call(w.actor.stats), 30.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.mark_dead(w, exc)
+                return
+            if self.on_step is not None:
+                self.on_step(w, StepOutput((), w.stats))
+            await asyncio.sleep(period_s)
 
     async def stop(self) -> None:
         for t in self._pumps:
@@ -166,7 +183,7 @@ class Cluster:
                 break
         else:
             pool.append(w)
-        if w.role != "prefill":
-            self._pumps.append(asyncio.ensure_future(self._pump(w)))
+        watch = self._watch if w.role == "prefill" else self._pump
+        self._pumps.append(asyncio.ensure_future(watch(w)))
         if self.on_health is not None:
             self.on_health(self.healthy)

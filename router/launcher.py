@@ -192,6 +192,55 @@ class TandemServer:
                     self.port, self.config.mode, len(prefill), len(decode))
         return self
 
+    async def restart_worker(self, worker_id: str) -> None:
+        """Start a fresh worker in place of ``worker_id`` (e.g. after it died), wire its
+        KV channels and put it back in service; health returns to SERVING when both
+        kinds are alive again."""
+        import ray
+
+        from tandem.decode_worker.worker import DecodeWorker
+        from tandem.prefill_worker.worker import PrefillWorker
+        from tandem.router.cluster import WorkerHandle
+
+        cfg = self.config
+        old = self.actors.pop(worker_id, None)
+        if old is not None:
+            try:
+                ray.kill(old)
+            except Exception as exc:   # already gone: that is why we restart it
+                logger.debug("kill %s: %s", worker_id, exc)
+        pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
+        index = int(worker_id.rsplit("-", 1)[1])
+        if worker_id.startswith("prefill"):
+            t = threads or len(pre_cpus[index] or [])
+            actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(
+                worker_id, self._engine_config(cfg.prefill_engine or cfg.engine, t),
+                pre_cpus[index], cfg.kv_transport, cfg.transfer_timeout_s)
+            role = "prefill"
+        else:
+            t = threads or len(dec_cpus[index] or [])
+            role = "decode" if cfg.mode == "disaggregated" else "colocated"
+            actor = ray.remote(DecodeWorker).options(num_cpus=0).remote(
+                worker_id, self._engine_config(cfg.engine, t), role, dec_cpus[index],
+                cfg.kv_transport, cfg.transfer_timeout_s)
+        info = await actor.info.remote()
+        self.actors[worker_id] = actor
+        pairs = ([(worker_id, actor, w.worker_id, w.actor, w.info) for w in self.cluster.decode
+                  if w.alive] if role == "prefill" else
+                 [(w.worker_id, w.actor, worker_id, actor, info) for w in self.cluster.prefill
+                  if w.alive])
+        for pid, pactor, did, dactor, dinfo in pairs:
+            rdv = await dactor.open_kv_channel.remote(pid)
+            await pactor.connect_kv.remote(did, rdv, dinfo["kv_layout"])
+        self.cluster.replace(WorkerHandle(worker_id, role, actor, info))
+
+    async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:
+        """(Re-)create the KV pair between two live workers."""
+        p = next(w for w in self.cluster.prefill if w.worker_id == prefill_id)
+        d = next(w for w in self.cluster.decode if w.worker_id == decode_id)
+        rdv = await d.actor.open_kv_channel.remote(prefill_id)
+        await p.actor.connect_kv.remote(decode_id, rdv, d.info["kv_layout"])
+
     def _set_health(self, ok: bool) -> None:
         from grpc_health.v1 import health_pb2
 

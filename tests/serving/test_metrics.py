@@ -1,0 +1,108 @@
+"""Metrics through a real scrape: requests go through gRPC, then ``/metrics`` is read
+over HTTP and parsed with ``prometheus_client.parser``; counters must be exact."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.v1 import tandem_pb2 as pb
+
+from .conftest import Client, cancel_after, serve_config, start_server
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def fresh(ray_session):
+    server = start_server(serve_config("disaggregated", num_blocks=256))
+    client = Client(server)
+    yield client
+    client.close()
+    server.stop()
+
+
+def samples(text: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels) -> float:
+    want = tuple(sorted({"model_name": MODEL, **labels}.items()))
+    return m.get((name, want), 0.0)
+
+
+def total(m: dict, name: str) -> float:
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
+def test_counters_exact_after_real_requests(fresh, tokenizer):
+    prompts = ["Hello there", "The sky is", "One two three"]
+    prompt_tokens = 0
+    for p in prompts:
+        resp = fresh.generate(pb.GenerateRequest(prompt=p, stream=True, sampling=pb.SamplingParams(
+            max_tokens=5, temperature=0, ignore_eos=True)))
+        assert sum(len(r.token_ids) for r in resp) == 5
+        prompt_tokens += resp[-1].usage.prompt_tokens
+    # One that ends on a stop string taken from its own greedy text.
+    base = fresh.generate(pb.GenerateRequest(prompt="A B C D E F", stream=False,
+                                             sampling=pb.SamplingParams(max_tokens=12, temperature=0,
+                                                                        ignore_eos=True)))[0]
+    stop = base.text[4:8]
+    stopped = fresh.generate(pb.GenerateRequest(prompt="A B C D E F", stream=False,
+                                                sampling=pb.SamplingParams(
+                                                    max_tokens=12, temperature=0, ignore_eos=True,
+                                                    stop=[stop])))[0]
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP
+    prompt_tokens += base.usage.prompt_tokens * 2
+    gen_tokens = 15 + len(base.token_ids) + len(stopped.token_ids)
+    # One the client cancels.
+    call = fresh.stub.Generate(pb.GenerateRequest(prompt="Tell me a long story", stream=True,
+                                                  sampling=pb.SamplingParams(
+                                                      max_tokens=2000, ignore_eos=True)))
+    cancel_after(call, 1.0)
+    streamed = 0
+    with pytest.raises(grpc.RpcError):
+        for r in call:
+            streamed += len(r.token_ids)
+    prompt_tokens += len(tokenizer.encode("Tell me a long story"))
+    gen_tokens += streamed
+    # Two invalid ones.
+    for bad in (pb.GenerateRequest(prompt=""), pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=2))):
+        with pytest.raises(grpc.RpcError):
+            fresh.generate(bad)
+    fresh.wait_idle()
+    time.sleep(1.5)          # one more stats round from every worker
+
+    m = samples(fresh.metrics_text())
+    assert value(m, "tandem:request_success_total", finished_reason="length") == 4   # 3 + the base
+    assert value(m, "tandem:request_success_total", finished_reason="stop") == 1
+    assert value(m, "tandem:request_success_total", finished_reason="abort") == 1
+    assert value(m, "tandem:request_aborts_total") == 1
+    assert value(m, "tandem:invalid_requests_total", field="prompt") == 1
+    assert value(m, "tandem:invalid_requests_total", field="sampling") == 1
+    assert value(m, "tandem:prompt_tokens_total") == prompt_tokens
+    assert value(m, "tandem:generation_tokens_total") == gen_tokens
+    for h in ("tandem:e2e_request_latency_seconds", "tandem:request_prompt_tokens",
+              "tandem:request_generation_tokens", "tandem:time_to_first_token_seconds"):
+        assert value(m, h + "_count") == 6, h
+    assert value(m, "tandem:request_generation_tokens_sum") == gen_tokens
+    # Every token after a request's first is one inter-token gap (one sample per request here).
+    assert value(m, "tandem:inter_token_latency_seconds_count") == gen_tokens - 6
+    assert value(m, "tandem:kv_transfer_bytes_total", worker="prefill-0") > 0
+    assert value(m, "tandem:kv_transfer_seconds_count", worker="prefill-0") == 6
+    # Worker gauges are there for both roles, and idle now.
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert ("tandem:num_requests_running",
+                tuple(sorted({"model_name": MODEL, "worker": wid, "role": role}.items()))) in m
+        assert value(m, "tandem:num_requests_running", worker=wid, role=role) == 0
+        assert value(m, "tandem:kv_cache_usage_perc", worker=wid, role=role) == 0
+    assert total(m, "tandem:iteration_tokens_total_count") > 0
+    assert total(m, "tandem:prefix_cache_queries_total") > 0
