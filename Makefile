@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch keeps the venv small; a CUDA machine can install any torch>=2.11.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench proto clean
+.PHONY: setup run run-offline serve test test-fast bench proto clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,11 +21,26 @@ $(VENV)/.deps: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.deps
 
+# The main job: start a disaggregated cluster (Ray: 1 prefill + 1 decode worker, KV
+# streamed between them), stream answers to a few chat prompts through gRPC, shut down.
 run: setup
-	$(BIN)/tandem generate --chat "What is the capital of France?" "Give me three tips for writing clean Python code." "Explain what a KV cache is in one sentence."
+	RAY_AUTH_MODE=disabled $(BIN)/tandem demo --dtype float32 --max-tokens 96 \
+		"What is the capital of France?" \
+		"Give me three tips for writing clean Python code." \
+		"Explain what a KV cache is in one sentence."
+
+# The same answers from the engine alone, in this process (no Ray, no gRPC).
+run-offline: setup
+	$(BIN)/tandem generate --chat --dtype float32 --max-tokens 96 \
+		"What is the capital of France?" \
+		"Give me three tips for writing clean Python code." \
+		"Explain what a KV cache is in one sentence."
+
+serve: setup
+	RAY_AUTH_MODE=disabled $(BIN)/tandem serve --metrics-port 9400
 
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -ra
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"

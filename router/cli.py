@@ -170,9 +170,10 @@ def _cmd_chat(args) -> int:
 def _cmd_demo(args) -> int:
     import dataclasses
 
-    from tandem.router.launcher import BackgroundServer
+    from tandem.router.launcher import BackgroundServer, init_ray
 
     cfg = dataclasses.replace(_serve_config(args), port=0)
+    init_ray(cfg.ray_address)   # from the main thread, so Ray can install its signal handlers
     print(f"tandem: starting a {cfg.mode} cluster (Ray, {cfg.num_prefill} prefill + "
           f"{cfg.num_decode} decode workers) ...", flush=True)
     t0 = time.perf_counter()
