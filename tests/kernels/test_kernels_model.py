@@ -55,3 +55,19 @@ def test_decoder_steps_match_torch_backend(device):
                    for name in backends}
             torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(caches["triton"], caches["torch"], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_greedy_unchanged_with_triton_backend():
+    """The real default model: the engine's greedy tokens with the Triton backend
+    (interpreted on CPU) equal those of the torch backend, batched prefill + decode."""
+    from tandem.engine.llm_engine import LLM
+    from tandem.engine.sampling_params import SamplingParams
+
+    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch")
+    tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton", weights_from=ref)
+    assert tri.engine.backend.name == "triton"
+    prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
+    assert got == want
