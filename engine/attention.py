@@ -100,23 +100,81 @@ class AttentionBackend(ABC):
         """``[T, 2F]`` -> ``[T, F]``."""
 
 
+# numpy has no bfloat16: gather 2-byte elements as int16 (a copy moves bits, not values).
+_BITS_AS = {torch.bfloat16: torch.int16, torch.float16: torch.float16,
+            torch.float32: torch.float32}
+
+
+def gather_blocks_cpu(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]`` for a CPU cache ``[NB, BS, Hkv, D]`` -> ``[n, BS, Hkv, D]``.
+
+    numpy's fancy indexing copies whole rows with memcpy; torch's CPU
+    ``index_select`` is several times slower here (measured 1.4 ms vs 8 ms for
+    2,560 bf16 blocks of 6 KiB on 2 cores).
+    """
+    nb = cache.shape[0]
+    rows = cache.view(nb, -1).view(_BITS_AS[cache.dtype]).numpy()
+    out = torch.from_numpy(rows[block_ids.numpy()])
+    return out.view(cache.dtype).view(-1, *cache.shape[1:])
+
+
+def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         max_seq_len: int) -> torch.Tensor:
+    """Paged decode attention for CPU tensors, same contract as
+    :func:`tandem.kernels.reference.paged_decode_attention_ref` (``[B, Hq, D]``).
+
+    Grouped-query attention as two dense batched matmuls: the gathered K/V stay in
+    their cache layout ``[B, L, Hkv * D]`` and the queries are spread into a
+    block-diagonal ``[B, Hq, Hkv * D]`` matrix (query head ``h`` only has entries
+    in its KV head's ``D`` columns). That multiplies ``Hkv`` times more zeros than
+    needed, but decode attention is bound by reading K/V, and contiguous bmm
+    operands avoid the permute copies a per-head layout would need.
+    """
+    b, hq, d = query.shape
+    bs, hkv = key_cache.shape[1], key_cache.shape[2]
+    g = hq // hkv
+    nblk = (max_seq_len + bs - 1) // bs
+    length = nblk * bs
+    ids = block_tables[:, :nblk].reshape(-1).long()
+    k = gather_blocks_cpu(key_cache, ids).view(b, length, hkv * d)
+    v = gather_blocks_cpu(value_cache, ids).view(b, length, hkv * d)
+    q_bd = query.new_zeros(b, hkv, g, hkv, d)
+    q_bd.diagonal(dim1=1, dim2=3).copy_(query.view(b, hkv, g, d).permute(0, 2, 3, 1))
+    scores = torch.bmm(q_bd.view(b, hq, hkv * d), k.transpose(1, 2)).float()   # [B, Hq, L]
+    scores *= scale
+    pad = torch.arange(length)[None, :] >= seq_lens[:, None].long()
+    scores.masked_fill_(pad[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value_cache.dtype)
+    full = torch.bmm(probs, v)                                                 # [B, Hq, Hkv*D]
+    out = full.view(b, hkv, g, hkv, d).diagonal(dim1=1, dim2=3)                # [B, G, D, Hkv]
+    return out.permute(0, 3, 1, 2).reshape(b, hq, d)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """The CPU path: the torch references of :mod:`tandem.kernels.reference`."""
+    """The CPU path: torch ops (the references of :mod:`tandem.kernels.reference`, and a
+    faster equivalent for decode attention on CPU tensors)."""
 
     name = "torch"
+
+    @staticmethod
+    def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
+        if query.device.type == "cpu":
+            return decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens,
+                                        scale, max_seq_len)
+        return ref.paged_decode_attention_ref(query, key_cache, value_cache, block_tables,
+                                              seq_lens, scale, max_seq_len)
 
     def attention(self, query, key, value, key_cache, value_cache, meta, scale):
         ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return ref.paged_decode_attention_ref(
-                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                meta.max_seq_len)
+            return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                scale, meta.max_seq_len)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = ref.paged_decode_attention_ref(
-                query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                scale, max(meta.seq_lens_cpu[:nd]))
+            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
+                                    meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]))
         qsl = meta.query_start_loc_cpu
         hq, hkv = query.shape[1], key.shape[1]
         for i in range(nd, meta.num_seqs):

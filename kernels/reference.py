@@ -114,15 +114,24 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  gqa: bool) -> torch.Tensor:
-    """q ``[H, q_len, D]`` are the last q_len positions of k/v ``[Hkv, S, D]``."""
+    """q ``[H, q_len, D]`` are the last q_len positions of k/v ``[Hkv, S, D]``.
+
+    Inputs go to SDPA as 4-D tensors with an additive float mask: on CPU that
+    selects the fused flash kernel, while 3-D inputs or a boolean mask fall back
+    to the unfused math path (measured 5x slower for 1,500 tokens).
+    """
     q_len, s = q.shape[1], k.shape[1]
+    q4, k4, v4 = q[None], k[None], v[None]
     if q_len == s:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out[0]
     # Query j sits at position (s - q_len + j) and sees keys 0..that position.
     pos = torch.arange(s - q_len, s, device=q.device)[:, None]
-    mask = torch.arange(s, device=q.device)[None, :] <= pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    hidden = torch.arange(s, device=q.device)[None, :] > pos
+    mask = torch.zeros(q_len, s, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
