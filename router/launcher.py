@@ -92,6 +92,23 @@ def init_ray(address: str | None = None) -> None:
                                            "TOKENIZERS_PARALLELISM": "false"}})
 
 
+def actor_options(role: str, engine: EngineConfig) -> dict:
+    """Ray placement for a worker: on a cluster whose nodes advertise a ``prefill`` /
+    ``decode`` custom resource (deploy/ray, deploy/kubernetes) each worker takes one
+    unit of its kind, and a GPU when it runs on CUDA; an embedded cluster has no such
+    resources and any node will do.
+    """
+    import ray
+
+    opts: dict = {"num_cpus": 0}
+    kind = "prefill" if role == "prefill" else "decode"
+    if ray.cluster_resources().get(kind, 0) > 0:
+        opts["resources"] = {kind: 1}
+    if engine.device.startswith("cuda"):
+        opts["num_gpus"] = 1
+    return opts
+
+
 class TandemServer:
     """A running cluster: workers, KV channels, router and (optionally) metrics.
 
@@ -125,7 +142,7 @@ class TandemServer:
         for i in range(cfg.num_decode):
             wid = f"{role}-{i}"
             t = threads or len(dec_cpus[i] or [])
-            decode[wid] = ray.remote(DecodeWorker).options(num_cpus=0, name=None).remote(
+            decode[wid] = ray.remote(DecodeWorker).options(**actor_options(role, cfg.engine)).remote(
                 wid, self._engine_config(cfg.engine, t), role, dec_cpus[i], cfg.kv_transport,
                 cfg.transfer_timeout_s)
         prefill = {}
@@ -134,7 +151,8 @@ class TandemServer:
             for i in range(cfg.num_prefill):
                 wid = f"prefill-{i}"
                 t = threads or len(pre_cpus[i] or [])
-                prefill[wid] = ray.remote(PrefillWorker).options(num_cpus=0).remote(
+                prefill[wid] = ray.remote(PrefillWorker).options(
+                    **actor_options("prefill", pcfg)).remote(
                     wid, self._engine_config(pcfg, t), pre_cpus[i], cfg.kv_transport,
                     cfg.transfer_timeout_s)
         return prefill, decode
@@ -213,14 +231,15 @@ class TandemServer:
         index = int(worker_id.rsplit("-", 1)[1])
         if worker_id.startswith("prefill"):
             t = threads or len(pre_cpus[index] or [])
-            actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(
-                worker_id, self._engine_config(cfg.prefill_engine or cfg.engine, t),
+            pcfg = cfg.prefill_engine or cfg.engine
+            actor = ray.remote(PrefillWorker).options(**actor_options("prefill", pcfg)).remote(
+                worker_id, self._engine_config(pcfg, t),
                 pre_cpus[index], cfg.kv_transport, cfg.transfer_timeout_s)
             role = "prefill"
         else:
             t = threads or len(dec_cpus[index] or [])
             role = "decode" if cfg.mode == "disaggregated" else "colocated"
-            actor = ray.remote(DecodeWorker).options(num_cpus=0).remote(
+            actor = ray.remote(DecodeWorker).options(**actor_options(role, cfg.engine)).remote(
                 worker_id, self._engine_config(cfg.engine, t), role, dec_cpus[index],
                 cfg.kv_transport, cfg.transfer_timeout_s)
         info = await actor.info.remote()
