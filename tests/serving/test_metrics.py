@@ -106,3 +106,22 @@ def test_counters_exact_after_real_requests(fresh, tokenizer):
         assert value(m, "tandem:kv_cache_usage_perc", worker=wid, role=role) == 0
     assert total(m, "tandem:iteration_tokens_total_count") > 0
     assert total(m, "tandem:prefix_cache_queries_total") > 0
+
+
+def test_one_structured_log_line_per_request_without_prompt_text(fresh, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="tandem.requests")
+    secret = "zebra-quartz-unusual-words"
+    resp = fresh.generate(pb.GenerateRequest(prompt=secret, request_id="log-check-1", stream=True,
+                                             sampling=pb.SamplingParams(max_tokens=3, temperature=0,
+                                                                        ignore_eos=True)))
+    assert sum(len(r.token_ids) for r in resp) == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.requests"
+             and "id=log-check-1" in r.getMessage()]
+    assert len(lines) == 1
+    line = lines[0]
+    for field in ("prompt_tokens=", "output_tokens=3", "cached_tokens=", "ttft_s=", "tpot_s=",
+                  "finish_reason=length", "prefill_worker=prefill-0", "decode_worker=decode-0"):
+        assert field in line, (field, line)
+    assert secret not in line and "zebra" not in caplog.text
