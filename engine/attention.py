@@ -118,9 +118,37 @@ def gather_blocks_cpu(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     return out.view(cache.dtype).view(-1, *cache.shape[1:])
 
 
+_DECODE_GROUP = 16   # sequences per padded group in CPU decode attention
+
+
 def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          max_seq_len: int) -> torch.Tensor:
+    """Paged decode attention for CPU tensors (see :func:`_decode_attention_group`).
+
+    Large batches are sorted by context length and cut into groups of
+    ``_DECODE_GROUP`` sequences, each padded only to its own longest context, so
+    short sequences do not pay for the longest one's padding.
+    """
+    b = query.shape[0]
+    if b <= _DECODE_GROUP:
+        return _decode_attention_group(query, key_cache, value_cache, block_tables, seq_lens,
+                                       scale, max_seq_len)
+    lens = seq_lens.tolist()
+    order = sorted(range(b), key=lens.__getitem__)
+    out = torch.empty_like(query)
+    for start in range(0, b, _DECODE_GROUP):
+        rows = order[start:start + _DECODE_GROUP]
+        idx = torch.tensor(rows)
+        out[idx] = _decode_attention_group(query[idx], key_cache, value_cache, block_tables[idx],
+                                           seq_lens[idx], scale, max(lens[r] for r in rows))
+    return out
+
+
+def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, max_seq_len: int
+                            ) -> torch.Tensor:
     """Paged decode attention for CPU tensors, same contract as
     :func:`tandem.kernels.reference.paged_decode_attention_ref` (``[B, Hq, D]``).
 

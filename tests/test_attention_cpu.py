@@ -12,8 +12,8 @@ from tandem.kernels.reference import paged_decode_attention_ref
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
 def test_decode_attention_cpu_matches_reference(dtype, atol, hq, hkv, d):
     g = torch.Generator().manual_seed(hq * d)
-    nb, bs = 64, 16
-    seq_lens = torch.tensor([1, 17, 33, 130, 16], dtype=torch.int32)
+    nb, bs = 256, 16
+    seq_lens = torch.tensor([1, 17, 33, 130, 16] * 4, dtype=torch.int32)   # 20 rows: two groups
     nblk = (int(seq_lens.max()) + bs - 1) // bs
     tables = torch.randperm(nb, generator=g)[:len(seq_lens) * (nblk + 1)].view(len(seq_lens), -1)
     kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
