@@ -11,8 +11,10 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session():
+    """One embedded Ray for the serving tests, shut down when they are done (other
+    tests start clusters of their own in subprocesses)."""
     import ray
 
     from tandem.router.launcher import init_ray
