@@ -25,6 +25,25 @@ copy ``(b1, fresh)`` is queued: copy-on-write. ``b2`` is a fresh block.
 A block becomes findable by hash only in :meth:`KVCacheManager.cache_blocks`,
 after the forward pass that wrote its last token: a block that was allocated but
 only partly written (the request was cancelled mid-step) never enters the cache.
+
+Swap (preemption to host memory)::
+
+    swap_out(rid)      device table -> host blocks; device blocks released
+    swap_in(rid)       host blocks -> device blocks (cached ones reused by hash)
+    take_pending_swaps()                                  # run by the model runner
+
+Block operations of one step are queued in three lists and executed by the
+model runner in the fixed order swap-out, swap-in, copy-on-write, forward. That
+order gives the same result as the order of the calls, whatever they were:
+
+* a swap-out reads blocks whose content is final: a request with blocks written
+  by a pending copy or swap-in cannot be swapped out (``swap_out`` raises);
+* a copy's source cannot become a swap-in destination: the copy holds a
+  reference on it until :meth:`KVCacheManager.take_pending_copies`;
+* a swap-in's host source cannot become a swap-out destination: it is released
+  by :meth:`KVCacheManager.take_pending_swaps`;
+* freeing a request drops queued operations whose destination became free, so
+  no stale write lands in a block handed out again in the same step.
 """
 
 from __future__ import annotations
@@ -33,19 +52,26 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from tandem.engine.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tandem.engine.kv_swap import HostBlockPool, KVSwapMixin
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(KVSwapMixin):
     """Block tables of all requests, keyed by ``request_id``.
 
+    A request is *device-resident* (its block table is in ``req_to_blocks``),
+    *swapped* (its host block table is in ``req_to_host_blocks``; the swap
+    operations are in :class:`~tandem.engine.kv_swap.KVSwapMixin`) or unknown;
+    never two of these.
+
     Args:
-        num_blocks: blocks in the pool.
+        num_blocks: device blocks in the pool.
         block_size: tokens per block (> 0).
         enable_caching: prefix caching on or off.
+        num_host_blocks: host blocks for swapped-out requests (0: no swapping).
 
     Attributes:
         prefix_cache_queries: tokens looked up by :meth:`get_computed_blocks`
@@ -53,21 +79,31 @@ class KVCacheManager:
         prefix_cache_hits: of those, tokens found cached.
 
     Raises:
-        ValueError: ``block_size`` < 1 or ``num_blocks`` < 1.
+        ValueError: ``block_size`` < 1, ``num_blocks`` < 1 or ``num_host_blocks`` < 0.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = HostBlockPool(num_host_blocks)
         self.req_to_blocks: dict[str, list[Block]] = {}
+        self.req_to_host_blocks: dict[str, list[int]] = {}
         # Chained hashes of the request's first len(...) blocks, as far as they
         # have been hashed; extended by cache_blocks so each call is O(new blocks).
-        # Invariant: same keys as req_to_blocks; len <= len(block table).
+        # Invariant: keys are the device-resident and swapped requests;
+        # len <= len(block table).
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._copy_sources: list[Block] = []     # one reference each, aligned with _pending_copies
+        self._pending_swap_out: list[tuple[int, int]] = []   # (device id, host id)
+        self._pending_swap_in: list[tuple[int, int]] = []    # (host id, device id)
+        # Sources of queued swap-ins: released by take_pending_swaps, so that no
+        # swap-out of the same step can overwrite them before they are read.
+        self._host_blocks_to_release: list[int] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -92,8 +128,34 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def num_blocks_of(self, request_id: str) -> int:
-        """Blocks in the request's block table; 0 for an unknown request."""
+        """Blocks in the request's (device) block table; 0 for an unknown request."""
         return len(self.req_to_blocks.get(request_id, ()))
+
+    def num_shared_cached_prefix_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's table that are cached and held by another
+        request too: they stay on the device if this request is preempted, and a
+        lookup by hash finds them again. 0 for a request holding no device blocks."""
+        n = 0
+        for block in self.req_to_blocks.get(request_id, ()):
+            if block.block_hash is None or block.ref_cnt < 2:
+                break
+            n += 1
+        return n
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks
+
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        """A swapped request's host block table; ``[]`` for any other request."""
+        return list(self.req_to_host_blocks.get(request_id, ()))
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_host_blocks
 
     # -- prefix cache lookup ----------------------------------------------------
 
@@ -121,6 +183,19 @@ class KVCacheManager:
         del request_id
         if not self.enable_caching:
             return [], 0
+        blocks = self.find_cached_prefix(token_ids)
+        num_computed_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_computed_tokens
+        return blocks, num_computed_tokens
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+        """The blocks :meth:`get_computed_blocks` would return, without counting a query.
+
+        For planning (the scheduler sizing a request it may not admit).
+        """
+        if not self.enable_caching:
+            return []
         bs = self.block_size
         max_hit_blocks = max(len(token_ids) - 1, 0) // bs
         blocks: list[Block] = []
@@ -132,10 +207,7 @@ class KVCacheManager:
                 break
             blocks.append(block)
             parent = block_hash
-        num_computed_tokens = len(blocks) * bs
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_computed_tokens
-        return blocks, num_computed_tokens
+        return blocks
 
     # -- allocation -------------------------------------------------------------
 
@@ -169,13 +241,74 @@ class KVCacheManager:
             ValueError: a negative count; ``new_computed_blocks`` for a request
                 that already holds blocks, or one of them no longer cached (it
                 was evicted since the lookup); ``num_computed_tokens`` beyond the
-                blocks the request holds. Nothing is changed.
+                blocks the request holds; a swapped request (swap it in
+                first). Nothing is changed.
+        """
+        hits = list(new_computed_blocks)
+        num_fresh, cow_indices, num_taken_free_hits = self._plan(
+            request_id, num_computed_tokens, num_new_tokens, hits)
+        num_available = self.block_pool.num_free_blocks - num_taken_free_hits
+        if num_fresh + len(cow_indices) > num_available:
+            return False
+
+        bs = self.block_size
+        self.block_pool.touch(hits)
+        table = self.req_to_blocks.setdefault(request_id, [])
+        table.extend(hits)
+        block_hashes = self.req_to_block_hashes.setdefault(request_id, [])
+        block_hashes.extend(b.block_hash for b in hits)
+        new_blocks = self.block_pool.get_new_blocks(len(cow_indices) + num_fresh)
+        replaced: list[Block] = []
+        for i, new in zip(cow_indices, new_blocks):
+            old = table[i]
+            if i * bs < num_computed_tokens:
+                # Keep this request's tokens [i * bs, num_computed_tokens). The
+                # request's reference on the source moves to the copy and is
+                # dropped by take_pending_copies: until the copy has been handed
+                # to the runner, the source cannot be freed and reused.
+                self._pending_copies.append((old.block_id, new.block_id))
+                self._copy_sources.append(old)
+            else:
+                replaced.append(old)
+            table[i] = new
+            # Block i is being rewritten: the request's hash chain ends before it.
+            del block_hashes[i:]
+        table.extend(new_blocks[len(cow_indices):])
+        # Released only after get_new_blocks, so a replaced block is never
+        # handed back as its own copy.
+        self.block_pool.free_blocks(reversed(replaced))
+        return True
+
+    def num_new_blocks_needed(self, request_id: str, num_computed_tokens: int,
+                              num_new_tokens: int,
+                              new_computed_blocks: Iterable[Block] = ()) -> int:
+        """Free blocks :meth:`allocate_slots` with the same arguments would take.
+
+        Fresh blocks plus copy-on-write copies plus free cached blocks among
+        ``new_computed_blocks`` (each leaves the free block queue). Changes nothing.
+
+        Raises:
+            ValueError: as :meth:`allocate_slots`.
+        """
+        num_fresh, cow_indices, num_taken_free_hits = self._plan(
+            request_id, num_computed_tokens, num_new_tokens, list(new_computed_blocks))
+        return num_fresh + len(cow_indices) + num_taken_free_hits
+
+    def _plan(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+              hits: list[Block]) -> tuple[int, list[int], int]:
+        """Validate an allocation and size it without mutating anything.
+
+        Returns:
+            ``(num_fresh, cow_indices, num_taken_free_hits)``: blocks to append,
+            table indices to replace by a copy, and distinct free blocks among
+            ``hits``.
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_computed_tokens="
                              f"{num_computed_tokens}, num_new_tokens={num_new_tokens}")
+        if request_id in self.req_to_host_blocks:
+            raise ValueError(f"request {request_id!r} is swapped out; swap it in first")
         bs = self.block_size
-        hits = list(new_computed_blocks)
         table = self.req_to_blocks.get(request_id, [])
         if hits:
             if table:
@@ -189,8 +322,6 @@ class KVCacheManager:
         if num_computed_tokens > len(held) * bs:
             raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens "
                              f"do not fit in its {len(held)} blocks of {bs} tokens")
-
-        # Plan without mutating, so that failure changes nothing.
         num_fresh = max(0, _cdiv(num_computed_tokens + num_new_tokens, bs) - len(held))
         cow_indices: list[int] = []
         if num_new_tokens:
@@ -202,40 +333,19 @@ class KVCacheManager:
                 if held[i].ref_cnt > 1 or held[i].block_hash is not None:
                     cow_indices.append(i)
         num_taken_free_hits = len({b.block_id for b in hits if b.ref_cnt == 0})
-        num_available = self.block_pool.num_free_blocks - num_taken_free_hits
-        if num_fresh + len(cow_indices) > num_available:
-            return False
-
-        self.block_pool.touch(hits)
-        table = self.req_to_blocks.setdefault(request_id, [])
-        table.extend(hits)
-        block_hashes = self.req_to_block_hashes.setdefault(request_id, [])
-        block_hashes.extend(b.block_hash for b in hits)
-        new_blocks = self.block_pool.get_new_blocks(len(cow_indices) + num_fresh)
-        replaced: list[Block] = []
-        for i, new in zip(cow_indices, new_blocks):
-            old = table[i]
-            if i * bs < num_computed_tokens:
-                # Keep this request's tokens [i * bs, num_computed_tokens).
-                self._pending_copies.append((old.block_id, new.block_id))
-            table[i] = new
-            replaced.append(old)
-            # Block i is being rewritten: the request's hash chain ends before it.
-            del block_hashes[i:]
-        table.extend(new_blocks[len(cow_indices):])
-        # Released only after get_new_blocks, so a replaced block is never
-        # handed back as its own copy.
-        self.block_pool.free_blocks(reversed(replaced))
-        return True
+        return num_fresh, cow_indices, num_taken_free_hits
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write copies queued since the last call, as ``(src_block_id, dst_block_id)``.
 
         The model runner must execute them in order (a later copy may read an
         earlier one's destination), before the forward pass that writes the new
-        tokens. Clears the queue.
+        tokens. Clears the queue and releases the references the copies held
+        on their sources.
         """
         copies, self._pending_copies = self._pending_copies, []
+        self.block_pool.free_blocks(reversed(self._copy_sources))
+        self._copy_sources = []
         return copies
 
     def fork(self, parent_request_id: str, child_request_id: str) -> None:
@@ -251,7 +361,7 @@ class KVCacheManager:
         """
         if parent_request_id not in self.req_to_blocks:
             raise KeyError(f"fork: unknown parent request {parent_request_id!r}")
-        if child_request_id in self.req_to_blocks:
+        if child_request_id in self.req_to_blocks or child_request_id in self.req_to_host_blocks:
             raise ValueError(f"fork: request {child_request_id!r} already holds blocks")
         table = self.req_to_blocks[parent_request_id]
         self.block_pool.touch(table)
@@ -311,36 +421,53 @@ class KVCacheManager:
         that order, so under LRU a sequence's tail blocks are evicted before its
         head blocks (the head is the prefix most likely to be shared again).
 
+        A swapped request's host blocks are released instead. Queued copies,
+        swap-ins and swap-outs whose destination is now free are dropped: the
+        block may be handed out again in this step, and a stale operation
+        executed later in the step would overwrite its new owner's data.
+
         Returns:
-            ``True`` if the request held a block table, ``False`` (no-op) otherwise.
+            ``True`` if the request held a block table (device or host),
+            ``False`` (no-op) otherwise.
         """
+        if self._free_swapped(request_id):
+            return True
         table = self.req_to_blocks.pop(request_id, None)
         if table is None:
             return False
         del self.req_to_block_hashes[request_id]
         self.block_pool.free_blocks(reversed(table))
+        freed = {b.block_id for b in table if b.ref_cnt == 0}
+        if freed and any(dst in freed for _, dst in self._pending_copies):
+            keep = [dst not in freed for _, dst in self._pending_copies]
+            dropped = [b for b, k in zip(self._copy_sources, keep) if not k]
+            self._pending_copies = [p for p, k in zip(self._pending_copies, keep) if k]
+            self._copy_sources = [b for b, k in zip(self._copy_sources, keep) if k]
+            self.block_pool.free_blocks(reversed(dropped))
+        if freed and self._pending_swap_in:
+            self._pending_swap_in = [p for p in self._pending_swap_in if p[1] not in freed]
         return True
-
-    # -- swap (preemption to host memory) ---------------------------------------
-    # swap_out(request_id) / swap_in(request_id) go here: a second BlockPool
-    # sized in host blocks, the request's table moved between the two, and the
-    # (device_block_id, host_block_id) pairs queued for the model runner the way
-    # take_pending_copies queues copy-on-write pairs. Like allocate_slots, both
-    # must check capacity first and change nothing when it is short.
 
     # -- checks -----------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Check the pool's invariants and that block tables account for every reference.
+        """Check both pools and that block tables account for every reference.
+
+        Device: free + in use == total, and ref counts equal block-table
+        references. Host: free + in use == total, and the blocks in use are
+        exactly the swapped requests' host tables plus the swap-in sources not
+        yet released.
 
         Raises:
             AssertionError: naming the first violated invariant.
         """
         pool = self.block_pool
         pool.check_invariants()
-        assert self.req_to_block_hashes.keys() == self.req_to_blocks.keys(), (
-            "requests with a hash chain differ from requests with a block table")
-        refs: Counter[int] = Counter()
+        self._check_swap_invariants()
+        refs: Counter[int] = Counter(b.block_id for b in self._copy_sources)
+        assert len(self._copy_sources) == len(self._pending_copies) and all(
+            b.block_id == src for b, (src, _) in zip(self._copy_sources, self._pending_copies)), (
+            "pending copies and the references held on their sources disagree")
         for request_id, table in self.req_to_blocks.items():
             refs.update(b.block_id for b in table)
             block_hashes = self.req_to_block_hashes[request_id]
@@ -354,7 +481,8 @@ class KVCacheManager:
         total_refs = sum(refs.values())
         total_ref_cnt = sum(b.ref_cnt for b in pool.blocks)
         assert total_refs == total_ref_cnt, (
-            f"block tables hold {total_refs} references, ref counts sum to {total_ref_cnt}")
+            f"block tables (and pending copies) hold {total_refs} references, ref counts "
+            f"sum to {total_ref_cnt}")
         for block in pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt != {refs[block.block_id]} block-table references")

@@ -1,0 +1,273 @@
+"""Swap: the host block pool and moving a request's block table between device and host.
+
+Plain Python, no torch: a host block is only an id; the model runner owns the
+host tensor whose block ``i`` is ``KVCache.host_tensor[:, :, i]`` and executes
+the queued ``(device_block_id, host_block_id)`` / ``(host_block_id,
+device_block_id)`` pairs.
+
+Swapping is one of the two preemption modes of Kwon et al. 2023 ("Efficient
+Memory Management for Large Language Model Serving with PagedAttention",
+section 4.5): a preempted request's KV blocks are copied to host memory and its
+device blocks freed; when it resumes they are copied back, and it continues
+from the same token with the same KV, so its output is unchanged. (The other
+mode, recompute, frees the blocks and prefills the request again.)
+
+Unlike the device :class:`~tandem.engine.block_pool.BlockPool` the host pool
+has no prefix cache and no sharing: a host block holds one swapped-out
+request's copy of one device block, from swap-out until swap-in or abort, so a
+free list and the set of blocks in use are all it needs (vLLM v0 kept a
+separate CPU block allocator in the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tandem.engine.block_pool import Block, NoFreeBlocksError
+
+
+class HostBlockPool:
+    """Ids ``0 .. num_blocks - 1`` of host KV blocks: free or in use.
+
+    Args:
+        num_blocks: host blocks (>= 0; 0 means swapping is impossible and every
+            preemption falls back to recompute).
+
+    Raises:
+        ValueError: ``num_blocks`` < 0.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        # A stack: the most recently freed block is reused first (its pages are
+        # the likeliest to be resident). Reversed so a fresh pool hands out 0, 1, 2, ...
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._in_use: set[int] = set()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._in_use)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` free host blocks.
+
+        Raises:
+            ValueError: ``num_blocks`` < 0.
+            NoFreeBlocksError: fewer free host blocks than asked for; nothing changed.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(
+                f"asked for {num_blocks} host blocks, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(num_blocks)]
+        self._in_use.update(out)
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Return host blocks to the pool.
+
+        Raises:
+            ValueError: an id is not in use (double free, or repeated in
+                ``block_ids``); then nothing is changed.
+        """
+        block_ids = list(block_ids)
+        if len(set(block_ids)) != len(block_ids) or not self._in_use.issuperset(block_ids):
+            raise ValueError(f"freeing host blocks {block_ids}: not all in use, or repeated")
+        self._in_use.difference_update(block_ids)
+        self._free.extend(block_ids)
+
+    def is_in_use(self, block_id: int) -> bool:
+        return block_id in self._in_use
+
+    def check_invariants(self) -> None:
+        """free + in use == total, each id exactly once.
+
+        Raises:
+            AssertionError: naming the violated invariant.
+        """
+        free = set(self._free)
+        assert len(free) == len(self._free), "a host block is in the free list twice"
+        assert not free & self._in_use, f"host blocks both free and in use: {free & self._in_use}"
+        assert free | self._in_use == set(range(self.num_blocks)), (
+            "host block ids outside the pool, or missing from both lists")
+        assert len(self._free) + len(self._in_use) == self.num_blocks, (
+            f"host free {len(self._free)} + in use {len(self._in_use)} != total {self.num_blocks}")
+
+
+class KVSwapMixin:
+    """Swap-out / swap-in of :class:`~tandem.engine.kv_cache_manager.KVCacheManager`.
+
+    Uses the manager's ``block_pool``, ``host_pool``, ``req_to_blocks``,
+    ``req_to_host_blocks``, ``req_to_block_hashes`` and its queues of pending
+    copies, swap-outs, swap-ins and host blocks to release; kept apart from the
+    manager only to keep each module about one concern.
+    """
+
+    def can_swap_out(self, request_id: str) -> bool:
+        """The request is device-resident and the host pool can hold its whole table."""
+        table = self.req_to_blocks.get(request_id)
+        return table is not None and len(table) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request_id: str) -> bool:
+        """Move the request's block table to host blocks (Kwon et al. 2023, section 4.5).
+
+        Every device block of the table gets a host block and a queued
+        ``(device_block_id, host_block_id)`` copy; then the device blocks are
+        released as by :meth:`free` (tail first; a cached block keeps its hash
+        and stays findable). A block shared with another request is copied too
+        and stays allocated to that request. The request's hash chain is kept
+        for :meth:`swap_in`.
+
+        Returns:
+            ``True`` on success; ``False`` if the host pool has too few free
+            blocks, in which case nothing has changed.
+
+        Raises:
+            KeyError: the request holds no device block table.
+            ValueError: one of its blocks is the destination of a copy or
+                swap-in queued in this step (its content is not there yet);
+                nothing is changed.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            raise KeyError(f"swap_out: request {request_id!r} holds no device blocks")
+        pending_dst = ({d for _, d in self._pending_copies}
+                       | {d for _, d in self._pending_swap_in})
+        if pending_dst.intersection(b.block_id for b in table):
+            raise ValueError(f"swap_out: request {request_id!r} has blocks written by an "
+                             "operation queued in this step; swap it out in a later step")
+        if len(table) > self.host_pool.num_free_blocks:
+            return False
+        host_ids = self.host_pool.allocate(len(table))
+        self._pending_swap_out.extend(zip((b.block_id for b in table), host_ids))
+        del self.req_to_blocks[request_id]
+        self.req_to_host_blocks[request_id] = host_ids
+        self.block_pool.free_blocks(reversed(table))
+        return True
+
+    def num_blocks_to_swap_in(self, request_id: str) -> int:
+        """Free device blocks :meth:`swap_in` would take: the table's length, less
+        blocks found in use in the prefix cache (those are shared, not taken).
+
+        Raises:
+            KeyError: the request is not swapped.
+        """
+        host_ids = self.req_to_host_blocks[request_id]
+        hits = self._swap_in_hits(request_id)
+        return len(host_ids) - sum(1 for b in hits.values() if b.ref_cnt > 0)
+
+    def swap_in(self, request_id: str) -> bool:
+        """Move a swapped request's table back to device blocks.
+
+        Block ``i`` whose chained hash (from before the swap-out) is still in
+        the prefix cache is taken from the cache, with no copy; every other
+        block gets a fresh device block and a queued
+        ``(host_block_id, device_block_id)`` copy, and is registered in the
+        prefix cache again under its hash. Host blocks are released after
+        :meth:`take_pending_swaps`.
+
+        Returns:
+            ``True`` on success; ``False`` if there are too few free device
+            blocks (see :meth:`num_blocks_to_swap_in`), in which case nothing
+            has changed.
+
+        Raises:
+            KeyError: the request is not swapped.
+        """
+        host_ids = self.req_to_host_blocks[request_id]
+        hits = self._swap_in_hits(request_id)
+        num_fresh = len(host_ids) - len(hits)
+        num_taken_free_hits = len({b.block_id for b in hits.values() if b.ref_cnt == 0})
+        if num_fresh > self.block_pool.num_free_blocks - num_taken_free_hits:
+            return False
+        self.block_pool.touch(hits.values())
+        fresh = iter(self.block_pool.get_new_blocks(num_fresh))
+        block_hashes = self.req_to_block_hashes[request_id]
+        table: list[Block] = []
+        for i, host_id in enumerate(host_ids):
+            block = hits.get(i)
+            if block is None:
+                block = next(fresh)
+                self._pending_swap_in.append((host_id, block.block_id))
+                if i < len(block_hashes):
+                    # Registered now, read only after the swap-in that runs first
+                    # in the step: a hit on it in this step sees the right KV.
+                    self.block_pool.cache_block(block, block_hashes[i])
+            table.append(block)
+        del self.req_to_host_blocks[request_id]
+        self.req_to_blocks[request_id] = table
+        self._host_blocks_to_release.extend(host_ids)
+        return True
+
+    def _swap_in_hits(self, request_id: str) -> dict[int, Block]:
+        """Table index -> cached device block holding that block's KV."""
+        hits: dict[int, Block] = {}
+        for i, block_hash in enumerate(self.req_to_block_hashes[request_id]):
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is not None:
+                hits[i] = block
+        return hits
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Swaps queued since the last call; clears the queues.
+
+        Returns:
+            ``(blocks_to_swap_out, blocks_to_swap_in)``: ``(device_block_id,
+            host_block_id)`` and ``(host_block_id, device_block_id)`` pairs. The
+            model runner executes all swap-outs, then all swap-ins, then the
+            copy-on-write copies, before the forward pass. The host blocks the
+            swap-ins read become free now.
+        """
+        swap_out, self._pending_swap_out = self._pending_swap_out, []
+        swap_in, self._pending_swap_in = self._pending_swap_in, []
+        self.host_pool.free(self._host_blocks_to_release)
+        self._host_blocks_to_release = []
+        return swap_out, swap_in
+
+
+    def _free_swapped(self, request_id: str) -> bool:
+        """Release a swapped request's host blocks (abort); ``False`` if it is not swapped.
+
+        Queued swap-outs into those host blocks are dropped: the blocks may be
+        handed to another request's swap-out in this step.
+        """
+        host_ids = self.req_to_host_blocks.pop(request_id, None)
+        if host_ids is None:
+            return False
+        del self.req_to_block_hashes[request_id]
+        self.host_pool.free(host_ids)
+        dead = set(host_ids)
+        self._pending_swap_out = [p for p in self._pending_swap_out if p[1] not in dead]
+        return True
+
+    def _check_swap_invariants(self) -> None:
+        pool = self.block_pool
+        self.host_pool.check_invariants()
+        both = self.req_to_blocks.keys() & self.req_to_host_blocks.keys()
+        assert not both, f"requests both device-resident and swapped: {sorted(both)}"
+        assert self.req_to_block_hashes.keys() == (
+            self.req_to_blocks.keys() | self.req_to_host_blocks.keys()), (
+            "requests with a hash chain differ from requests with a block table")
+        host_owned = list(self._host_blocks_to_release)
+        for request_id, host_ids in self.req_to_host_blocks.items():
+            host_owned.extend(host_ids)
+            assert len(self.req_to_block_hashes[request_id]) <= len(host_ids), (
+                f"swapped request {request_id!r}: more block hashes than host blocks")
+        assert len(host_owned) == len(set(host_owned)), "a host block has two owners"
+        assert len(host_owned) == self.host_pool.num_used_blocks and all(
+            self.host_pool.is_in_use(h) for h in host_owned), (
+            f"host tables hold {len(host_owned)} blocks, host pool has "
+            f"{self.host_pool.num_used_blocks} in use")
+        for dev, host in self._pending_swap_out:
+            assert 0 <= dev < pool.num_blocks and self.host_pool.is_in_use(host), (
+                f"pending swap-out ({dev}, {host}) names a block outside the pools")
+        for host, dev in self._pending_swap_in:
+            assert self.host_pool.is_in_use(host) and pool.blocks[dev].ref_cnt > 0, (
+                f"pending swap-in ({host}, {dev}) reads a free host block or writes a free one")
