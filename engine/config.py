@@ -150,18 +150,32 @@ class CacheConfig:
         num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for K and V of all layers when num_blocks is None.
         enable_prefix_caching: reuse full blocks across requests by block hash.
+        swap_space_bytes: host memory for the blocks of swapped-out requests
+            (pinned when the device is CUDA), when ``num_host_blocks`` is None.
+            Not allocated when the preemption mode is ``recompute``.
+        num_host_blocks: host blocks for swapped-out requests; None sizes the
+            host pool from ``swap_space_bytes``; 0 disables swapping.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    swap_space_bytes: int = 1 << 30
+    num_host_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes: must be >= 0, got {self.swap_space_bytes}")
+        if self.num_host_blocks is not None and self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks: must be >= 0, got {self.num_host_blocks}")
+
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -174,21 +188,40 @@ class SchedulerConfig:
         enable_chunked_prefill: split prompts longer than the remaining budget
             across steps; when off, a prompt is scheduled whole or not at all
             (and the budget grows to fit one max-length prompt).
-        preemption_mode: ``recompute`` (free the victim's blocks, prefill it again later).
+        preemption_mode: how a request preempted for lack of KV blocks gives
+            them up (see :mod:`tandem.engine.preemption`): ``swap`` (copy its
+            blocks to the host pool; recompute when the host pool is full),
+            ``recompute`` (free its blocks, prefill it again later) or ``auto``
+            (per request, the cheaper of the two by the cost model below).
+        recompute_tokens_per_s: the cost model's prefill speed (tokens/s): a
+            recompute costs ``tokens to recompute / recompute_tokens_per_s``.
+        swap_bytes_per_s: the cost model's device<->host copy speed (bytes/s):
+            a swap costs ``bytes out and back in / swap_bytes_per_s``.
+
+    The two speeds' defaults are of the order measured for the default model
+    in float32 on a 2-core CPU (prefill about 200-800 tokens/s, block copies
+    about 2 GB/s; ``benchmarks/kv_pressure.py`` prints both); only their ratio
+    matters, and with it swapping wins for any request whose KV is not mostly
+    a shared cached prefix. Set them for other devices.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "auto"
+    recompute_tokens_per_s: float = 500.0
+    swap_bytes_per_s: float = 2e9
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens: must be >= 1")
-        if self.preemption_mode not in ("recompute",):
-            raise ValueError(f"preemption_mode: unknown {self.preemption_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: unknown {self.preemption_mode!r}, "
+                             f"expected one of {', '.join(PREEMPTION_MODES)}")
+        if not self.recompute_tokens_per_s > 0 or not self.swap_bytes_per_s > 0:
+            raise ValueError("recompute_tokens_per_s and swap_bytes_per_s: must be > 0")
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class EngineLoop:
         """After a crash: finish every request as ``error`` so no stream waits forever."""
         sch = self.engine.scheduler
         deltas = []
-        for r in list(sch.waiting) + list(sch.running):
+        for r in list(sch.waiting) + list(sch.running) + list(sch.swapped):
             deltas.append(RequestDelta(r.request_id, (), (), "error", str(exc)[:200],
                                        r.num_prompt_tokens, r.num_cached_tokens,
                                        r.num_output_tokens))

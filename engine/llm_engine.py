@@ -54,16 +54,25 @@ class LLMEngine:
                                                        self.device)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
-        num_blocks = cc.num_blocks or max(
-            1, cc.kv_cache_memory_bytes // KVCache.bytes_per_block(
-                self.model_config, cc.block_size, config.torch_dtype))
+        bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size,
+                                                  config.torch_dtype)
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // bytes_per_block)
+        if config.scheduler.preemption_mode == "recompute":
+            num_host_blocks = 0     # never swaps: no host memory to hold
+        elif cc.num_host_blocks is not None:
+            num_host_blocks = cc.num_host_blocks
+        else:
+            num_host_blocks = cc.swap_space_bytes // bytes_per_block
         self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, config.torch_dtype,
-                                self.device)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        # A lone request must always fit in the pool, or recompute could loop forever.
+                                self.device, num_host_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               num_host_blocks)
+        # A lone request must always fit in the pool, or it could be preempted
+        # forever (see the no-starvation argument in tandem.engine.scheduler).
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len, num_blocks * cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   bytes_per_block)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
                                   self.kv_cache_manager.get_block_ids, self.device)
@@ -152,7 +161,16 @@ class LLMEngine:
 
     @property
     def num_preemptions(self) -> int:
+        """Preemptions so far, swap and recompute together."""
         return self.scheduler.num_preemptions
+
+    def check_invariants(self) -> None:
+        """Check the scheduler's queues and both block pools (tests call it every step).
+
+        Raises:
+            AssertionError: naming the first violated invariant.
+        """
+        self.scheduler.check_invariants()
 
     def stats(self, worker_id: str = "engine", role: str = "colocated", num_step_tokens: int = 0
               ) -> "WorkerStats":
@@ -165,9 +183,13 @@ class LLMEngine:
                       if r.num_computed_tokens < r.num_tokens - 1)
         return WorkerStats(
             worker_id=worker_id, role=role, num_running=sch.num_running,
-            num_waiting=sch.num_waiting, num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
-            num_preemptions=sch.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
+            num_waiting=sch.num_waiting, num_swapped=sch.num_swapped,
+            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage, num_free_host_blocks=kv.num_free_host_blocks,
+            num_host_blocks=kv.num_host_blocks, num_preemptions=sch.num_preemptions,
+            num_swap_preemptions=sch.num_swap_preemptions,
+            num_recompute_preemptions=sch.num_recompute_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_step_tokens=num_step_tokens,
             queued_prefill_tokens=queued)
 
@@ -209,9 +231,9 @@ class LLM:
     Args:
         model: None (the default model), a .gguf file or a checkpoint directory.
         dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
-        block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching:
-            see :class:`CacheConfig`.
-        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill:
+        block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+        swap_space_bytes, num_host_blocks: see :class:`CacheConfig`.
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch`` or ``triton``.
         weights_from: an existing ``LLM`` whose loaded weights to share.
@@ -223,16 +245,19 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, attention_backend: str = "auto",
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 weights_from: "LLM | None" = None):
+                 preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
+                 num_host_blocks: int | None = None, weights_from: "LLM | None" = None):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             max_model_len=max_model_len, num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              swap_space_bytes=swap_space_bytes, num_host_blocks=num_host_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill))
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      preemption_mode=preemption_mode))
         self.engine = LLMEngine(self.config,
                                 weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer

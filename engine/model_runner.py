@@ -9,23 +9,34 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleResult, Sampler
-from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class KVCache:
-    """The paged KV cache of one worker.
+    """The paged KV cache of one worker, and its host-memory swap space.
 
     ``tensor`` is ``[L, 2, NB, BS, Hkv, D]`` (layer, K/V, block, offset in block,
     KV head, head dim); one block of one layer is ``tensor[l, :, b]``
     (``2 * BS * Hkv * D`` elements). One tensor for all layers lets the KV
     transfer and swap address a block across layers with a single index.
+    ``host_tensor`` is ``[L, 2, NHB, BS, Hkv, D]`` on the CPU (pinned when the
+    device is CUDA, so copies to and from it run at full link speed); host block
+    ``h`` holds a swapped-out device block.
+
+    Args:
+        num_host_blocks: blocks of ``host_tensor`` (0: no swap space).
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, num_host_blocks: int = 0):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_host_blocks = num_host_blocks
         self.tensor = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=dtype, device=device)
+        # Not zeroed: a host block is always written by a swap-out before it is read.
+        self.host_tensor = torch.empty(cfg.num_layers, 2, num_host_blocks, block_size,
+                                       cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                       pin_memory=device.type == "cuda")
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -39,6 +50,23 @@ class KVCache:
             src = torch.tensor([c[0] for c in copies], device=self.tensor.device)
             dst = torch.tensor([c[1] for c in copies], device=self.tensor.device)
             self.tensor[:, :, dst] = self.tensor[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """``host_tensor[:, :, h] = tensor[:, :, d]`` for each ``(d, h)`` pair.
+
+        Synchronous: the device blocks may be reused as soon as this returns.
+        """
+        if pairs:
+            src = torch.tensor([d for d, _ in pairs], device=self.tensor.device)
+            dst = torch.tensor([h for _, h in pairs])
+            self.host_tensor[:, :, dst] = self.tensor[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """``tensor[:, :, d] = host_tensor[:, :, h]`` for each ``(h, d)`` pair."""
+        if pairs:
+            src = torch.tensor([h for h, _ in pairs])
+            dst = torch.tensor([d for _, d in pairs], device=self.tensor.device)
+            self.tensor[:, :, dst] = self.host_tensor[:, :, src].to(self.tensor.device)
 
 
 class ModelRunner:
@@ -110,11 +138,18 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, after_layer=None) -> dict[str, list[SampleResult]]:
         """Run the step.
 
+        Block operations first, in the order :class:`SchedulerOutput` prescribes
+        (swap-out, swap-in, copy-on-write); a step may consist of nothing else.
+
         Returns:
             request id -> sampled results for every request whose chunk reached its
             last token (a parent with pending forks gets ``1 + len(forks)`` results).
         """
+        self.kv_cache.swap_out(out.blocks_to_swap_out)
+        self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
+        if not out.scheduled:
+            return {}
         input_ids, positions, meta, ordered = self.prepare(out.scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
                             after_layer)

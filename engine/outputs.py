@@ -41,10 +41,13 @@ class WorkerStats:
 
     Attributes:
         worker_id, role: e.g. ``decode-0``, ``decode`` | ``prefill`` | ``colocated``.
-        num_running, num_waiting: requests in the running / waiting queues.
+        num_running, num_waiting, num_swapped: requests in the running / waiting /
+            swapped queues.
         num_free_blocks, num_blocks: KV blocks free (incl. evictable cached) / total.
         kv_cache_usage: fraction of blocks in use, 0..1.
-        num_preemptions: total recompute preemptions.
+        num_free_host_blocks, num_host_blocks: host (swap space) blocks free / total.
+        num_preemptions: total preemptions, swap and recompute together.
+        num_swap_preemptions, num_recompute_preemptions: total preemptions by mode.
         prefix_cache_queries, prefix_cache_hits: total tokens looked up / found.
         num_step_tokens: tokens run in the last step.
         queued_prefill_tokens: prompt tokens waiting or being prefilled.
@@ -54,10 +57,15 @@ class WorkerStats:
     role: str
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
+    num_free_host_blocks: int = 0
+    num_host_blocks: int = 0
     num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_step_tokens: int = 0

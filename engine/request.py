@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"          # recompute: back in the waiting queue, blocks freed
+    SWAPPED = "swapped"              # swap: in the swapped queue, blocks in host memory
     FINISHED_STOPPED = "stop"        # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"       # max_tokens or the model's context length
     FINISHED_ABORTED = "abort"       # the client cancelled
@@ -61,6 +62,7 @@ class Request:
     Attributes:
         num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache at admission.
+        num_preemptions: times this request was preempted (swap or recompute).
         priority: lower is more important (admission order, and last to be preempted).
     """
 

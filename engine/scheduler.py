@@ -1,4 +1,4 @@
-"""Continuous batching with a per-step token budget, chunked prefill and recompute preemption.
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
 
 Every step the scheduler decides, for each request, how many of its not yet
 computed tokens to run (``num_new_tokens``): 1 for a decode, a chunk of the
@@ -8,80 +8,90 @@ vLLM v1's unified scheduler (no separate prefill/decode phases):
     request tokens:  [ computed (KV in cache) | new this step | not yet scheduled ]
                      0                 num_computed   num_computed+num_new   num_tokens
 
-Running requests are served first (oldest / most important first); when the
-block pool cannot hold a running request's next tokens, the least important,
-latest-arrived running request is preempted (recompute: its blocks are freed and
-it goes back to the head of the waiting queue, to be prefilled again later,
-prompt and generated tokens together). Waiting requests are admitted in
-(priority, arrival) order while budget, sequence slots and blocks last.
+Three queues, each in :attr:`Request.sort_key` order (priority, then arrival):
+*running* (blocks on the device), *swapped* (blocks in host memory) and
+*waiting* (new requests, and requests preempted by recompute). One step:
+
+1. **Priority preemption** (vLLM v0's priority scheduling): if the first request
+   waiting to start (head of swapped + waiting) is more important than the least
+   important running request and lacks blocks or a sequence slot, running
+   requests less important than it are preempted until it fits.
+2. **Running** requests get their tokens, most important first. When one's next
+   tokens do not fit, the least important, latest-arrived running request is
+   preempted until they do (or until it was itself the victim). How a victim
+   gives up its blocks - swapped out to host memory, or freed to be recomputed -
+   is the preemption policy's choice (:mod:`tandem.engine.preemption`; Kwon et
+   al. 2023, section 4.5).
+3. Only if step 2 preempted nothing: **swapped** requests are swapped in and
+   **waiting** requests admitted, merged in (priority, arrival) order, while
+   token budget, sequence slots and blocks last. The first that does not fit
+   ends the step's admissions: no request overtakes an earlier one of the same
+   priority, so a swapped (or recompute-preempted) request resumes before any
+   request that arrived after it.
+
+No starvation. A request is preempted only in favour of requests that sort
+before it: in step 2 the victim is the last running request and the one that
+needs blocks sorts before it (or is the victim itself, when the requests before
+it hold the blocks); in step 1 only for a strictly more important request. So
+the first running request in sort order is never preempted while others run; it
+is scheduled first every step, and a lone request always fits in the pool (the
+engine caps ``max_model_len`` at the pool's size), so it progresses and
+finishes. Preempted requests go back into their queue at their original
+position and resume before everything that arrived after them. By induction
+over the sort order, every request finishes in a bounded number of steps as
+long as the requests more important than it are finitely many. Strict priority
+means an endless stream of more important requests can hold a less important
+one back indefinitely, as in vLLM's priority policy; within one priority the
+order is first come, first served.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.preemption import PreemptionMode, get_preemption_policy
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last known token: its logits give the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-@dataclass
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled: requests and their token counts for this step.
-        block_copies: ``(src_block_id, dst_block_id)`` copy-on-write copies to do
-            before the forward pass.
-        preempted: requests preempted (recompute) while scheduling this step.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+def _sort_key(r: Request):
+    return r.sort_key
 
 
 class Scheduler:
-    """Waiting and running queues over one :class:`KVCacheManager`.
+    """Running, swapped and waiting queues over one :class:`KVCacheManager`.
 
     Args:
         config: budget and policy.
         kv_cache_manager: the block accounting of this engine's KV cache.
         max_model_len: context limit in tokens (prompt + output).
+        bytes_per_block: one KV block across all layers (bytes), for the
+            preemption cost model.
+
+    Attributes:
+        num_swap_preemptions, num_recompute_preemptions: preemptions so far, by mode.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int):
+                 max_model_len: int, bytes_per_block: int = 0):
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.preemption_policy = get_preemption_policy(config, bytes_per_block)
         self.waiting: list[Request] = []   # sorted by Request.sort_key
         self.running: list[Request] = []   # sorted by Request.sort_key
+        self.swapped: list[Request] = []   # sorted by Request.sort_key
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             # A whole prompt must fit in one step's budget.
@@ -90,28 +100,37 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request (and, for n > 1, remember its forks)."""
+        """Queue a request (and, for n > 1, remember its forks).
+
+        Raises:
+            ValueError: its id is already in use.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         for child in request.pending_forks:
             self.requests[child.request_id] = child
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        bisect.insort(self.waiting, request, key=_sort_key)
 
     def add_prefilled(self, request: Request) -> None:
         """Put a request whose prompt KV is already in this cache (a remote prefill,
         blocks reserved beforehand) straight into the running queue; its first
-        generated token is in ``request.output_token_ids``."""
+        generated token is in ``request.output_token_ids``.
+
+        Raises:
+            ValueError: its id is already in use.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        bisect.insort(self.running, request, key=_sort_key)
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its blocks. Unknown ids are ignored."""
+        """Finish a request as aborted and free its blocks (device or host).
+        Unknown or finished ids are ignored (returns None)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
@@ -122,7 +141,7 @@ class Scheduler:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
@@ -132,12 +151,22 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far, swap and recompute together."""
+        return self.num_swap_preemptions + self.num_recompute_preemptions
+
     # -- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts; allocate their blocks."""
+        """Pick this step's requests and token counts; allocate, swap and preempt blocks."""
         out = SchedulerOutput()
+        self._preempt_for_priority(out)
         budget = self.token_budget
-        scheduled_ids: set[str] = set()
+        running_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -147,49 +176,139 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
+                running_preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: everything after it is gone too
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-            scheduled_ids.add(req.request_id)
             budget -= num_new
             i += 1
 
-        # Admit waiting requests only when nothing had to be preempted this step.
-        while (not out.preempted and self.waiting and budget > 0
+        # Resume and admit only when the running requests fit: otherwise the
+        # blocks just freed would be handed straight back and preempted again.
+        while (not running_preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-            num_new = req.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.kv.allocate_slots(req.request_id, num_cached, num_new, blocks):
+            req = self._next_to_start()
+            if req is None:
                 break
-            self.waiting.pop(0)
-            if req.status is RequestStatus.WAITING:   # first admission, not a resumed preemption
-                req.num_cached_tokens = num_cached
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.sort_key)
-            out.scheduled.append(ScheduledRequest(req, num_cached, num_new))
+            if req.status is RequestStatus.SWAPPED:
+                num_new = self._swap_in(req, budget, out)
+            else:
+                num_new = self._admit(req, budget, out)
+            if not num_new:
+                break
             budget -= num_new
         out.block_copies = self.kv.take_pending_copies()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv.take_pending_swaps()
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _next_to_start(self) -> Request | None:
+        """The head of the swapped and waiting queues, whichever sorts first."""
+        if self.swapped and (not self.waiting
+                             or self.swapped[0].sort_key <= self.waiting[0].sort_key):
+            return self.swapped[0]
+        return self.waiting[0] if self.waiting else None
+
+    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Swap ``req`` in and schedule its next tokens; returns how many (0: no room)."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.kv.num_free_blocks < self._blocks_to_swap_in(req, num_new):
+            return 0
+        rid = req.request_id
+        if not (self.kv.swap_in(rid)
+                and self.kv.allocate_slots(rid, req.num_computed_tokens, num_new)):
+            raise RuntimeError(f"swap-in of {rid!r} failed after its blocks were counted: "
+                               "the block accounting is inconsistent")
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=_sort_key)
+        out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+        return num_new
+
+    def _blocks_to_swap_in(self, req: Request, num_new: int) -> int:
+        """Free device blocks a swap-in plus ``num_new`` tokens take. The tokens
+        need no copy-on-write: the blocks found by hash are full, computed ones."""
+        num_table = len(self.kv.get_host_block_ids(req.request_id))
+        extra = max(0, _cdiv(req.num_computed_tokens + num_new, self.kv.block_size) - num_table)
+        return self.kv.num_blocks_to_swap_in(req.request_id) + extra
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Start a waiting request's (next) prefill chunk; returns its tokens (0: no room)."""
+        blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+        num_new = req.num_tokens - num_cached
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        if not self.kv.allocate_slots(req.request_id, num_cached, num_new, blocks):
+            return 0
+        self.waiting.remove(req)
+        if req.status is RequestStatus.WAITING:   # first admission, not a resumed preemption
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=_sort_key)
+        out.scheduled.append(ScheduledRequest(req, num_cached, num_new))
+        return num_new
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Step 1: make room for a waiting request more important than running ones.
+
+        Preempts, least important first, running requests strictly less important
+        than the head of swapped + waiting, while that head could not start this
+        step: too few free blocks for it and the running requests' next tokens,
+        or no free sequence slot.
+        """
+        head = self._next_to_start()
+        if head is None or not self.running or self.running[-1].priority <= head.priority:
+            return
+        head_need = self._blocks_to_start(head)
+
+        def short() -> bool:
+            if len(self.running) >= self.config.max_num_seqs:
+                return True
+            need = head_need + sum(self._blocks_to_continue(r) for r in self.running)
+            return self.kv.num_free_blocks < need
+
+        while self.running and self.running[-1].priority > head.priority and short():
+            self._preempt(self.running[-1], out)
+
+    def _blocks_to_start(self, req: Request) -> int:
+        """Free blocks ``req`` (swapped or waiting) would take to start now."""
+        if req.status is RequestStatus.SWAPPED:
+            return self._blocks_to_swap_in(
+                req, min(req.num_tokens - req.num_computed_tokens, self.token_budget))
+        hits = self.kv.find_cached_prefix(req.all_token_ids)
+        num_cached = len(hits) * self.kv.block_size
+        num_new = min(req.num_tokens - num_cached, self.token_budget)
+        return self.kv.num_new_blocks_needed(req.request_id, num_cached, num_new, hits)
+
+    def _blocks_to_continue(self, req: Request) -> int:
+        """Free blocks a running request's next tokens would take."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, self.token_budget)
+        if num_new <= 0:
+            return 0
+        return self.kv.num_new_blocks_needed(req.request_id, req.num_computed_tokens, num_new)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the device, by swap or recompute (policy's choice)."""
         self.running.remove(req)
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
+        mode = self.preemption_policy.choose(req, self.kv)
+        if mode is PreemptionMode.SWAP and self.kv.swap_out(req.request_id):
+            req.status = RequestStatus.SWAPPED
+            self.num_swap_preemptions += 1
+            bisect.insort(self.swapped, req, key=_sort_key)
+        else:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.num_recompute_preemptions += 1
+            # Back at its own place in the order: ahead of everything that arrived later.
+            bisect.insort(self.waiting, req, key=_sort_key)
         req.num_preemptions += 1
-        req.status = RequestStatus.PREEMPTED
-        self.num_preemptions += 1
-        # Back to the head of its priority class: it keeps its original arrival order.
-        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        out.preempted.append(req)
 
     # -- after the forward pass ------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, list]) -> list[Request]:
@@ -222,7 +341,7 @@ class Scheduler:
                 child.num_computed_tokens = req.num_computed_tokens
                 child.num_cached_tokens = req.num_cached_tokens
                 child.status = RequestStatus.RUNNING
-                bisect.insort(self.running, child, key=lambda r: r.sort_key)
+                bisect.insort(self.running, child, key=_sort_key)
                 self._append_token(child, res)
                 changed.append(child)
             self._append_token(req, results[0])
@@ -256,10 +375,44 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.swapped, self.waiting):
+            if req in queue:
+                queue.remove(req)
+                break
         self.kv.free(req.request_id)
         req.status = status
         self.requests.pop(req.request_id, None)
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Queues agree with request states and with the KV cache manager; then
+        :meth:`KVCacheManager.check_invariants` (device and host pools).
+
+        Raises:
+            AssertionError: naming the first violated invariant.
+        """
+        kv = self.kv
+        seen: set[str] = set()
+        for name, queue, states in (
+                ("running", self.running, {RequestStatus.RUNNING}),
+                ("swapped", self.swapped, {RequestStatus.SWAPPED}),
+                ("waiting", self.waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED})):
+            keys = [r.sort_key for r in queue]
+            assert keys == sorted(keys), f"the {name} queue is out of (priority, arrival) order"
+            for r in queue:
+                rid = r.request_id
+                assert rid not in seen, f"request {rid!r} is in two queues"
+                seen.add(rid)
+                assert self.requests.get(rid) is r, f"{name} request {rid!r} is not registered"
+                assert r.status in states, f"{name} request {rid!r} has status {r.status}"
+                assert kv.is_swapped(rid) == (name == "swapped"), (
+                    f"{name} request {rid!r}: swapped in the KV cache manager is "
+                    f"{kv.is_swapped(rid)}")
+                if name == "running":
+                    assert kv.num_blocks_of(rid) * kv.block_size >= r.num_computed_tokens, (
+                        f"running request {rid!r}: {r.num_computed_tokens} computed tokens "
+                        f"in {kv.num_blocks_of(rid)} blocks")
+                elif name == "waiting":
+                    assert kv.num_blocks_of(rid) == 0 and r.num_computed_tokens == 0, (
+                        f"waiting request {rid!r} holds blocks or computed tokens")
+        kv.check_invariants()

@@ -63,7 +63,7 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 def _check(llm: LLM, prompts, reference, **kw):
     def invariants(engine):
-        engine.kv_cache_manager.check_invariants()
+        engine.check_invariants()
 
     outs = llm.generate(prompts, GREEDY, step_callback=invariants, **kw)
     got = [o.outputs[0].token_ids for o in outs]
@@ -106,9 +106,11 @@ def test_prefix_caching_on_off(base_llm, prompts, reference):
 def test_recompute_preemption_keeps_outputs(base_llm, prompts, reference):
     # 80 blocks x 16 tokens: the two ~700-token prompts alone need ~96 blocks at the end.
     llm = LLM(dtype="float32", num_blocks=80, max_num_batched_tokens=256,
-              weights_from=base_llm)
+              preemption_mode="recompute", weights_from=base_llm)
     _check(llm, prompts, reference)
-    assert llm.engine.num_preemptions > 0
+    stats = llm.engine.stats()
+    assert stats.num_preemptions == stats.num_recompute_preemptions > 0
+    assert stats.num_swap_preemptions == 0 and stats.num_host_blocks == 0
 
 
 def test_max_model_len_capped_by_pool(base_llm):

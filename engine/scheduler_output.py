@@ -1,0 +1,56 @@
+"""What one scheduler step hands to the model runner: requests, token counts, block operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token: its logits give the next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    The model runner executes the block operations in this order before the
+    forward pass: ``blocks_to_swap_out``, ``blocks_to_swap_in``, ``block_copies``
+    (see :mod:`tandem.engine.kv_cache_manager` for why that order is safe).
+
+    Attributes:
+        scheduled: requests and their token counts for this step.
+        block_copies: ``(src_block_id, dst_block_id)`` copy-on-write copies.
+        blocks_to_swap_out: ``(device_block_id, host_block_id)`` copies of
+            requests swapped out in this step.
+        blocks_to_swap_in: ``(host_block_id, device_block_id)`` copies of
+            requests swapped in in this step.
+        preempted: requests preempted (swap or recompute) while scheduling this step.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run: no tokens and no block operations."""
+        return not (self.scheduled or self.block_copies or self.blocks_to_swap_out
+                    or self.blocks_to_swap_in)
