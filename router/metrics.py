@@ -189,13 +189,15 @@ class Metrics:
         labels = (self.model_name, s.worker_id, s.role)
         self.num_requests_running.labels(*labels).set(s.num_running)
         self.num_requests_waiting.labels(*labels).set(s.num_waiting)
-        self.num_requests_swapped.labels(*labels).set(0)
+        self.num_requests_swapped.labels(*labels).set(s.num_swapped)
         self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
         if s.num_step_tokens or step.deltas:
             self.iteration_tokens.labels(*labels).observe(s.num_step_tokens)
         last = self._worker_totals.setdefault(s.worker_id, {})
         for name, value, counter, extra in (
-                ("preempt", s.num_preemptions, self.num_preemptions, ("recompute",)),
+                ("preempt_swap", s.num_swap_preemptions, self.num_preemptions, ("swap",)),
+                ("preempt_recompute", s.num_recompute_preemptions, self.num_preemptions,
+                 ("recompute",)),
                 ("queries", s.prefix_cache_queries, self.prefix_cache_queries, ()),
                 ("hits", s.prefix_cache_hits, self.prefix_cache_hits, ())):
             diff = value - last.get(name, 0)
