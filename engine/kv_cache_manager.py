@@ -104,6 +104,8 @@ class KVCacheManager(KVSwapMixin):
         # Sources of queued swap-ins: released by take_pending_swaps, so that no
         # swap-out of the same step can overwrite them before they are read.
         self._host_blocks_to_release: list[int] = []
+        # Device block id -> hash to register once its pending swap-in is taken.
+        self._swap_in_hashes: dict[int, BlockHash] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -446,6 +448,8 @@ class KVCacheManager(KVSwapMixin):
             self.block_pool.free_blocks(reversed(dropped))
         if freed and self._pending_swap_in:
             self._pending_swap_in = [p for p in self._pending_swap_in if p[1] not in freed]
+            for block_id in freed:
+                self._swap_in_hashes.pop(block_id, None)
         return True
 
     # -- checks -----------------------------------------------------------------

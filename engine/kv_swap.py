@@ -106,8 +106,8 @@ class KVSwapMixin:
 
     Uses the manager's ``block_pool``, ``host_pool``, ``req_to_blocks``,
     ``req_to_host_blocks``, ``req_to_block_hashes`` and its queues of pending
-    copies, swap-outs, swap-ins and host blocks to release; kept apart from the
-    manager only to keep each module about one concern.
+    copies, swap-outs, swap-ins, hashes to register and host blocks to release;
+    kept apart from the manager only to keep each module about one concern.
     """
 
     def can_swap_out(self, request_id: str) -> bool:
@@ -170,8 +170,10 @@ class KVSwapMixin:
         the prefix cache is taken from the cache, with no copy; every other
         block gets a fresh device block and a queued
         ``(host_block_id, device_block_id)`` copy, and is registered in the
-        prefix cache again under its hash. Host blocks are released after
-        :meth:`take_pending_swaps`.
+        prefix cache again under its hash when :meth:`take_pending_swaps`
+        hands the copy to the runner (not before: a request freed in this step
+        drops its copy, and the block must not be findable without its KV).
+        Host blocks are released by :meth:`take_pending_swaps` too.
 
         Returns:
             ``True`` on success; ``False`` if there are too few free device
@@ -197,9 +199,7 @@ class KVSwapMixin:
                 block = next(fresh)
                 self._pending_swap_in.append((host_id, block.block_id))
                 if i < len(block_hashes):
-                    # Registered now, read only after the swap-in that runs first
-                    # in the step: a hit on it in this step sees the right KV.
-                    self.block_pool.cache_block(block, block_hashes[i])
+                    self._swap_in_hashes[block.block_id] = block_hashes[i]
             table.append(block)
         del self.req_to_host_blocks[request_id]
         self.req_to_blocks[request_id] = table
@@ -223,10 +223,17 @@ class KVSwapMixin:
             host_block_id)`` and ``(host_block_id, device_block_id)`` pairs. The
             model runner executes all swap-outs, then all swap-ins, then the
             copy-on-write copies, before the forward pass. The host blocks the
-            swap-ins read become free now.
+            swap-ins read become free now, and the full blocks they fill
+            findable by hash.
         """
         swap_out, self._pending_swap_out = self._pending_swap_out, []
         swap_in, self._pending_swap_in = self._pending_swap_in, []
+        for _, dev in swap_in:
+            block_hash = self._swap_in_hashes.get(dev)
+            if block_hash is not None:
+                # False when another block took this hash meanwhile: it stays uncached.
+                self.block_pool.cache_block(self.block_pool.blocks[dev], block_hash)
+        self._swap_in_hashes = {}
         self.host_pool.free(self._host_blocks_to_release)
         self._host_blocks_to_release = []
         return swap_out, swap_in
@@ -271,3 +278,9 @@ class KVSwapMixin:
         for host, dev in self._pending_swap_in:
             assert self.host_pool.is_in_use(host) and pool.blocks[dev].ref_cnt > 0, (
                 f"pending swap-in ({host}, {dev}) reads a free host block or writes a free one")
+        swap_in_dsts = {dev for _, dev in self._pending_swap_in}
+        assert self._swap_in_hashes.keys() <= swap_in_dsts, (
+            "a hash waits to be registered for a block no pending swap-in fills")
+        for dev in swap_in_dsts:
+            assert pool.blocks[dev].block_hash is None, (
+                f"block {dev} is findable by hash before its swap-in has run")
