@@ -92,8 +92,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both systems (default: torch's default)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts = make_workload(args.num_prompts, args.min_prompt, args.max_prompt, 49152, args.seed)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "

@@ -33,7 +33,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import StepOutput, WorkerStats
 from tandem.engine.request import Request, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.worker_common import kv_layout_of, model_info, pin_cpus
+from tandem.engine.worker_common import block_counts, kv_layout_of, model_info, pin_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -299,16 +299,9 @@ class DecodeWorker:
         return self.engine.stats(self.worker_id, self.role)
 
     async def check_invariants(self) -> dict:
-        """Run the KV cache manager's invariant check; return block counts (tests)."""
+        """Run the engine's invariant checks; return block and queue counts (tests)."""
         def check():
-            kv = self.engine.kv_cache_manager
-            kv.check_invariants()
-            return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
-                    "num_cached_blocks": kv.block_pool.num_cached_blocks,
-                    "num_running": self.engine.scheduler.num_running,
-                    "num_waiting": self.engine.scheduler.num_waiting,
-                    "num_reserved": len(self._transfers),
-                    "num_preemptions": self.engine.num_preemptions}
+            return {**block_counts(self.engine), "num_reserved": len(self._transfers)}
         return await asyncio.wrap_future(self.loop.call(check))
 
     async def shutdown(self) -> None:

@@ -41,3 +41,15 @@ def model_info(engine, config: EngineConfig) -> dict:
             "vocab_size": engine.tokenizer.vocab_size,
             "model_vocab_size": engine.model_config.vocab_size,
             "num_blocks": engine.kv_cache_manager.num_blocks}
+
+
+def block_counts(engine) -> dict:
+    """Check the engine's invariants (scheduler queues and block pools) and return its
+    block and queue counts; call on the engine's loop thread."""
+    kv = engine.kv_cache_manager
+    engine.check_invariants()
+    return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.block_pool.num_cached_blocks,
+            "num_running": engine.scheduler.num_running,
+            "num_waiting": engine.scheduler.num_waiting,
+            "num_preemptions": engine.num_preemptions}

@@ -26,7 +26,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestDelta, WorkerStats
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.worker_common import kv_layout_of, model_info, pin_cpus
+from tandem.engine.worker_common import block_counts, kv_layout_of, model_info, pin_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +194,10 @@ class PrefillWorker:
             lambda: self.engine.stats(self.worker_id, "prefill")))
 
     async def check_invariants(self) -> dict:
+        """Run the engine's invariant checks; return block and queue counts and the KV
+        bytes sent so far (tests)."""
         def check():
-            kv = self.engine.kv_cache_manager
-            kv.check_invariants()
-            return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
-                    "num_cached_blocks": kv.block_pool.num_cached_blocks,
-                    "num_running": self.engine.scheduler.num_running,
-                    "num_waiting": self.engine.scheduler.num_waiting,
-                    "kv_transfer_bytes": self.loop.kv_transfer_bytes}
+            return {**block_counts(self.engine), "kv_transfer_bytes": self.loop.kv_transfer_bytes}
         return await asyncio.wrap_future(self.loop.call(check))
 
     async def shutdown(self) -> None:
