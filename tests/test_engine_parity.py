@@ -61,7 +61,7 @@ def base_llm():
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _check(llm: LLM, prompts, reference, **kw):
+def check_parity(llm: LLM, prompts, reference, **kw):
     def invariants(engine):
         engine.check_invariants()
 
@@ -76,7 +76,7 @@ def _check(llm: LLM, prompts, reference, **kw):
 
 
 def test_greedy_parity_batched(base_llm, prompts, reference):
-    _check(base_llm, prompts, reference)
+    check_parity(base_llm, prompts, reference)
 
 
 def test_parity_each_prompt_alone(base_llm, prompts, reference):
@@ -88,18 +88,18 @@ def test_parity_each_prompt_alone(base_llm, prompts, reference):
 def test_chunked_prefill_on_off(base_llm, prompts, reference, chunked, budget):
     llm = LLM(dtype="float32", num_blocks=512, enable_chunked_prefill=chunked,
               max_num_batched_tokens=budget, weights_from=base_llm)
-    _check(llm, prompts, reference)
+    check_parity(llm, prompts, reference)
 
 
 def test_prefix_caching_on_off(base_llm, prompts, reference):
     on = LLM(dtype="float32", num_blocks=512, enable_prefix_caching=True, weights_from=base_llm)
-    _check(on, prompts, reference)
-    second = _check(on, prompts, reference)       # same prompts again: served from the cache
+    check_parity(on, prompts, reference)
+    second = check_parity(on, prompts, reference)       # same prompts again: served from the cache
     bs = on.engine.kv_cache.block_size
     for o, p in zip(second, prompts):
         assert o.num_cached_tokens == ((len(p) - 1) // bs) * bs
     off = LLM(dtype="float32", num_blocks=512, enable_prefix_caching=False, weights_from=base_llm)
-    _check(off, prompts, reference)
+    check_parity(off, prompts, reference)
     second_off = off.generate(prompts[:2], GREEDY)   # the same prompts again: no hits
     assert all(o.num_cached_tokens == 0 for o in second_off)
     assert off.engine.kv_cache_manager.prefix_cache_hits == 0
@@ -109,7 +109,7 @@ def test_recompute_preemption_keeps_outputs(base_llm, prompts, reference):
     # 80 blocks x 16 tokens: the two ~700-token prompts alone need ~96 blocks at the end.
     llm = LLM(dtype="float32", num_blocks=80, max_num_batched_tokens=256,
               preemption_mode="recompute", weights_from=base_llm)
-    _check(llm, prompts, reference)
+    check_parity(llm, prompts, reference)
     stats = llm.engine.stats()
     assert stats.num_preemptions == stats.num_recompute_preemptions > 0
     assert stats.num_swap_preemptions == 0 and stats.num_host_blocks == 0

@@ -22,7 +22,7 @@ TOL = {
 SEQ_LENS = [1, 17, 300, 64]
 
 
-def _run(paged_kv, device, seq_lens, num_kv_heads, group, head_dim, dtype, block_size=16,
+def check_against_reference(paged_kv, device, seq_lens, num_kv_heads, group, head_dim, dtype, block_size=16,
          num_splits=None, block_n=None, seed=0):
     k, v, k_clean, v_clean, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size,
                                               dtype, device, seed=seed)
@@ -45,32 +45,32 @@ def _run(paged_kv, device, seq_lens, num_kv_heads, group, head_dim, dtype, block
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_matches_reference(paged_kv, device, head_dim, group, dtype, num_splits):
-    _run(paged_kv, device, SEQ_LENS, 2, group, head_dim, dtype, num_splits=num_splits)
+    check_against_reference(paged_kv, device, SEQ_LENS, 2, group, head_dim, dtype, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_bf16_upcast_path(paged_kv, device, num_splits):
     """bf16 on the interpreter goes through float32 tiles (CPU); natively on CUDA."""
-    _run(paged_kv, device, SEQ_LENS, 2, 3, 64, torch.bfloat16, num_splits=num_splits)
+    check_against_reference(paged_kv, device, SEQ_LENS, 2, 3, 64, torch.bfloat16, num_splits=num_splits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot needs a GPU")
 @pytest.mark.parametrize("num_splits", [1, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_bf16_dot_cuda(paged_kv, device, head_dim, num_splits):
-    _run(paged_kv, device, [1, 33, 1000, 4096], 4, 8, head_dim, torch.bfloat16,
+    check_against_reference(paged_kv, device, [1, 33, 1000, 4096], 4, 8, head_dim, torch.bfloat16,
          num_splits=num_splits)
 
 
 def test_decode_more_splits_than_context(paged_kv, device):
     """Short sequences leave most splits empty; the merge must weigh them 0."""
-    _run(paged_kv, device, [1, 2, 300], 1, 3, 64, torch.float32, num_splits=16, block_n=16)
+    check_against_reference(paged_kv, device, [1, 2, 300], 1, 3, 64, torch.float32, num_splits=16, block_n=16)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_decode_block_sizes(paged_kv, device, block_size):
     """block_n need not divide or equal the cache block size (nor the reverse)."""
-    _run(paged_kv, device, [5, 70], 1, 3, 64, torch.float16, block_size=block_size, block_n=16)
+    check_against_reference(paged_kv, device, [5, 70], 1, 3, 64, torch.float16, block_size=block_size, block_n=16)
 
 
 def test_decode_noncontiguous_query_and_out(paged_kv, device):
@@ -92,7 +92,7 @@ def test_decode_noncontiguous_query_and_out(paged_kv, device):
        group=st.sampled_from([1, 2, 3, 5]), block_size=st.sampled_from([4, 16]),
        num_splits=st.integers(1, 5), seed=st.integers(0, 1000))
 def test_decode_property(paged_kv, device, seq_lens, group, block_size, num_splits, seed):
-    _run(paged_kv, device, seq_lens, 1, group, 32, torch.float32, block_size=block_size,
+    check_against_reference(paged_kv, device, seq_lens, 1, group, 32, torch.float32, block_size=block_size,
          num_splits=num_splits, block_n=16, seed=seed)
 
 

@@ -22,7 +22,7 @@ TOL = {
 CHUNKS = [(5, 5), (1, 40), (70, 100), (32, 32), (17, 50)]
 
 
-def _run(paged_kv, device, chunks, num_kv_heads, group, head_dim, dtype, block_size=16,
+def check_against_reference(paged_kv, device, chunks, num_kv_heads, group, head_dim, dtype, block_size=16,
          block_m=None, block_n=None, seed=0):
     seq_lens = [s for _, s in chunks]
     k, v, k_clean, v_clean, tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size,
@@ -48,35 +48,35 @@ def _run(paged_kv, device, chunks, num_kv_heads, group, head_dim, dtype, block_s
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_matches_reference(paged_kv, device, head_dim, group, dtype):
-    _run(paged_kv, device, CHUNKS, 1, group, head_dim, dtype)
+    check_against_reference(paged_kv, device, CHUNKS, 1, group, head_dim, dtype)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_prefill_small_tiles(paged_kv, device, group):
     """Many query tiles per chunk (group 8 leaves 2 tokens per 16-row tile) and many
     key tiles, both straddling cache blocks and the diagonal."""
-    _run(paged_kv, device, CHUNKS[:3], 2, group, 64, torch.float32, block_m=16, block_n=16)
+    check_against_reference(paged_kv, device, CHUNKS[:3], 2, group, 64, torch.float32, block_m=16, block_n=16)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_prefill_block_sizes(paged_kv, device, block_size):
-    _run(paged_kv, device, [(9, 9), (20, 45)], 1, 3, 64, torch.float16, block_size=block_size,
+    check_against_reference(paged_kv, device, [(9, 9), (20, 45)], 1, 3, 64, torch.float16, block_size=block_size,
          block_m=32, block_n=16)
 
 
 def test_prefill_head_dim_not_power_of_two(paged_kv, device):
-    _run(paged_kv, device, [(9, 9), (20, 45)], 1, 3, 80, torch.float32)
+    check_against_reference(paged_kv, device, [(9, 9), (20, 45)], 1, 3, 80, torch.float32)
 
 
 def test_prefill_bf16_upcast_path(paged_kv, device):
     """bf16 on the interpreter goes through float32 tiles (CPU); natively on CUDA."""
-    _run(paged_kv, device, CHUNKS, 1, 3, 64, torch.bfloat16)
+    check_against_reference(paged_kv, device, CHUNKS, 1, 3, 64, torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot needs a GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_bf16_dot_cuda(paged_kv, device, head_dim):
-    _run(paged_kv, device, [(513, 513), (1, 700), (300, 1000)], 4, 8, head_dim, torch.bfloat16)
+    check_against_reference(paged_kv, device, [(513, 513), (1, 700), (300, 1000)], 4, 8, head_dim, torch.bfloat16)
 
 
 def test_chunked_prefill_equals_whole_prompt(paged_kv, device):
@@ -124,7 +124,7 @@ def _chunks(draw):
 @given(chunks=_chunks(), group=st.sampled_from([1, 2, 3, 5]),
        block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
 def test_prefill_property(paged_kv, device, chunks, group, block_size, seed):
-    _run(paged_kv, device, chunks, 1, group, 32, torch.float32, block_size=block_size,
+    check_against_reference(paged_kv, device, chunks, 1, group, 32, torch.float32, block_size=block_size,
          block_m=16, block_n=16, seed=seed)
 
 
