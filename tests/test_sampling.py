@@ -48,7 +48,7 @@ def _draw(params: SamplingParams, n: int, logits=None) -> torch.Tensor:
     return counts / n
 
 
-def _within(freq: torch.Tensor, expect: torch.Tensor, n: int) -> None:
+def check_within_5_sigma(freq: torch.Tensor, expect: torch.Tensor, n: int) -> None:
     # 5 standard deviations of a binomial proportion: fails by chance with p < 1e-6.
     sd = (expect * (1 - expect) / n).sqrt()
     assert torch.all((freq - expect).abs() <= 5 * sd + 1e-9), (freq, expect)
@@ -56,22 +56,22 @@ def _within(freq: torch.Tensor, expect: torch.Tensor, n: int) -> None:
 
 def test_temperature_one_matches_distribution():
     n = 4000
-    _within(_draw(SamplingParams(temperature=1.0), n), PROBS, n)
+    check_within_5_sigma(_draw(SamplingParams(temperature=1.0), n), PROBS, n)
 
 
 def test_temperature_sharpens():
     n = 4000
     p = PROBS.pow(1 / 0.5)
-    _within(_draw(SamplingParams(temperature=0.5), n), p / p.sum(), n)
+    check_within_5_sigma(_draw(SamplingParams(temperature=0.5), n), p / p.sum(), n)
 
 
 def test_top_k_top_p_min_p_truncate():
     n = 3000
-    _within(_draw(SamplingParams(top_k=2), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+    check_within_5_sigma(_draw(SamplingParams(top_k=2), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
     # top_p 0.7: 0.5 < 0.7 so token 1 is kept too (mass before it 0.5 < 0.7); token 2 is not.
-    _within(_draw(SamplingParams(top_p=0.7), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+    check_within_5_sigma(_draw(SamplingParams(top_p=0.7), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
     # min_p 0.4: keep p >= 0.2 -> tokens 0 and 1.
-    _within(_draw(SamplingParams(min_p=0.4), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
+    check_within_5_sigma(_draw(SamplingParams(min_p=0.4), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)
 
 
 def test_greedy_and_ties_take_first_max():
