@@ -115,12 +115,18 @@ class LLMEngine:
                 ) -> tuple[list[int], int] | None:
         """Reserve blocks for a prompt that another worker will prefill.
 
-        Reuses blocks this cache already holds for the prompt's prefix.
+        Reuses blocks this cache already holds for the prompt's prefix. Refused
+        while requests preempted here (swapped, or waiting to be recomputed)
+        have not resumed: they came first, and reservations retried as soon as
+        blocks free up would otherwise take every block they need, forever
+        (the no-starvation argument in :mod:`tandem.engine.scheduler`).
 
         Returns:
             ``(block_ids, num_cached_tokens)`` covering the whole prompt, or None if
-            the pool has no room now (nothing changed).
+            there is no room now (nothing changed).
         """
+        if self.scheduler.num_swapped or self.scheduler.num_waiting:
+            return None
         kv = self.kv_cache_manager
         blocks, num_cached = kv.get_computed_blocks(request_id, prompt_token_ids)
         if not kv.allocate_slots(request_id, num_cached, len(prompt_token_ids) - num_cached, blocks):
