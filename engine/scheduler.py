@@ -42,7 +42,10 @@ over the sort order, every request finishes in a bounded number of steps as
 long as the requests more important than it are finitely many. Strict priority
 means an endless stream of more important requests can hold a less important
 one back indefinitely, as in vLLM's priority policy; within one priority the
-order is first come, first served.
+order is first come, first served. Blocks taken outside the scheduler (a decode
+worker's reservations for prompts prefilled elsewhere) are refused while
+preempted requests wait to resume (:meth:`LLMEngine.reserve`), so they cannot
+keep a preempted request out either.
 """
 
 from __future__ import annotations
