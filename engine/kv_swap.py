@@ -238,7 +238,6 @@ class KVSwapMixin:
         self._host_blocks_to_release = []
         return swap_out, swap_in
 
-
     def _free_swapped(self, request_id: str) -> bool:
         """Release a swapped request's host blocks (abort); ``False`` if it is not swapped.
 

@@ -106,8 +106,9 @@ def test_outputs_unchanged_under_preemption(base_llm, stress_workload, stress_ba
     for i, (o, ref) in enumerate(zip(outs, stress_baseline)):
         got = o.outputs[0].token_ids
         assert len(got) == MAX_TOKENS and o.outputs[0].finish_reason == "length"
-        assert got == ref, f"request {i} ({'greedy' if i % 2 == 0 else 'seeded'}): first " \
-                           f"difference at {next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)}"
+        first_diff = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        assert got == ref, (f"request {i} ({'greedy' if i % 2 == 0 else 'seeded'}): "
+                            f"first difference at token {first_diff}")
     stats = llm.engine.stats()
     assert (stats.num_swap_preemptions, stats.num_recompute_preemptions) == (num_swaps,
                                                                              num_recomputes)

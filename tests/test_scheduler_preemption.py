@@ -69,7 +69,8 @@ def make(num_blocks: int, num_host_blocks: int, mode: str, *, budget: int = 64,
          max_num_seqs: int = 64, caching: bool = True, bytes_per_block: int = 100
          ) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks)
-    # 100 bytes per block over 1 MB/s vs 100 tokens/s: a swap always costs less.
+    # 100 bytes per block over 1 MB/s vs 100 tokens/s: a swap costs less unless most
+    # of the request's KV is a shared cached prefix.
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              preemption_mode=mode, recompute_tokens_per_s=100,
                              swap_bytes_per_s=1e6)
@@ -162,9 +163,9 @@ def test_random_workloads_keep_outputs_and_kv(seed, num_blocks, num_host_blocks,
                        max_num_seqs=5)
     got, _ = run_all(sch, runner, build(specs), max_steps=3_000)
     assert got == baseline
-    event(f"swap preemptions: {min(sch.num_swap_preemptions, 3)}{'+' * (sch.num_swap_preemptions >= 3)}")
-    event(f"recompute preemptions: {min(sch.num_recompute_preemptions, 3)}"
-          f"{'+' * (sch.num_recompute_preemptions >= 3)}")
+    for kind, n in (("swap", sch.num_swap_preemptions),
+                    ("recompute", sch.num_recompute_preemptions)):
+        event(f"{kind} preemptions: {min(n, 3)}{'+' if n >= 3 else ''}")
 
 
 # -- exact queue behaviour ------------------------------------------------------------------

@@ -138,9 +138,9 @@ class SwapMachine(RuleBasedStateMachine):
             event("copy-on-write copy")
             self.device[d] = list(self.device[s])
         for rid, (start, end) in writes.items():
-            table = self.m.get_block_ids(rid)
+            table, toks = self.m.get_block_ids(rid), self.tokens[rid]
             for p in range(start, end):
-                self.device[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = tuple(self.tokens[rid][:p + 1])
+                self.device[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = tuple(toks[:p + 1])
             self.num_computed[rid] = end
             self.m.cache_blocks(rid, self.tokens[rid], end)
 
