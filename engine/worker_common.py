@@ -52,4 +52,7 @@ def block_counts(engine) -> dict:
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
+            "num_swapped": engine.scheduler.num_swapped,
+            "num_free_host_blocks": kv.num_free_host_blocks,
+            "num_host_blocks": kv.num_host_blocks,
             "num_preemptions": engine.num_preemptions}
