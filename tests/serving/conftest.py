@@ -62,7 +62,8 @@ class Client:
         while True:
             counts = self.block_counts()
             idle = all(c["num_running"] == 0 and c["num_waiting"] == 0
-                       and c.get("num_reserved", 0) == 0 and c["num_free_blocks"] == c["num_blocks"]
+                       and c.get("num_reserved", 0) == 0 and c["num_swapped"] == 0
+                       and c["num_free_blocks"] == c["num_blocks"]
                        for c in counts.values())
             if idle or time.monotonic() > deadline:
                 return counts
