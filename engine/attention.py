@@ -1,4 +1,5 @@
-"""Attention backends: one small interface, chosen by config (``auto``, ``torch``, ``triton``).
+"""Attention backends: one small interface, chosen by config (``auto``, ``torch``, ``cpu``,
+``triton``).
 
 A backend owns the hot per-layer operations of the model: writing new K/V into
 the paged cache, attention over it (decode and prefill), RMSNorm, rotary
@@ -15,6 +16,7 @@ each), then prefill chunks::
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from typing import Callable
 import torch
 
 from tandem.kernels import reference as ref
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attention(self, query, key, value, key_cache, value_cache, meta, scale):
         ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        return self.attend(query, key, value, key_cache, value_cache, meta, scale)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """:meth:`attention` after the cache write: decodes through :meth:`_decode`,
+        each prefill chunk through a fused causal SDPA (its fresh K/V directly when
+        nothing precedes the chunk, else its context gathered from the cache)."""
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
@@ -228,6 +240,11 @@ class TorchAttentionBackend(AttentionBackend):
         return ref.silu_and_mul_ref(x)
 
 
+def _cpu_backend() -> AttentionBackend:
+    from tandem.kernels.cpu.backend import CpuAttentionBackend  # builds the kernels lazily
+    return CpuAttentionBackend()
+
+
 def _triton_backend() -> AttentionBackend:
     from tandem.kernels.backend import TritonAttentionBackend  # imports triton lazily
     return TritonAttentionBackend()
@@ -235,20 +252,35 @@ def _triton_backend() -> AttentionBackend:
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttentionBackend,
+    "cpu": _cpu_backend,
     "triton": _triton_backend,
 }
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device,
+                          dtype: torch.dtype | None = None) -> AttentionBackend:
     """Build the backend named by config.
 
-    ``auto`` picks ``triton`` on CUDA and ``torch`` elsewhere.
+    ``auto`` picks ``triton`` on CUDA; on CPU it picks the compiled ``cpu``
+    kernels for float32/bfloat16 when they build on this machine, and the
+    ``torch`` ops otherwise (logged once, with the reason).
 
     Raises:
         ValueError: unknown name.
+        tandem.kernels.cpu.build.CpuKernelsUnavailable: ``cpu`` asked for explicitly
+            and no compiler could build it.
     """
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif dtype in (None, torch.float32, torch.bfloat16):
+            try:
+                return _cpu_backend()
+            except RuntimeError as exc:     # CpuKernelsUnavailable
+                logger.warning("compiled CPU kernels unavailable, using torch ops: %s", exc)
+                name = "torch"
+        else:
+            name = "torch"
     try:
         factory = ATTENTION_BACKENDS[name]
     except KeyError:

@@ -232,7 +232,8 @@ class EngineConfig:
         model: None (the default model), a .gguf path, or a checkpoint directory.
         dtype: weights, activations and KV dtype name.
         device: ``"cpu"`` or ``"cuda[:N]"``.
-        attention_backend: ``auto``, ``torch`` or ``triton``.
+        attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
+            ``triton``.
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads for this engine (None = leave as is).
     """
@@ -248,7 +249,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
 
     @property

@@ -73,7 +73,8 @@ class LLMEngine:
                                  self.model_config.max_model_len, num_blocks * cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    bytes_per_block)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device,
+                                             config.torch_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
                                   self.kv_cache_manager.get_block_ids, self.device)
         self._ids = itertools.count()
@@ -241,7 +242,7 @@ class LLM:
         swap_space_bytes, num_host_blocks: see :class:`CacheConfig`.
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
-        attention_backend: ``auto``, ``torch`` or ``triton``.
+        attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
         weights_from: an existing ``LLM`` whose loaded weights to share.
     """
 

@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,139 @@
+"""Build and load the compiled CPU kernels (``csrc/cpu_ops.cpp``).
+
+The source is compiled once per machine with the system C++ compiler into a
+shared library cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``),
+named by a hash of the source, the flags, the compiler and the CPU's feature
+flags, so an edit or a different CPU builds afresh. Concurrent processes (the
+workers of one node) serialise the build with a file lock and publish the
+library with an atomic rename. ``python -m tandem.kernels.cpu.build`` builds it
+ahead of time (``make setup`` does).
+
+OpenMP: torch ships ``libgomp.so.1``; the library links against the same soname,
+so once torch is imported both share one OpenMP runtime and thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-std=c++17", "-shared", "-fPIC"]
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """No C++ compiler, or the kernels failed to compile on this machine."""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tandem")
+    return Path(root) / "cpu_kernels"
+
+
+def library_path(compiler: str) -> Path:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+    return cache_dir() / f"tandem_cpu_ops_{h.hexdigest()[:16]}.so"
+
+
+def find_compiler() -> str:
+    """``$CXX``, else ``c++`` or ``g++`` on the PATH.
+
+    Raises:
+        CpuKernelsUnavailable: none found.
+    """
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise CpuKernelsUnavailable("no C++ compiler found (set CXX, or install g++)")
+    return compiler
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the library if this machine has no current build; return its path.
+
+    Raises:
+        CpuKernelsUnavailable: no compiler, or the build failed.
+    """
+    compiler = find_compiler()
+    path = library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():                      # another process built it meanwhile
+            return path
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise CpuKernelsUnavailable(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)
+        if verbose:
+            print(f"built {path}")
+    return path
+
+
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "decode_attention": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                         _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+    "reshape_and_cache": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "rotary_embedding": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT],
+    "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
+}
+# Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
+_BF16_ONLY = {
+    "prefill_attention": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
+                          _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+}
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build if needed, load, and declare the argument types of every kernel.
+
+    Raises:
+        CpuKernelsUnavailable: see :func:`build`.
+    """
+    import torch  # noqa: F401  -- torch's libgomp must be loaded first (see module doc)
+
+    lib = ctypes.CDLL(str(build()))
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"tandem_{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    lib.tandem_has_prefill_attention_bf16.restype = ctypes.c_int
+    if lib.tandem_has_prefill_attention_bf16():
+        for name, argtypes in _BF16_ONLY.items():
+            fn = getattr(lib, f"tandem_{name}_bf16")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+if __name__ == "__main__":
+    print(build(verbose=True))

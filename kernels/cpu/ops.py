@@ -1,0 +1,190 @@
+"""Python entry points of the compiled CPU kernels (see ``csrc/cpu_ops.cpp``).
+
+Every function takes CPU tensors of one dtype, float32 or bfloat16, whose rows
+may be strided (views into a fused QKV output) but whose innermost ``[H, D]`` is
+contiguous; anything else raises ``ValueError``. Each has a torch reference in
+:mod:`tandem.kernels.reference` with the same contract, which the tests compare
+against. Work is split over ``torch.get_num_threads()`` OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels.cpu.build import load_library
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _fn(name: str, dtype: torch.dtype):
+    try:
+        return getattr(load_library(), f"tandem_{name}_{_SUFFIX[dtype]}")
+    except KeyError:
+        raise ValueError(f"{name}: dtype {dtype} is not supported on CPU "
+                         f"(float32, bfloat16)") from None
+
+
+def _rows(x: torch.Tensor, what: str) -> int:
+    """Row stride (elements) of a tensor whose dims after the first are contiguous."""
+    if x.device.type != "cpu":
+        raise ValueError(f"{what}: expected a CPU tensor, got {x.device}")
+    inner = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != inner:
+            raise ValueError(f"{what}: dims after the first must be contiguous, "
+                             f"got strides {x.stride()} for shape {tuple(x.shape)}")
+        inner *= size
+    return x.stride(0)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention reading K/V blocks in place (no gathered copy).
+
+    For every (sequence, KV head) pair the ``Hq / Hkv`` query heads that share the
+    KV head score all ``seq_lens[b]`` cached tokens, take a float32 softmax and sum
+    the values (two passes over the blocks). Same contract as
+    :func:`tandem.kernels.reference.paged_decode_attention_ref`.
+
+    Args:
+        query: ``[B, Hq, D]``.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]``, contiguous.
+        block_tables: ``[B, max_blocks]`` int32.
+        seq_lens: ``[B]`` int32 context lengths (tokens), each >= 1; the current
+            token's K/V must already be in the cache.
+        scale: softmax scale.
+        out: optional ``[B, Hq, D]`` destination (may be a row-strided view).
+
+    Returns:
+        ``[B, Hq, D]`` in the query's dtype.
+    """
+    b, hq, d = query.shape
+    nb, bs, hkv, _ = key_cache.shape
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache/value_cache: must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables/seq_lens: must be int32")
+    if out is None:
+        out = torch.empty_like(query)
+    tables = block_tables.contiguous()
+    lens = seq_lens.contiguous()
+    _fn("decode_attention", query.dtype)(
+        out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
+        key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        lens.data_ptr(), b, hq, hkv, d, bs, scale, torch.get_num_threads())
+    return out
+
+
+def has_prefill_attention(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`paged_prefill_attention` runs here for this dtype and head size."""
+    return (dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+            and bool(load_library().tandem_has_prefill_attention_bf16()))
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: list[int], seq_lens: list[int], scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over paged KV, bfloat16 only.
+
+    FlashAttention-2 (Dao 2023, Alg. 1) on the CPU's AVX-512 BF16 dot-product
+    instruction: each sequence's context (cached prefix, earlier chunks and this
+    chunk, all read from the cache) is first repacked per KV head into 16-token
+    tiles of bf16 pairs; then groups of 4 query rows stream over the tiles with an
+    online softmax in float32. P is rounded to bfloat16 before P.V, as in torch's
+    CPU flash attention. Same contract as
+    :func:`tandem.kernels.reference.paged_prefill_attention_ref`.
+
+    Args:
+        query: ``[T, Hq, D]`` bfloat16 (rows may be strided).
+        key_cache, value_cache: ``[NB, BS, Hkv, D]`` bfloat16, contiguous, already
+            holding this step's K/V.
+        block_tables: ``[B, max_blocks]`` int32.
+        query_start_loc: ``B + 1`` ints, cumulative query lengths (rows of ``query``).
+        seq_lens: ``B`` ints, context length (tokens) of each sequence after this step.
+        scale: softmax scale.
+        out: optional ``[T, Hq, D]`` destination.
+
+    Raises:
+        ValueError: not bfloat16, or :func:`has_prefill_attention` is false.
+    """
+    t, hq, d = query.shape
+    hkv, bs = key_cache.shape[2], key_cache.shape[1]
+    if not has_prefill_attention(query.dtype, d):
+        raise ValueError("paged_prefill_attention: needs bfloat16, head_dim % 16 == 0 and "
+                         "a CPU with AVX-512 BF16")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache/value_cache: must be contiguous")
+    if out is None:
+        out = torch.empty_like(query)
+    tables = block_tables.to(torch.int32).contiguous()
+    qsl = torch.tensor(query_start_loc, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    load_library().tandem_prefill_attention_bf16(
+        out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
+        key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        qsl.data_ptr(), lens.data_ptr(), len(seq_lens), hq, hkv, d, bs, scale,
+        torch.get_num_threads())
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache ``[NB, BS, Hkv, D]`` at
+    ``slot_mapping`` ``[T]`` (int64 ``block * BS + offset``; negative = skip)."""
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache/value_cache: must be contiguous")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _fn("reshape_and_cache", key.dtype)(
+        key.data_ptr(), _rows(key, "key"), value.data_ptr(), _rows(value, "value"),
+        key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+        key.shape[1] * key.shape[2])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add.
+
+    Args:
+        x: ``[T, H]`` contiguous; weight: ``[H]`` in x's dtype.
+        residual: ``[T, H]`` contiguous, or None.
+
+    Returns:
+        ``y`` ``[T, H]``, or ``(y, x + residual)`` (a new tensor); as
+        :func:`tandem.kernels.reference.rms_norm_ref`.
+    """
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = None if residual is None else torch.empty_like(x)
+    res = None if residual is None else residual.contiguous()
+    _fn("rms_norm", x.dtype)(
+        out.data_ptr(), x.data_ptr(), None if res is None else res.data_ptr(),
+        None if res_out is None else res_out.data_ptr(), weight.to(x.dtype).data_ptr(),
+        x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out if residual is None else (out, res_out)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]`` in place (half-split
+    layout, RoFormer eq. 34); ``cos_sin_cache`` is float32 ``[max_position, D]``,
+    ``positions`` int64 ``[T]``. Returns ``(query, key)``."""
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError("cos_sin_cache: must be contiguous float32")
+    pos = positions.to(torch.int64).contiguous()
+    _fn("rotary_embedding", query.dtype)(
+        pos.data_ptr(), query.data_ptr(), _rows(query, "query"), query.shape[1],
+        key.data_ptr(), _rows(key, "key"), key.shape[1], query.shape[2],
+        cos_sin_cache.data_ptr(), query.shape[0], torch.get_num_threads())
+    return query, key
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate (Shazeer 2020): ``[T, 2F]`` = [gate | up] -> ``silu(gate) * up`` ``[T, F]``."""
+    x = x.contiguous()
+    n, f = x.shape[0], x.shape[1] // 2
+    out = torch.empty(n, f, dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), n, f, torch.get_num_threads())
+    return out

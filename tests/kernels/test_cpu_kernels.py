@@ -1,0 +1,186 @@
+"""The compiled CPU kernels (tandem.kernels.cpu) against their torch references.
+
+Caches are poisoned with NaN outside every sequence's tokens (see conftest), so a
+kernel that reads past a context shows it. float32 must match to rounding; in
+bfloat16 the reference runs in float32 on the same bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import reference as ref
+from tandem.kernels.cpu import build, ops
+
+try:
+    build.load_library()
+except build.CpuKernelsUnavailable as exc:   # pragma: no cover - no compiler
+    pytest.skip(f"CPU kernels unavailable: {exc}", allow_module_level=True)
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16),
+                                         (6, 2, 40, 4)])   # d=40: the portable path
+def test_decode_attention(paged_kv, dtype, hq, hkv, d, bs):
+    lens = [1, 5, 16, 17, 100, 33]
+    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = ref.paged_decode_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
+                                          seq_lens, d ** -0.5)
+    got = ops.paged_decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5)
+    close(got, want, dtype)
+
+
+def test_decode_attention_strided_query_and_out(paged_kv):
+    """Rows of a fused QKV output and of a larger output buffer are strided views."""
+    lens = [3, 40]
+    kc, vc, kclean, vclean, tables = paged_kv(lens, 2, 32, 16, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(2, (4 + 2 * 2) * 32)
+    q = qkv[:, :128].view(2, 4, 32)
+    out = torch.full((2, 6, 32), 7.0)
+    ops.paged_decode_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.2,
+                               out=out[:, :4])
+    want = ref.paged_decode_attention_ref(q, kclean, vclean, tables,
+                                          torch.tensor(lens, dtype=torch.int32), 0.2)
+    close(out[:, :4], want, torch.float32)
+    assert torch.all(out[:, 4:] == 7.0)        # nothing written outside the view
+
+
+needs_bf16_prefill = pytest.mark.skipif(
+    not ops.has_prefill_attention(torch.bfloat16, 64),
+    reason="bfloat16 prefill attention needs a CPU with AVX-512 BF16")
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32),
+                                         (3, 1, 48, 16)])
+def test_prefill_attention(paged_kv, hq, hkv, d, bs):
+    # (query length, context length): whole prompts, a chunk after earlier chunks,
+    # a chunk after a cached prefix, one-token chunks, tile and block edges.
+    cases = [(37, 37), (5, 21), (16, 16), (1, 33), (64, 300), (17, 17), (1, 1), (33, 80)]
+    lens = [s for _, s in cases]
+    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, torch.bfloat16,
+                                              torch.device("cpu"))
+    qsl = [0]
+    for q_len, _ in cases:
+        qsl.append(qsl[-1] + q_len)
+    g = torch.Generator().manual_seed(hq + d)
+    q = torch.randn(qsl[-1], hq, d, generator=g).to(torch.bfloat16)
+    want = ref.paged_prefill_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
+                                           qsl, lens, d ** -0.5)
+    got = ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5)
+    close(got, want, torch.bfloat16)
+
+
+def test_prefill_attention_rejects_float32(paged_kv):
+    kc, vc, *_, tables = paged_kv([4], 1, 64, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.paged_prefill_attention(torch.zeros(4, 1, 64), kc, vc, tables, [0, 4], [4], 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_is_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    kc = torch.zeros(6, 4, 2, 8, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kv = torch.randn(5, 3, 2, 8, generator=g).to(dtype)       # strided rows: [T, K|V|x, Hkv, D]
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([0, 23, 5, 11, 4])
+    ops.reshape_and_cache(key, value, kc, vc, slots)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    ref.reshape_and_cache_ref(key.contiguous(), value.contiguous(), kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    res = torch.randn(7, 576, generator=g).to(dtype) if with_residual else None
+    got = ops.rms_norm(x, w, 1e-5, res)
+    want = ref.rms_norm_ref(x, w, 1e-5, res)
+    if with_residual:
+        close(got[0], want[0], dtype)
+        assert torch.equal(got[1], want[1])      # x + residual, rounded once like torch
+    else:
+        close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_in_place(dtype):
+    g = torch.Generator().manual_seed(3)
+    cache = ref.rope_cos_sin_cache(64, 512, 100000.0)
+    qkv = torch.randn(9, (9 + 2 * 3) * 64, generator=g).to(dtype)
+    q, k = qkv[:, :576].view(9, 9, 64), qkv[:, 576:768].view(9, 3, 64)
+    pos = torch.tensor([0, 1, 2, 7, 100, 511, 3, 3, 300])
+    q_ref, k_ref = q.clone(), k.clone()
+    ref.rotary_embedding_ref(pos, q_ref, k_ref, cache)
+    v_before = qkv[:, 768:].clone()
+    ops.rotary_embedding(pos, q, k, cache)
+    close(q, q_ref, dtype)
+    close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, 768:], v_before)   # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 2 * 300, generator=g) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])    # exp's clamped range
+    close(ops.silu_and_mul(x), ref.silu_and_mul_ref(x), dtype)
+
+
+def test_unsupported_dtype_is_rejected():
+    with pytest.raises(ValueError, match="float16"):
+        ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.float16))
+
+
+def test_library_name_tracks_source_and_flags(monkeypatch, tmp_path):
+    """The cached build is keyed by source, flags and CPU: an edit rebuilds."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    a = build.library_path(build.find_compiler())
+    monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-DTANDEM_TEST"])
+    b = build.library_path(build.find_compiler())
+    assert a != b and a.parent == b.parent == tmp_path / "cpu_kernels"
+    path = build.build()
+    assert path == b and path.exists()
+    assert build.build() == path                  # second call: cached, no rebuild
+
+
+def test_auto_backend_falls_back_to_torch_when_the_build_fails(monkeypatch, tmp_path, caplog):
+    from tandem.engine.attention import get_attention_backend
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")            # a "compiler" that always fails
+    build.load_library.cache_clear()
+    try:
+        with pytest.raises(build.CpuKernelsUnavailable, match="failed"):
+            build.build()
+        assert get_attention_backend("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
+        assert "compiled CPU kernels unavailable" in caplog.text
+        with pytest.raises(build.CpuKernelsUnavailable):
+            get_attention_backend("cpu", torch.device("cpu"))   # asked for by name: an error
+    finally:
+        build.load_library.cache_clear()          # the next user loads the real build
+
+
+def test_auto_backend_is_cpu_for_float32_and_bfloat16():
+    from tandem.engine.attention import get_attention_backend
+
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu, torch.float32).name == "cpu"
+    assert get_attention_backend("auto", cpu, torch.bfloat16).name == "cpu"
+    assert get_attention_backend("auto", cpu, torch.float16).name == "torch"
