@@ -91,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ignored_checkpoint_names = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         self.cos_sin_cache: torch.Tensor | None = None
+        self.logits_proj: torch.nn.Module | None = None   # set by pack_for_cpu()
 
     # -- loading ---------------------------------------------------------------------------
     def weight_mapping(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
@@ -154,8 +155,28 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` -> float32 logits ``[N, V]``."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def pack_for_cpu(self) -> int:
+        """Pre-pack the bfloat16 linear weights for oneDNN, the (possibly tied) output
+        projection included (see :mod:`tandem.kernels.cpu.linear`). Idempotent.
+
+        Returns:
+            Number of layers packed (0 if not bfloat16 on CPU, or unsupported).
+        """
+        from tandem.kernels.cpu.linear import PackedLinear, pack_linear_weights
+
+        if next(self.parameters()).device.type != "cpu":
+            return 0
+        count = pack_linear_weights(self.model)
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        if count and self.logits_proj is None:
+            self.logits_proj = PackedLinear(weight)
+            count += 1
+        return count
 
 
 def load_model(files, dtype: torch.dtype, device: torch.device

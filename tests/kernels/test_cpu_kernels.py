@@ -28,8 +28,11 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16),
-                                         (6, 2, 40, 4)])   # d=40: the portable path
+@pytest.mark.parametrize("hq,hkv,d,bs", [
+    (9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16),   # bf16: the BF16 dot-product kernel
+    (6, 2, 48, 16),                                   # AVX-512 float32-math kernel
+    (6, 2, 40, 4), (16, 1, 32, 16),                   # portable kernel (d % 16, G > 8)
+])
 def test_decode_attention(paged_kv, dtype, hq, hkv, d, bs):
     lens = [1, 5, 16, 17, 100, 33]
     kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
@@ -184,3 +187,35 @@ def test_auto_backend_is_cpu_for_float32_and_bfloat16():
     assert get_attention_backend("auto", cpu, torch.float32).name == "cpu"
     assert get_attention_backend("auto", cpu, torch.bfloat16).name == "cpu"
     assert get_attention_backend("auto", cpu, torch.float16).name == "torch"
+
+
+@pytest.mark.skipif(not __import__("tandem.kernels.cpu.linear", fromlist=["x"]).packing_available(),
+                    reason="torch built without the oneDNN packed-linear ops")
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_packed_linear_equals_f_linear(tokens):
+    from torch import nn
+
+    from tandem.kernels.cpu.linear import PackedLinear, pack_linear_weights
+
+    g = torch.Generator().manual_seed(tokens)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True),
+                          nn.Linear(32, 16, bias=False).float()).to(torch.bfloat16)
+    model[2].float()                                  # float32: left alone
+    plain = [m.weight.detach().clone() for m in model]
+    assert pack_linear_weights(model) == 1            # only the bias-free bfloat16 layer
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+    assert pack_linear_weights(model) == 0            # idempotent
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(model[0](x), torch.nn.functional.linear(x, plain[0]))
+
+
+def test_kv_cache_tensor_in_huge_pages_is_zeroed_and_aligned():
+    from tandem.engine.model_runner import zeros_in_huge_pages
+
+    t = zeros_in_huge_pages((3, 2, 100, 16, 3, 64), torch.bfloat16)   # 3.5 MiB
+    assert t.is_contiguous() and t.data_ptr() % (2 << 20) == 0
+    assert t.shape == (3, 2, 100, 16, 3, 64) and not t.any()
+    t[2, 1, 99] = 1.5
+    assert t.view(-1)[-1] == 1.5 and t.sum() == 1.5 * 16 * 3 * 64
+    small = zeros_in_huge_pages((4, 4), torch.float32)                 # below 2 MiB: torch.zeros
+    assert not small.any()
