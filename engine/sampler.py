@@ -57,7 +57,9 @@ class Sampler:
                     _apply_penalties_and_masks(processed[i], r)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
-        if greedy_rows:
+        if len(greedy_rows) == len(requests):       # all greedy: no row gather
+            token_ids = processed.argmax(dim=-1).tolist()
+        elif greedy_rows:
             idx = torch.tensor(greedy_rows)
             for i, t in zip(greedy_rows, processed[idx].argmax(dim=-1).tolist()):
                 token_ids[i] = t

@@ -92,7 +92,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     FlashAttention-2 (Dao 2023, Alg. 1) on the CPU's AVX-512 BF16 dot-product
     instruction: each sequence's context (cached prefix, earlier chunks and this
     chunk, all read from the cache) is first repacked per KV head into 16-token
-    tiles of bf16 pairs; then groups of 4 query rows stream over the tiles with an
+    tiles of bf16 pairs; then groups of 8 query rows stream over the tiles with an
     online softmax in float32. P is rounded to bfloat16 before P.V, as in torch's
     CPU flash attention. Same contract as
     :func:`tandem.kernels.reference.paged_prefill_attention_ref`.
