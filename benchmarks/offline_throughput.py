@@ -7,6 +7,7 @@ one after the other; the peer runs batched and left-padded (``--peer-batch-size`
 
     python benchmarks/offline_throughput.py                      # 64 prompts, bf16
     python benchmarks/offline_throughput.py --num-prompts 16 --dtype float32
+    python benchmarks/offline_throughput.py --skip-peer --breakdown   # where the time goes
 
 Prints output tokens/s for both and the ratio; ``--out`` writes the numbers as JSON.
 """
@@ -30,21 +31,77 @@ def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed
             for _ in range(num_prompts)]
 
 
+class Breakdown:
+    """Wall time per step kind (``mixed``: holds prefill tokens, ``decode``: only
+    decodes) and, within each, per attention-backend call and in the linear layers.
+    Instrumentation adds a little time of its own; totals are for orientation."""
+
+    def __init__(self, llm):
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.steps: dict[str, int] = {}
+        self.kind = "decode"
+        engine = llm.engine
+        runner, backend = engine.runner, engine.backend
+        self._wrap(runner, "execute", "step", on_enter=self._classify)
+        for name in ("attention", "rms_norm", "rotary_embedding", "silu_and_mul"):
+            self._wrap(backend, name, name)
+        for module in engine.model.modules():   # the layers' and the output projection
+            if hasattr(module, "in_features") and hasattr(module, "out_features"):
+                self._wrap(module, "forward", "linear")
+
+    def _classify(self, out, *_, **__):
+        self.kind = "decode" if all(s.num_new_tokens == 1 for s in out.scheduled) else "mixed"
+        self.steps[self.kind] = self.steps.get(self.kind, 0) + 1
+
+    def _wrap(self, obj, attr: str, label: str, on_enter=None) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **k):
+            if on_enter is not None:
+                on_enter(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                key = (self.kind, label)
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+    def report(self) -> dict:
+        out = {}
+        for kind in ("mixed", "decode"):
+            if kind not in self.steps:
+                continue
+            total = self.seconds.get((kind, "step"), 0.0)
+            parts = {label: round(v, 3) for (k, label), v in sorted(self.seconds.items())
+                     if k == kind and label != "step"}
+            out[kind] = {"steps": self.steps[kind], "seconds": round(total, 3),
+                         "ms_per_step": round(1000 * total / self.steps[kind], 1), **parts}
+        return out
+
+
 def run_tandem(prompts, output_len: int, dtype: str, args) -> dict:
     from tandem.engine.llm_engine import LLM
     from tandem.engine.sampling_params import SamplingParams
 
     llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              attention_backend=args.attention_backend)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
+    breakdown = Breakdown(llm) if args.breakdown else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
-            "total_tok_s": (n + sum(map(len, prompts))) / dt,
-            "outputs": [o.outputs[0].token_ids for o in outs]}
+    result = {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
+              "total_tok_s": (n + sum(map(len, prompts))) / dt,
+              "attention_backend": llm.engine.backend.name,
+              "outputs": [o.outputs[0].token_ids for o in outs]}
+    if breakdown is not None:
+        result["breakdown"] = breakdown.report()
+    return result
 
 
 @torch.inference_mode()
@@ -92,6 +149,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time Tandem's steps by kind and its kernels within them (instrumented)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for both systems (default: torch's default)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
@@ -103,7 +163,10 @@ def main() -> None:
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} output tokens each, {args.dtype}, torch threads {torch.get_num_threads()}")
     ours = run_tandem(prompts, args.output_len, args.dtype, args)
-    print(f"tandem : {ours['output_tok_s']:8.1f} output tok/s  ({ours['seconds']:.1f} s)")
+    print(f"tandem : {ours['output_tok_s']:8.1f} output tok/s  ({ours['seconds']:.1f} s, "
+          f"attention backend {ours['attention_backend']})")
+    for kind, parts in ours.get("breakdown", {}).items():
+        print(f"  {kind:6s} " + ", ".join(f"{k} {v}" for k, v in parts.items()))
     result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__,
               "tandem": {k: v for k, v in ours.items() if k != "outputs"}}
