@@ -1,14 +1,16 @@
-// CPU kernels for the per-layer hot path of decoding: paged decode attention that
-// reads K/V blocks where they lie in the cache, KV-cache writes, RMSNorm with a
-// fused residual add, rotary embedding and SiLU-and-mul.
+// CPU kernels for the per-layer hot path: paged decode attention and causal
+// prefill attention that read K/V blocks where they lie in the cache, KV-cache
+// writes, RMSNorm with a fused residual add, rotary embedding and SiLU-and-mul.
 //
 // Plain C ABI (loaded with ctypes, see ../build.py): every function takes raw data
 // pointers, sizes in elements and row strides in elements; the innermost [H, D]
 // of every tensor is contiguous. Each kernel exists for float32 (suffix _f32) and
-// bfloat16 (_bf16, stored as uint16 bit patterns); arithmetic is float32, and
-// bfloat16 results are rounded to nearest even once, at the store.
-// Loops are written so that the compiler vectorises them (-O3 -march=native);
-// OpenMP splits the outer loop over the `num_threads` the caller passes.
+// bfloat16 (_bf16, stored as uint16 bit patterns), except prefill attention
+// (bfloat16 only). Arithmetic is float32 (the AVX-512 BF16 dot products multiply
+// bf16 pairs exactly and accumulate in float32); bfloat16 results are rounded to
+// nearest even at the store. Three tiers, chosen at compile time and per shape:
+// AVX-512 BF16, AVX-512F, and portable loops the compiler vectorises.
+// OpenMP splits the work over the `num_threads` the caller passes.
 
 #include <algorithm>
 #include <cmath>
