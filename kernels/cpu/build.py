@@ -1,8 +1,8 @@
-"""Build and load the compiled CPU kernels (``csrc/cpu_ops.cpp``).
+"""Build and load the compiled CPU kernels (``csrc/*.cpp``, one shared library).
 
-The source is compiled once per machine with the system C++ compiler into a
+The sources are compiled once per machine with the system C++ compiler into a
 shared library cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``),
-named by a hash of the source, the flags, the compiler and the CPU's feature
+named by a hash of the sources, the flags, the compiler and the CPU's feature
 flags, so an edit or a different CPU builds afresh. Concurrent processes (the
 workers of one node) serialise the build with a file lock and publish the
 library with an atomic rename. ``python -m tandem.kernels.cpu.build`` builds it
@@ -24,7 +24,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c++17", "-shared", "-fPIC"]
 
@@ -51,8 +53,8 @@ def cache_dir() -> Path:
 
 def library_path(compiler: str) -> Path:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                 _cpu_flags().encode()):
+    parts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
         h.update(part)
     return cache_dir() / f"tandem_cpu_ops_{h.hexdigest()[:16]}.so"
 
@@ -86,7 +88,7 @@ def build(verbose: bool = False) -> Path:
             return path
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)

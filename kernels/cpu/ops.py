@@ -1,4 +1,5 @@
-"""Python entry points of the compiled CPU kernels (see ``csrc/cpu_ops.cpp``).
+"""Python entry points of the compiled CPU kernels (``csrc/``: decode_attention.cpp,
+prefill_attention.cpp, elementwise.cpp).
 
 Every function takes CPU tensors of one dtype, float32 or bfloat16, whose rows
 may be strided (views into a fused QKV output) but whose innermost ``[H, D]`` is

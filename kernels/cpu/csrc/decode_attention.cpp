@@ -1,0 +1,258 @@
+// Paged decode attention (one query token per sequence) reading K/V blocks where
+// they lie in the cache, in three tiers: AVX-512 BF16 dot products (bfloat16,
+// head_dim % 32 == 0), AVX-512F float32 math (head_dim % 16 == 0), portable loops.
+// C ABI for ../ops.py: pointers, sizes and row strides in elements.
+
+#include "common.h"
+
+namespace tandem_cpu {
+namespace {
+
+// One (sequence, KV head) pair of paged decode attention: the G query heads that
+// share KV head `h` attend over the sequence's `len` cached tokens. Two passes
+// over the blocks: scores (then an exact float32 softmax), then the weighted sum
+// of values. Portable version; the AVX-512 one below is used where available.
+template <typename T>
+void decode_one_generic(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+                        int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
+                        int64_t bs, float scale, float* scores, float* acc) {
+    const int64_t row = hkv * d;   // elements of one token in a cache block
+    for (int64_t t = 0; t < len; ++t) {
+        const T* kp = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        for (int64_t g = 0; g < g_size; ++g) {
+            const T* qg = q + (h * g_size + g) * d;
+            float s = 0.0f;
+            for (int64_t i = 0; i < d; ++i) s += to_float(qg[i]) * to_float(kp[i]);
+            scores[g * len + t] = s * scale;
+        }
+    }
+    softmax_rows(scores, g_size, len);
+    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float p = scores[g * len + t];
+            for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p * to_float(vp[i]);
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i]);
+    }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
+// the G query rows stay in registers as float32, each K row is read once (two
+// 64-byte lines for bf16, D = 64) and scored against all G rows; the value pass
+// keeps the G x D float32 accumulators in registers.
+template <typename T>
+void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+                       int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
+                       int64_t bs, float scale, float* scores) {
+    const int64_t row = hkv * d;
+    const int64_t chunks = d / 16;
+    __m512 qv[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+            qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const T* base = kc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
+        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
+        if (blk + 1 < nblk) prefetch_rows(kc + static_cast<int64_t>(table[blk + 1]) * bs * row + h * d, bs, row, d);
+        for (int64_t j = 0; j < n; ++j) {
+            const T* kp = base + j * row;
+            __m512 kv[kMaxChunks];
+            for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kp + 16 * c);
+            for (int64_t g = 0; g < g_size; ++g) {
+                __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+                scores[g * len + blk * bs + j] = _mm512_reduce_add_ps(s);
+            }
+        }
+    }
+    softmax_rows(scores, g_size, len);
+    __m512 acc[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const T* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
+        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
+        if (blk + 1 < nblk) prefetch_rows(vc + static_cast<int64_t>(table[blk + 1]) * bs * row + h * d, bs, row, d);
+        for (int64_t j = 0; j < n; ++j) {
+            const T* vp = base + j * row;
+            __m512 vv[kMaxChunks];
+            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vp + 16 * c);
+            for (int64_t g = 0; g < g_size; ++g) {
+                const __m512 p = _mm512_set1_ps(scores[g * len + blk * bs + j]);
+                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    alignas(64) float tmp[16];
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+            _mm512_store_ps(tmp, acc[g][c]);
+            for (int i = 0; i < 16; ++i) op[16 * c + i] = from_float<T>(tmp[i]);
+        }
+    }
+}
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 2 is best)
+
+// bfloat16 decode_one for head_dim % 32 == 0: scores on the BF16 dot-product
+// instruction straight from the cache (no conversion), 16 tokens at a time with
+// one tree reduction; exact float32 softmax; values accumulated in float32.
+// `scores` holds G rows of `stride` (len rounded up to 16) floats.
+void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
+                     const int32_t* table, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                     int64_t d, int64_t bs, float scale, float* scores, int64_t stride) {
+    const int64_t row = hkv * d, pairs = d / 32, chunks = d / 16;
+    __m512bh qb[kMaxGroup][kMaxChunks / 2];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < pairs; ++c)
+            qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * g_size + g) * d + 32 * c);
+    const bf16* kp[16];
+    int64_t blk = 0, off = 0;   // block-table index and offset of the next token
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t0);
+        for (int64_t j = 0; j < 16; ++j) {
+            if (j < n) {
+                kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
+                if (++off == bs) { off = 0; ++blk; }
+            } else {
+                kp[j] = kp[0];   // padding lanes: scored, then ignored by the softmax
+            }
+        }
+        if (off == 0 && (blk + kAhead) * bs < len)   // a new block begins: fetch one kAhead further
+            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
+                          std::min<int64_t>(bs, 16), row, d);
+        for (int64_t g = 0; g < g_size; ++g) {
+            __m512 part[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; ++c)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c), qb[g][c]);
+                part[j] = acc;
+            }
+            _mm512_storeu_ps(scores + g * stride + t0,
+                             _mm512_mul_ps(hsum16x16(part), _mm512_set1_ps(scale)));
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        float* sg = scores + g * stride;
+        __m512 mv = _mm512_set1_ps(-1e30f);
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1u);
+        mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t + 16 <= len; t += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+            _mm512_storeu_ps(sg + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m)));
+        _mm512_mask_storeu_ps(sg + t, tail, e);
+        sum = _mm512_add_ps(sum, e);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (t = 0; t < len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+    }
+    __m512 acc[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (blk = 0; blk < nblk; ++blk) {
+        const bf16* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
+        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
+        if (blk + kAhead < nblk)
+            prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
+        for (int64_t j = 0; j < n; ++j) {
+            const bf16* vp = base + j * row;
+            __m512 vv[kMaxChunks];
+            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vp + 16 * c);
+            for (int64_t g = 0; g < g_size; ++g) {
+                const __m512 p = _mm512_set1_ps(scores[g * stride + blk * bs + j]);
+                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    alignas(64) float tmp[16];
+    for (int64_t g = 0; g < g_size; ++g) {
+        bf16* op = out + (h * g_size + g) * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+            _mm512_store_ps(tmp, acc[g][c]);
+            for (int i = 0; i < 16; ++i) op[16 * c + i] = from_float<bf16>(tmp[i]);
+        }
+    }
+}
+#endif  // __AVX512BF16__
+
+template <typename T>
+void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
+                int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs, float scale,
+                std::vector<float>& buf) {
+    const int64_t stride = (len + 15) / 16 * 16;
+    buf.resize(static_cast<size_t>(g_size * (stride + d)));
+    float* scores = buf.data();   // [G, len] (rows of `stride` in the bf16 kernel)
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+        if (d % 32 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
+            decode_one_bf16(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
+                            stride);
+            return;
+        }
+    }
+#endif
+#if defined(__AVX512F__)
+    if (d % 16 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
+        decode_one_avx512<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores);
+        return;
+    }
+#endif
+    decode_one_generic<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
+                          scores + g_size * len);
+}
+
+template <typename T>
+void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
+                      const T* vc, const int32_t* tables, int64_t table_stride,
+                      const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+                      int64_t bs, float scale, int num_threads) {
+    const int64_t g_size = hq / hkv;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> buf;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < b; ++s) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                decode_one<T>(out + s * out_stride, q + s * q_stride, kc, vc,
+                              tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs,
+                              scale, buf);
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace tandem_cpu
+
+using tandem_cpu::bf16;
+
+#define TANDEM_EXPORT(SUFFIX, T)                                                                  \
+    extern "C" void tandem_decode_attention_##SUFFIX(                                            \
+        void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
+        const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,    \
+        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int nt) {        \
+        tandem_cpu::decode_attention<T>(static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,  \
+                            static_cast<const T*>(kc), static_cast<const T*>(vc), tables,        \
+                            table_stride, seq_lens, b, hq, hkv, d, bs, scale, nt);               \
+    }
+
+TANDEM_EXPORT(f32, float)
+TANDEM_EXPORT(bf16, bf16)

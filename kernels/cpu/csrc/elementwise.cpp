@@ -1,0 +1,125 @@
+// Element-wise kernels of a layer: the KV-cache write, RMSNorm with a fused
+// residual add, rotary embedding and SiLU-and-mul. C ABI for ../ops.py.
+
+#include "common.h"
+
+namespace tandem_cpu {
+namespace {
+
+template <typename T>
+void reshape_and_cache(const T* key, int64_t key_stride, const T* value, int64_t value_stride,
+                       T* kc, T* vc, const int64_t* slots, int64_t n, int64_t row) {
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;   // padding token: nothing to store
+        std::memcpy(kc + slot * row, key + t * key_stride, sizeof(T) * row);
+        std::memcpy(vc + slot * row, value + t * value_stride, sizeof(T) * row);
+    }
+}
+
+template <typename T>
+void rms_norm(T* out, const T* x, const T* residual, T* residual_out, const T* weight,
+              int64_t n, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> tmp(static_cast<size_t>(hidden));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; ++t) {
+            const T* xr = x + t * hidden;
+            if (residual != nullptr) {
+                const T* rr = residual + t * hidden;
+                T* ro = residual_out + t * hidden;
+                for (int64_t i = 0; i < hidden; ++i) {
+                    const T sum = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
+                    ro[i] = sum;
+                    tmp[i] = to_float(sum);
+                }
+            } else {
+                for (int64_t i = 0; i < hidden; ++i) tmp[i] = to_float(xr[i]);
+            }
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; ++i) ss += tmp[i] * tmp[i];
+            const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+            T* o = out + t * hidden;
+            for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(tmp[i] * inv * to_float(weight[i]));
+        }
+    }
+}
+
+template <typename T>
+void rotate(T* x, int64_t heads, int64_t d, const float* cs) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        T* xh = x + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
+            const float c = cs[i], s = cs[half + i];
+            xh[i] = from_float<T>(x1 * c - x2 * s);
+            xh[i + half] = from_float<T>(x2 * c + x1 * s);
+        }
+    }
+}
+
+template <typename T>
+void rotary_embedding(const int64_t* positions, T* query, int64_t q_stride, int64_t hq, T* key,
+                      int64_t k_stride, int64_t hkv, int64_t d, const float* cos_sin,
+                      int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+        const float* cs = cos_sin + positions[t] * d;
+        rotate<T>(query + t * q_stride, hq, d, cs);
+        rotate<T>(key + t * k_stride, hkv, d, cs);
+    }
+}
+
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t n, int64_t f, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+        const T* gate = x + t * 2 * f;
+        const T* up = gate + f;
+        T* o = out + t * f;
+#pragma omp simd
+        for (int64_t i = 0; i < f; ++i) {
+            const float g = to_float(gate[i]);
+            // Rounded twice like the reference (silu in T, then the product in T).
+            const float silu = to_float(from_float<T>(g / (1.0f + fast_exp(-g))));
+            o[i] = from_float<T>(silu * to_float(up[i]));
+        }
+    }
+}
+
+}  // namespace
+}  // namespace tandem_cpu
+
+using tandem_cpu::bf16;
+
+#define TANDEM_EXPORT(SUFFIX, T)                                                                  \
+    extern "C" void tandem_reshape_and_cache_##SUFFIX(                                           \
+        const void* key, int64_t key_stride, const void* value, int64_t value_stride, void* kc,  \
+        void* vc, const int64_t* slots, int64_t n, int64_t row) {                                \
+        tandem_cpu::reshape_and_cache<T>(static_cast<const T*>(key), key_stride,                             \
+                             static_cast<const T*>(value), value_stride, static_cast<T*>(kc),    \
+                             static_cast<T*>(vc), slots, n, row);                                \
+    }                                                                                             \
+    extern "C" void tandem_rms_norm_##SUFFIX(void* out, const void* x, const void* residual,      \
+                                             void* residual_out, const void* weight, int64_t n,   \
+                                             int64_t hidden, float eps, int nt) {                 \
+        tandem_cpu::rms_norm<T>(static_cast<T*>(out), static_cast<const T*>(x),                              \
+                    static_cast<const T*>(residual), static_cast<T*>(residual_out),              \
+                    static_cast<const T*>(weight), n, hidden, eps, nt);                          \
+    }                                                                                             \
+    extern "C" void tandem_rotary_embedding_##SUFFIX(                                            \
+        const int64_t* positions, void* query, int64_t q_stride, int64_t hq, void* key,          \
+        int64_t k_stride, int64_t hkv, int64_t d, const float* cos_sin, int64_t n, int nt) {     \
+        tandem_cpu::rotary_embedding<T>(positions, static_cast<T*>(query), q_stride, hq,                     \
+                            static_cast<T*>(key), k_stride, hkv, d, cos_sin, n, nt);             \
+    }                                                                                             \
+    extern "C" void tandem_silu_and_mul_##SUFFIX(void* out, const void* x, int64_t n, int64_t f,  \
+                                                 int nt) {                                        \
+        tandem_cpu::silu_and_mul<T>(static_cast<T*>(out), static_cast<const T*>(x), n, f, nt);               \
+    }
+
+TANDEM_EXPORT(f32, float)
+TANDEM_EXPORT(bf16, bf16)

@@ -1,0 +1,196 @@
+// Causal prefill attention over paged KV for bfloat16 on AVX-512 BF16 CPUs: a
+// FlashAttention-2 loop (Dao 2023, Alg. 1) on vdpbf16ps over K/V repacked per KV
+// head into bf16-pair tiles. C ABI for ../ops.py.
+
+#include "common.h"
+
+namespace tandem_cpu {
+namespace {
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kTile = 16;      // key tokens per tile (one zmm of float32 scores)
+constexpr int kRows = 8;           // query rows processed together (2, 4, 6, 8, 12, 16 measured: 8 best)
+constexpr int64_t kQueryTile = 32; // query positions per task
+
+// Repack one (sequence, KV head) context into the pair-interleaved ("VNNI") layouts
+// that vdpbf16ps consumes, tiles of 16 tokens, zero past the context:
+//   kt[tile][c][j]  = (K[16 tile + j][2c], K[16 tile + j][2c + 1])     (uint32 pairs)
+//   vt[tile][p][d]  = (V[16 tile + 2p][d], V[16 tile + 2p + 1][d])
+void repack_kv(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len, int64_t h,
+               int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
+    const int64_t row = hkv * d, half = d / 2;
+    const int64_t ntiles = (len + kTile - 1) / kTile;
+    std::memset(kt, 0, sizeof(uint32_t) * ntiles * half * kTile);
+    std::memset(vt, 0, sizeof(uint32_t) * ntiles * half * kTile);
+    uint16_t* v16 = reinterpret_cast<uint16_t*>(vt);
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kc + slot * row + h * d);
+        const bf16* vrow = vc + slot * row + h * d;
+        const int64_t tile = t / kTile, j = t % kTile;
+        uint32_t* kdst = kt + tile * half * kTile + j;
+        for (int64_t c = 0; c < half; ++c) kdst[c * kTile] = k32[c];
+        uint16_t* vdst = v16 + 2 * (tile * half * kTile + (j / 2) * d) + (j % 2);
+        for (int64_t i = 0; i < d; ++i) vdst[2 * i] = vrow[i];
+    }
+}
+
+// Causal attention of kRows consecutive query positions pos[0..kRows) of one query
+// head over the repacked context, flash-attention style (FlashAttention-2, Dao 2023,
+// Alg. 1): per 16-token tile the scores come from vdpbf16ps on the pair layout, an
+// online softmax rescales the float32 accumulators, and P (rounded to bf16) times V
+// is again vdpbf16ps. `q[r]` points at the D elements of row r; rows whose pos is
+// negative are padding and are not stored.
+void prefill_rows(const bf16* const* q, const int64_t* pos, bf16* const* out, const uint32_t* kt,
+                  const uint32_t* vt, int64_t d, float scale) {
+    const int64_t half = d / 2, chunks = d / 16;
+    int64_t last = 0;
+    for (int r = 0; r < kRows; ++r) last = pos[r] > last ? pos[r] : last;
+    float m[kRows], l[kRows];
+    __m512 acc[kRows][kMaxChunks];
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = -1e30f;
+        l[r] = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+    alignas(64) uint32_t pp[kRows][kTile / 2];
+    const int64_t ntiles = last / kTile + 1;
+    for (int64_t tile = 0; tile < ntiles; ++tile) {
+        const uint32_t* ktile = kt + tile * half * kTile;
+        __m512 s[kRows];
+        for (int r = 0; r < kRows; ++r) s[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < half; ++c) {
+            const __m512bh kv = (__m512bh)_mm512_load_si512(ktile + c * kTile);
+            for (int r = 0; r < kRows; ++r) {
+                uint32_t qpair;
+                std::memcpy(&qpair, q[r] + 2 * c, sizeof qpair);
+                s[r] = _mm512_dpbf16_ps(s[r], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qpair)));
+            }
+        }
+        for (int r = 0; r < kRows; ++r) {
+            const int64_t valid = pos[r] - tile * kTile + 1;     // keys <= pos[r] in this tile
+            const __mmask16 keep = valid >= kTile ? 0xFFFF
+                                 : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1u);
+            __m512 sr = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f),
+                                             _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+            const float m_new = std::max(m[r], _mm512_reduce_max_ps(sr));
+            const __m512 p = exp512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new)));
+            const float corr = fast_exp(m[r] - m_new);
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+            m[r] = m_new;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const uint32_t* vtile = vt + tile * half * kTile;
+        for (int64_t jp = 0; jp < kTile / 2; ++jp) {
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512bh vv = (__m512bh)_mm512_load_si512(vtile + jp * d + 16 * c);
+                for (int r = 0; r < kRows; ++r)
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv,
+                                                 (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp])));
+            }
+        }
+    }
+    alignas(64) float tmp[16];
+    for (int r = 0; r < kRows; ++r) {
+        if (pos[r] < 0 || out[r] == nullptr) continue;
+        const float inv = 1.0f / l[r];
+        for (int64_t c = 0; c < chunks; ++c) {
+            _mm512_store_ps(tmp, acc[r][c]);
+            for (int i = 0; i < 16; ++i) out[r][16 * c + i] = from_float<bf16>(tmp[i] * inv);
+        }
+    }
+}
+
+struct PrefillTask {
+    int64_t seq, head, first;   // sequence, query head, first query row of the tile
+};
+
+// Causal prefill attention over paged KV for B sequences (see ops.py).
+void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_stride,
+                       const bf16* kc, const bf16* vc, const int32_t* tables,
+                       int64_t table_stride, const int32_t* query_start_loc,
+                       const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+                       int64_t bs, float scale, int num_threads) {
+    const int64_t g_size = hq / hkv;
+    std::vector<int64_t> offsets(b + 1, 0);   // uint32 offset of each sequence's repacked K
+    std::vector<PrefillTask> tasks;
+    for (int64_t s = 0; s < b; ++s) {
+        const int64_t ntiles = (seq_lens[s] + kTile - 1) / kTile;
+        offsets[s + 1] = offsets[s] + ntiles * hkv * (d / 2) * kTile;
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int64_t first = 0; first < q_len; first += kQueryTile)
+            for (int64_t h = 0; h < hq; ++h) tasks.push_back({s, h, first});
+    }
+    // Longest contexts first so the dynamic schedule ends evenly.
+    std::stable_sort(tasks.begin(), tasks.end(), [&](const PrefillTask& x, const PrefillTask& y) {
+        return seq_lens[x.seq] - query_start_loc[x.seq + 1] + query_start_loc[x.seq] + x.first >
+               seq_lens[y.seq] - query_start_loc[y.seq + 1] + query_start_loc[y.seq] + y.first;
+    });
+    // 64-byte aligned scratch for the repacked K and V.
+    std::vector<uint32_t> storage(2 * offsets[b] + 16);
+    uint32_t* kt_all = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+    uint32_t* vt_all = kt_all + offsets[b];
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < b; ++s) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                const int64_t per_head = (offsets[s + 1] - offsets[s]) / hkv;
+                repack_kv(kc, vc, tables + s * table_stride, seq_lens[s], h, hkv, d, bs,
+                          kt_all + offsets[s] + h * per_head, vt_all + offsets[s] + h * per_head);
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < tasks.size(); ++i) {
+            const PrefillTask task = tasks[i];
+            const int64_t s = task.seq, h = task.head;
+            const int64_t q0 = query_start_loc[s], q_len = query_start_loc[s + 1] - q0;
+            const int64_t ctx = seq_lens[s] - q_len;   // tokens before this chunk
+            const int64_t per_head = (offsets[s + 1] - offsets[s]) / hkv;
+            const uint32_t* kt = kt_all + offsets[s] + (h / g_size) * per_head;
+            const uint32_t* vt = vt_all + offsets[s] + (h / g_size) * per_head;
+            const int64_t end = std::min(q_len, task.first + kQueryTile);
+            for (int64_t i0 = task.first; i0 < end; i0 += kRows) {
+                const bf16* qr[kRows];
+                bf16* orow[kRows];
+                int64_t pos[kRows];
+                for (int r = 0; r < kRows; ++r) {
+                    const int64_t i = std::min(i0 + r, end - 1);   // pad with the last row
+                    qr[r] = q + (q0 + i) * q_stride + h * d;
+                    orow[r] = i0 + r < end ? out + (q0 + i) * out_stride + h * d : nullptr;
+                    pos[r] = ctx + i;
+                }
+                prefill_rows(qr, pos, orow, kt, vt, d, scale);
+            }
+        }
+    }
+}
+#endif  // __AVX512BF16__
+
+}  // namespace
+}  // namespace tandem_cpu
+
+// 1 when this build has the bfloat16 prefill attention (AVX-512 BF16), else 0.
+extern "C" int tandem_has_prefill_attention_bf16() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+extern "C" void tandem_prefill_attention_bf16(
+    void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc, const void* vc,
+    const int32_t* tables, int64_t table_stride, const int32_t* query_start_loc,
+    const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+    float scale, int nt) {
+    using tandem_cpu::bf16;
+    tandem_cpu::prefill_attention(static_cast<bf16*>(out), out_stride, static_cast<const bf16*>(q), q_stride,
+                      static_cast<const bf16*>(kc), static_cast<const bf16*>(vc), tables,
+                      table_stride, query_start_loc, seq_lens, b, hq, hkv, d, bs, scale, nt);
+}
+#endif
