@@ -49,23 +49,25 @@ order gives the same result as the order of the calls, whatever they were:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from tandem.engine.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tandem.engine.block_pool import Block, BlockHash, BlockPool
 from tandem.engine.kv_swap import HostBlockPool, KVSwapMixin
+from tandem.engine.prefix_cache import PrefixCacheMixin
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(KVSwapMixin):
+class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
     """Block tables of all requests, keyed by ``request_id``.
 
     A request is *device-resident* (its block table is in ``req_to_blocks``),
     *swapped* (its host block table is in ``req_to_host_blocks``; the swap
     operations are in :class:`~tandem.engine.kv_swap.KVSwapMixin`) or unknown;
-    never two of these.
+    never two of these. Prefix-cache lookup and registration are in
+    :class:`~tandem.engine.prefix_cache.PrefixCacheMixin`.
 
     Args:
         num_blocks: device blocks in the pool.
@@ -158,58 +160,6 @@ class KVCacheManager(KVSwapMixin):
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.req_to_host_blocks
-
-    # -- prefix cache lookup ----------------------------------------------------
-
-    def get_computed_blocks(self, request_id: str,
-                            token_ids: Sequence[int]) -> tuple[list[Block], int]:
-        """Longest prefix of ``token_ids`` whose full blocks are in the prefix cache.
-
-        The hit is capped so that at least one token is left to compute: the
-        last prompt token always runs through the model, so its logits exist
-        (a prompt of exactly k full blocks hits at most k - 1 of them).
-        No references are taken: pass the blocks to :meth:`allocate_slots` in the
-        same scheduling step, before any other allocation can evict them.
-
-        Args:
-            request_id: the request (for symmetry with the other calls; the
-                lookup depends only on ``token_ids``).
-            token_ids: the request's tokens so far (prompt, plus any output of a
-                resumed request).
-
-        Returns:
-            ``(blocks, num_computed_tokens)`` with
-            ``num_computed_tokens == len(blocks) * block_size`` (tokens).
-            ``([], 0)`` when prefix caching is disabled.
-        """
-        del request_id
-        if not self.enable_caching:
-            return [], 0
-        blocks = self.find_cached_prefix(token_ids)
-        num_computed_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_computed_tokens
-        return blocks, num_computed_tokens
-
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
-        """The blocks :meth:`get_computed_blocks` would return, without counting a query.
-
-        For planning (the scheduler sizing a request it may not admit).
-        """
-        if not self.enable_caching:
-            return []
-        bs = self.block_size
-        max_hit_blocks = max(len(token_ids) - 1, 0) // bs
-        blocks: list[Block] = []
-        parent: BlockHash | None = None
-        for i in range(max_hit_blocks):
-            block_hash = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-            parent = block_hash
-        return blocks
 
     # -- allocation -------------------------------------------------------------
 
@@ -370,49 +320,6 @@ class KVCacheManager(KVSwapMixin):
         self.req_to_blocks[child_request_id] = list(table)
         self.req_to_block_hashes[child_request_id] = list(
             self.req_to_block_hashes[parent_request_id])
-
-    # -- prefix cache registration ----------------------------------------------
-
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int],
-                     num_computed_tokens: int) -> None:
-        """Register the request's full, computed blocks in the prefix cache.
-
-        Blocks ``i < num_computed_tokens // block_size`` not yet hashed for this
-        request are hashed (chained) and cached. Call after the forward pass
-        that computed them. A request holding no blocks (already freed) is a
-        no-op, as is disabled prefix caching.
-
-        Args:
-            request_id: the request.
-            token_ids: its tokens, at least ``num_computed_tokens`` of them.
-            num_computed_tokens: tokens whose KV is now written.
-
-        Raises:
-            ValueError: fewer than ``num_computed_tokens`` token ids, or more
-                computed tokens than the request's blocks hold; or a block
-                already cached under a hash these tokens do not produce.
-        """
-        table = self.req_to_blocks.get(request_id)
-        if not self.enable_caching or table is None:
-            return
-        bs = self.block_size
-        if num_computed_tokens > len(token_ids) or num_computed_tokens > len(table) * bs:
-            raise ValueError(
-                f"request {request_id!r}: {num_computed_tokens} computed tokens, but "
-                f"{len(token_ids)} token ids and {len(table)} blocks of {bs} tokens")
-        block_hashes = self.req_to_block_hashes[request_id]
-        parent = block_hashes[-1] if block_hashes else None
-        for i in range(len(block_hashes), num_computed_tokens // bs):
-            block_hash = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
-            # False is fine: another block already holds this hash, or this
-            # block (shared through a fork) was cached by its other holder.
-            self.block_pool.cache_block(table[i], block_hash)
-            block_hashes.append(block_hash)
-            parent = block_hash
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block hash; returns how many were dropped."""
-        return self.block_pool.reset_prefix_cache()
 
     # -- release ----------------------------------------------------------------
 
