@@ -167,8 +167,10 @@ def main() -> None:
           f"attention backend {ours['attention_backend']})")
     for kind, parts in ours.get("breakdown", {}).items():
         print(f"  {kind:6s} " + ", ".join(f"{k} {v}" for k, v in parts.items()))
+    import transformers
+
     result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__,
+              "torch": torch.__version__, "transformers": transformers.__version__,
               "tandem": {k: v for k, v in ours.items() if k != "outputs"}}
     if not args.skip_peer:
         hf = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size)
