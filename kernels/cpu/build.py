@@ -75,12 +75,21 @@ def build(verbose: bool = False) -> Path:
     """Compile the library if this machine has no current build; return its path.
 
     Raises:
-        CpuKernelsUnavailable: no compiler, or the build failed.
+        CpuKernelsUnavailable: no compiler, the build failed, or the cache
+            directory cannot be written.
     """
     compiler = find_compiler()
     path = library_path(compiler)
     if path.exists():
         return path
+    try:
+        return _compile(compiler, path, verbose)
+    except OSError as exc:
+        raise CpuKernelsUnavailable(f"cannot build into {path.parent}: {exc} "
+                                    "(set TANDEM_CACHE_DIR to a writable directory)") from exc
+
+
+def _compile(compiler: str, path: Path, verbose: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -124,7 +133,11 @@ def load_library() -> ctypes.CDLL:
     """
     import torch  # noqa: F401  -- torch's libgomp must be loaded first (see module doc)
 
-    lib = ctypes.CDLL(str(build()))
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise CpuKernelsUnavailable(f"cannot load {path}: {exc}") from exc
     for name, argtypes in _SIGNATURES.items():
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"tandem_{name}_{suffix}")

@@ -180,6 +180,14 @@ def test_auto_backend_falls_back_to_torch_when_the_build_fails(monkeypatch, tmp_
         build.load_library.cache_clear()          # the next user loads the real build
 
 
+def test_unwritable_cache_dir_is_a_clear_build_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker))
+    with pytest.raises(build.CpuKernelsUnavailable, match="TANDEM_CACHE_DIR"):
+        build.build()
+
+
 def test_auto_backend_is_cpu_for_float32_and_bfloat16():
     from tandem.engine.attention import get_attention_backend
 
