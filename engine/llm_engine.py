@@ -75,8 +75,7 @@ class LLMEngine:
                                    bytes_per_block)
         self.backend = get_attention_backend(config.attention_backend, self.device,
                                              config.torch_dtype)
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()     # bfloat16 only; a no-op otherwise
+        self.model.pack_for_cpu()     # bfloat16 on CPU only; a no-op otherwise
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
                                   self.kv_cache_manager.get_block_ids, self.device)
         self._ids = itertools.count()

@@ -169,9 +169,7 @@ class LlamaForCausalLM(nn.Module):
         """
         from tandem.kernels.cpu.linear import PackedLinear, pack_linear_weights
 
-        if next(self.parameters()).device.type != "cpu":
-            return 0
-        count = pack_linear_weights(self.model)
+        count = pack_linear_weights(self.model)   # only bfloat16 CPU layers qualify
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         if count and self.logits_proj is None:
             self.logits_proj = PackedLinear(weight)

@@ -29,7 +29,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         from tandem.kernels.cpu.build import load_library
-        load_library()
+        # Whether this build has the bf16 prefill kernel: fixed per process, so
+        # decided once here rather than on every layer of every step.
+        self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
 
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
@@ -44,7 +46,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         runs (bfloat16, AVX-512 BF16), else through :meth:`TorchAttentionBackend.attend`."""
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decodes
-        if nd == meta.num_seqs or not ops.has_prefill_attention(query.dtype, query.shape[2]):
+        if (nd == meta.num_seqs or not self._bf16_prefill or query.dtype != torch.bfloat16
+                or not ops.prefill_head_dim_ok(query.shape[2])):
             return self.attend(query, key, value, key_cache, value_cache, meta, scale)
         out = torch.empty_like(query)
         if nd:

@@ -78,9 +78,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     return out
 
 
+def prefill_head_dim_ok(head_dim: int) -> bool:
+    """Head sizes the prefill kernel handles (multiples of 16, at most 256)."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
 def has_prefill_attention(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :func:`paged_prefill_attention` runs here for this dtype and head size."""
-    return (dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+    return (dtype == torch.bfloat16 and prefill_head_dim_ok(head_dim)
             and bool(load_library().tandem_has_prefill_attention_bf16()))
 
 

@@ -22,7 +22,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -42,7 +42,7 @@ def test_decode_attention(paged_kv, dtype, hq, hkv, d, bs):
     want = ref.paged_decode_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
                                           seq_lens, d ** -0.5)
     got = ops.paged_decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5)
-    close(got, want, dtype)
+    assert_matches(got, want, dtype)
 
 
 def test_decode_attention_strided_query_and_out(paged_kv):
@@ -56,7 +56,7 @@ def test_decode_attention_strided_query_and_out(paged_kv):
                                out=out[:, :4])
     want = ref.paged_decode_attention_ref(q, kclean, vclean, tables,
                                           torch.tensor(lens, dtype=torch.int32), 0.2)
-    close(out[:, :4], want, torch.float32)
+    assert_matches(out[:, :4], want, torch.float32)
     assert torch.all(out[:, 4:] == 7.0)        # nothing written outside the view
 
 
@@ -83,7 +83,7 @@ def test_prefill_attention(paged_kv, hq, hkv, d, bs):
     want = ref.paged_prefill_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
                                            qsl, lens, d ** -0.5)
     got = ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5)
-    close(got, want, torch.bfloat16)
+    assert_matches(got, want, torch.bfloat16)
 
 
 def test_prefill_attention_rejects_float32(paged_kv):
@@ -116,10 +116,10 @@ def test_rms_norm(dtype, with_residual):
     got = ops.rms_norm(x, w, 1e-5, res)
     want = ref.rms_norm_ref(x, w, 1e-5, res)
     if with_residual:
-        close(got[0], want[0], dtype)
+        assert_matches(got[0], want[0], dtype)
         assert torch.equal(got[1], want[1])      # x + residual, rounded once like torch
     else:
-        close(got, want, dtype)
+        assert_matches(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,8 +133,8 @@ def test_rotary_embedding_in_place(dtype):
     ref.rotary_embedding_ref(pos, q_ref, k_ref, cache)
     v_before = qkv[:, 768:].clone()
     ops.rotary_embedding(pos, q, k, cache)
-    close(q, q_ref, dtype)
-    close(k, k_ref, dtype)
+    assert_matches(q, q_ref, dtype)
+    assert_matches(k, k_ref, dtype)
     assert torch.equal(qkv[:, 768:], v_before)   # V untouched
 
 
@@ -143,7 +143,7 @@ def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 2 * 300, generator=g) * 6).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])    # exp's clamped range
-    close(ops.silu_and_mul(x), ref.silu_and_mul_ref(x), dtype)
+    assert_matches(ops.silu_and_mul(x), ref.silu_and_mul_ref(x), dtype)
 
 
 def test_unsupported_dtype_is_rejected():

@@ -42,51 +42,57 @@ void decode_one_generic(T* out, const T* q, const T* kc, const T* vc, const int3
 }
 
 #if defined(__AVX512F__)
-// AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
-// the G query rows stay in registers as float32, each K row is read once (two
-// 64-byte lines for bf16, D = 64) and scored against all G rows; the value pass
-// keeps the G x D float32 accumulators in registers.
-template <typename T>
-void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
-                       int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
-                       int64_t bs, float scale, float* scores) {
-    const int64_t row = hkv * d;
-    const int64_t chunks = d / 16;
-    __m512 qv[kMaxGroup][kMaxChunks];
-    for (int64_t g = 0; g < g_size; ++g)
-        for (int64_t c = 0; c < chunks; ++c)
-            qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
-    const int64_t nblk = (len + bs - 1) / bs;
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-        const T* base = kc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
-        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
-        if (blk + 1 < nblk) prefetch_rows(kc + static_cast<int64_t>(table[blk + 1]) * bs * row + h * d, bs, row, d);
-        for (int64_t j = 0; j < n; ++j) {
-            const T* kp = base + j * row;
-            __m512 kv[kMaxChunks];
-            for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kp + 16 * c);
-            for (int64_t g = 0; g < g_size; ++g) {
-                __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-                for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-                scores[g * len + blk * bs + j] = _mm512_reduce_add_ps(s);
-            }
+constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 2 is best)
+
+// In place: rows r < `rows` of `x` (row r at x + r * stride, `len` valid floats)
+// become their exact float32 softmax.
+inline void softmax_rows512(float* x, int64_t rows, int64_t len, int64_t stride) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* xr = x + r * stride;
+        __m512 mv = _mm512_set1_ps(-1e30f);
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(xr + t));
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1u);
+        mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, xr + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t + 16 <= len; t += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(xr + t), m));
+            _mm512_storeu_ps(xr + t, e);
+            sum = _mm512_add_ps(sum, e);
         }
+        const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, xr + t), m)));
+        _mm512_mask_storeu_ps(xr + t, tail, e);
+        sum = _mm512_add_ps(sum, e);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(xr + t, _mm512_mul_ps(_mm512_loadu_ps(xr + t), inv));
+        _mm512_mask_storeu_ps(xr + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, xr + t), inv));
     }
-    softmax_rows(scores, g_size, len);
+}
+
+// The value pass of decode_one_*: out[h*G + g] = sum_t p[g][t] V[t] for the G query
+// heads of KV head h, float32 accumulators in registers, blocks prefetched kAhead
+// ahead. `p` holds G rows of `stride` softmax weights.
+template <typename T>
+void weighted_values(T* out, const T* vc, const int32_t* table, int64_t len, int64_t h,
+                     int64_t g_size, int64_t hkv, int64_t d, int64_t bs, const float* p,
+                     int64_t stride) {
+    const int64_t row = hkv * d, chunks = d / 16;
     __m512 acc[kMaxGroup][kMaxChunks];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    const int64_t nblk = (len + bs - 1) / bs;
     for (int64_t blk = 0; blk < nblk; ++blk) {
         const T* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
         const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
-        if (blk + 1 < nblk) prefetch_rows(vc + static_cast<int64_t>(table[blk + 1]) * bs * row + h * d, bs, row, d);
+        if (blk + kAhead < nblk)
+            prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
         for (int64_t j = 0; j < n; ++j) {
-            const T* vp = base + j * row;
             __m512 vv[kMaxChunks];
-            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vp + 16 * c);
+            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(base + j * row + 16 * c);
             for (int64_t g = 0; g < g_size; ++g) {
-                const __m512 p = _mm512_set1_ps(scores[g * len + blk * bs + j]);
-                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+                const __m512 pj = _mm512_set1_ps(p[g * stride + blk * bs + j]);
+                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
             }
         }
     }
@@ -99,11 +105,45 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
         }
     }
 }
+
+// AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
+// the G query rows stay in registers as float32, each K row is read once (two
+// 64-byte lines for bf16, D = 64) and scored against all G rows; the value pass
+// keeps the G x D float32 accumulators in registers.
+template <typename T>
+void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+                       int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
+                       int64_t bs, float scale, float* scores,
+                       int64_t stride) {
+    const int64_t row = hkv * d;
+    const int64_t chunks = d / 16;
+    __m512 qv[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+            qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const T* base = kc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
+        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
+        if (blk + kAhead < nblk)
+            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
+        for (int64_t j = 0; j < n; ++j) {
+            const T* kp = base + j * row;
+            __m512 kv[kMaxChunks];
+            for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kp + 16 * c);
+            for (int64_t g = 0; g < g_size; ++g) {
+                __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+                scores[g * stride + blk * bs + j] = _mm512_reduce_add_ps(s);
+            }
+        }
+    }
+    softmax_rows512(scores, g_size, len, stride);
+    weighted_values<T>(out, vc, table, len, h, g_size, hkv, d, bs, scores, stride);
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512BF16__)
-constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 2 is best)
-
 // bfloat16 decode_one for head_dim % 32 == 0: scores on the BF16 dot-product
 // instruction straight from the cache (no conversion), 16 tokens at a time with
 // one tree reduction; exact float32 softmax; values accumulated in float32.
@@ -111,7 +151,7 @@ constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 2
 void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
                      const int32_t* table, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
                      int64_t d, int64_t bs, float scale, float* scores, int64_t stride) {
-    const int64_t row = hkv * d, pairs = d / 32, chunks = d / 16;
+    const int64_t row = hkv * d, pairs = d / 32;
     __m512bh qb[kMaxGroup][kMaxChunks / 2];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < pairs; ++c)
@@ -143,53 +183,8 @@ void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
                              _mm512_mul_ps(hsum16x16(part), _mm512_set1_ps(scale)));
         }
     }
-    for (int64_t g = 0; g < g_size; ++g) {
-        float* sg = scores + g * stride;
-        __m512 mv = _mm512_set1_ps(-1e30f);
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
-        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1u);
-        mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, sg + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        __m512 sum = _mm512_setzero_ps();
-        for (t = 0; t + 16 <= len; t += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-            _mm512_storeu_ps(sg + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m)));
-        _mm512_mask_storeu_ps(sg + t, tail, e);
-        sum = _mm512_add_ps(sum, e);
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        for (t = 0; t < len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-    }
-    __m512 acc[kMaxGroup][kMaxChunks];
-    for (int64_t g = 0; g < g_size; ++g)
-        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-    const int64_t nblk = (len + bs - 1) / bs;
-    for (blk = 0; blk < nblk; ++blk) {
-        const bf16* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
-        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
-        if (blk + kAhead < nblk)
-            prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
-        for (int64_t j = 0; j < n; ++j) {
-            const bf16* vp = base + j * row;
-            __m512 vv[kMaxChunks];
-            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vp + 16 * c);
-            for (int64_t g = 0; g < g_size; ++g) {
-                const __m512 p = _mm512_set1_ps(scores[g * stride + blk * bs + j]);
-                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-            }
-        }
-    }
-    alignas(64) float tmp[16];
-    for (int64_t g = 0; g < g_size; ++g) {
-        bf16* op = out + (h * g_size + g) * d;
-        for (int64_t c = 0; c < chunks; ++c) {
-            _mm512_store_ps(tmp, acc[g][c]);
-            for (int i = 0; i < 16; ++i) op[16 * c + i] = from_float<bf16>(tmp[i]);
-        }
-    }
+    softmax_rows512(scores, g_size, len, stride);
+    weighted_values<bf16>(out, vc, table, len, h, g_size, hkv, d, bs, scores, stride);
 }
 #endif  // __AVX512BF16__
 
@@ -199,7 +194,7 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* tab
                 std::vector<float>& buf) {
     const int64_t stride = (len + 15) / 16 * 16;
     buf.resize(static_cast<size_t>(g_size * (stride + d)));
-    float* scores = buf.data();   // [G, len] (rows of `stride` in the bf16 kernel)
+    float* scores = buf.data();   // [G, len]: rows of `stride` floats (generic: of `len`)
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
         if (d % 32 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
@@ -211,7 +206,8 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* tab
 #endif
 #if defined(__AVX512F__)
     if (d % 16 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
-        decode_one_avx512<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores);
+        decode_one_avx512<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
+                             stride);
         return;
     }
 #endif
