@@ -6,7 +6,8 @@ never touched by two threads at once and need no locks. Callers on other threads
 (a Ray actor's event loop) get a ``concurrent.futures.Future`` for each command.
 
 Each step's token deltas for all requests go out as one
-:class:`~tandem.engine.outputs.StepOutput` in the outbox.
+:class:`~tandem.engine.outputs.StepOutput` in the outbox (unless the owner reads
+results only through :meth:`EngineLoop.track`, as a prefill worker does).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ class EngineLoop:
         engine: the engine; only the loop thread uses it after :meth:`start`.
         worker_id, role: reported in stats.
         idle_wait_s: how long an idle loop sleeps before looking again (seconds;
-            any command wakes it at once).
+            any command, and any KV load that ends, wakes it at once).
+        publish_outputs: put every step's :class:`StepOutput` in :attr:`outbox`
+            (False: nobody polls it; results go only to :meth:`track` futures).
     """
 
-    def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5):
+    def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,
+                 publish_outputs: bool = True):
         self.engine = engine
         self.worker_id, self.role = worker_id, role
         self.idle_wait_s = idle_wait_s
@@ -44,6 +48,10 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._published: dict[str, int] = {}       # request id -> output tokens already sent
+        self._tracked: dict[str, Future] = {}      # request id -> future of its final delta
+        self.publish_outputs = publish_outputs
+        if engine.kv_connector is not None:
+            engine.kv_connector.notify = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self.error: BaseException | None = None
         self._last_stats = None
@@ -58,7 +66,8 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the loop thread before the next step."""
+        """Run ``fn(*args)`` on the loop thread before the next step (``fn`` is
+        usually an engine method)."""
         fut: Future = Future()
         if self.error is not None:
             fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {self.error}"))
@@ -73,7 +82,10 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
-                    self.step()
+                    if not self.step():
+                        # Only remote KV loads pending: wait for one to end (or a command).
+                        self._wake.wait(self.idle_wait_s)
+                        self._wake.clear()
                 else:
                     self._publish_idle_stats()
                     self._wake.wait(self.idle_wait_s)
@@ -96,17 +108,38 @@ class EngineLoop:
             except BaseException as exc:
                 fut.set_exception(exc)
 
-    def step(self) -> None:
-        """One engine step, then publish its deltas. Subclasses may wrap the engine step."""
+    def step(self) -> bool:
+        """One engine step, then publish its deltas. Returns False if the step ran
+        nothing (the engine only waits for remote KV, or for room)."""
         t0 = time.perf_counter()
         changed = self.engine.step()
-        self.publish(changed, time.perf_counter() - t0)
+        if changed or self.engine.last_step_ran:
+            self.publish(changed, time.perf_counter() - t0)
+        return self.engine.last_step_ran
+
+    def track(self, request_id: str) -> Future:
+        """A future of ``request_id``'s final :class:`RequestDelta` (call on the loop
+        thread, e.g. in the same command that adds the request)."""
+        fut: Future = Future()
+        self._tracked[request_id] = fut
+        return fut
+
+    def untrack(self, request_id: str) -> None:
+        fut = self._tracked.pop(request_id, None)
+        if fut is not None:
+            fut.cancel()
 
     def publish(self, changed: list[Request], step_time_s: float = 0.0) -> None:
         deltas = tuple(self.delta(r) for r in changed)
+        for d in deltas:
+            if d.finish_reason is not None and d.request_id in self._tracked:
+                fut = self._tracked.pop(d.request_id)
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(d)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
-        self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s))
+        if self.publish_outputs:
+            self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s))
 
     def _publish_idle_stats(self) -> None:
         """Gauges must settle when the engine goes idle (e.g. after an abort, which
@@ -114,7 +147,8 @@ class EngineLoop:
         stats = self.engine.stats(self.worker_id, self.role)
         if stats != self._last_stats:
             self._last_stats = stats
-            self.outbox.put(StepOutput((), stats))
+            if self.publish_outputs:
+                self.outbox.put(StepOutput((), stats))
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published."""
@@ -125,8 +159,10 @@ class EngineLoop:
             self._published.pop(r.request_id, None)
         else:
             self._published[r.request_id] = r.num_output_tokens
+        ticket, r.kv_load_ticket = r.kv_load_ticket, None      # published once
         return RequestDelta(r.request_id, new, lps, r.status.finish_reason, r.stop_reason,
-                            r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens)
+                            r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens,
+                            ticket)
 
     def mark_published(self, request_id: str, num_tokens: int) -> None:
         """Tokens of a request that reached the client another way (the prefill's first token)."""
@@ -136,11 +172,15 @@ class EngineLoop:
         """After a crash: finish every request as ``error`` so no stream waits forever."""
         sch = self.engine.scheduler
         deltas = []
-        for r in list(sch.waiting) + list(sch.running) + list(sch.swapped):
+        for r in [*sch.waiting, *sch.running, *sch.swapped, *sch.remote_kv.requests]:
             deltas.append(RequestDelta(r.request_id, (), (), "error", str(exc)[:200],
                                        r.num_prompt_tokens, r.num_cached_tokens,
                                        r.num_output_tokens))
         self.outbox.put(StepOutput(tuple(deltas), self.engine.stats(self.worker_id, self.role)))
+        for fut in self._tracked.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {exc}"))
+        self._tracked.clear()
         while True:   # refuse pending commands too
             try:
                 _, _, fut = self._commands.get_nowait()

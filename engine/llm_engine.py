@@ -12,6 +12,7 @@ import torch
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_connector import KVConnector, KVTransferParams, get_kv_connector
 from tandem.engine.model import load_model
 from tandem.engine.model_files import resolve_model
 from tandem.engine.model_runner import KVCache, ModelRunner
@@ -34,10 +35,14 @@ class LLMEngine:
         tokenizer: pass one to share it; otherwise it is read from the model file.
         weights_from: another engine of the same model, dtype and device whose
             (read-only) weights this one shares instead of loading them again.
+        kv_transport: the KV connector's transport config string (``gloo``, ``nccl``)
+            for an engine of a disaggregated pair; None for a standalone engine.
+        transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 weights_from: "LLMEngine | None" = None):
+                 weights_from: "LLMEngine | None" = None, kv_transport: str | None = None,
+                 transfer_timeout_s: float = 60.0):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -76,18 +81,33 @@ class LLMEngine:
         self.backend = get_attention_backend(config.attention_backend, self.device,
                                              config.torch_dtype)
         self.model.pack_for_cpu()     # bfloat16 on CPU only; a no-op otherwise
+        self.kv_connector: KVConnector | None = None
+        if kv_transport is not None:
+            self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
+                                                 transfer_timeout_s=transfer_timeout_s)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
-                                  self.kv_cache_manager.get_block_ids, self.device)
+                                  self.kv_cache_manager.get_block_ids, self.device,
+                                  kv_connector=self.kv_connector)
         self._ids = itertools.count()
+        self.last_step_ran = False    # whether the last step() scheduled anything
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> list[Request]:
+                    request_id: str | None = None, priority: int = 0,
+                    kv_transfer_params: KVTransferParams | None = None) -> list[Request]:
         """Queue a prompt. Returns its ``params.n`` sample requests (index order).
+
+        With ``kv_transfer_params`` the prompt's KV crosses engines (see
+        :mod:`tandem.engine.kv_connector`): with a ticket, this (producer) engine
+        sends it there once computed; without, this (consumer) engine reserves
+        blocks in queue order and receives it from ``peer_id``, and the
+        request's :attr:`Request.kv_load_ticket` is set in the step that reserved them.
 
         Raises:
             InvalidParameterError: empty prompt, unknown token ids, or prompt +
-                max_tokens over the context limit (``field`` names the culprit).
+                max_tokens over the context limit (``field`` names the culprit);
+                ``kv_transfer_params`` on an engine without a KV connector, or
+                with ``n > 1``.
         """
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
@@ -101,9 +121,13 @@ class LLMEngine:
             raise InvalidParameterError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                               f"exceeds the maximum context length {self.max_model_len}")
+        if kv_transfer_params is not None and (self.kv_connector is None or params.n > 1):
+            raise InvalidParameterError("kv_transfer_params",
+                                        "needs an engine with a KV connector and n == 1")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_id
-        first = Request(rid, ids, params, eos_token_id=eos, priority=priority)
+        first = Request(rid, ids, params, eos_token_id=eos, priority=priority,
+                        kv_transfer_params=kv_transfer_params)
         first.pending_forks = [
             Request(f"{rid}#{i}", ids, params, eos_token_id=eos, priority=priority,
                     arrival_time=first.arrival_time, sample_index=i, parent_id=rid,
@@ -113,43 +137,36 @@ class LLMEngine:
         self.scheduler.add_request(first)
         return requests
 
-    def reserve(self, request_id: str, prompt_token_ids: Sequence[int]
-                ) -> tuple[list[int], int] | None:
-        """Reserve blocks for a prompt that another worker will prefill.
+    def start_decode(self, request_id: str, first_token_id: int | None,
+                     first_logprobs: TokenLogprobs | None = None) -> None:
+        """A remote-prefill request's prefill ended elsewhere.
 
-        Reuses blocks this cache already holds for the prompt's prefix. Refused
-        while requests preempted here (swapped, or waiting to be recomputed)
-        have not resumed: they came first, and reservations retried as soon as
-        blocks free up would otherwise take every block they need, forever
-        (the no-starvation argument in :mod:`tandem.engine.scheduler`).
+        Args:
+            first_token_id: the token the prefill engine sampled; the request joins
+                the running batch once its KV landed. None: the remote prefill
+                failed, and the prompt is computed here instead (once no layer can
+                land in its reserved blocks any more).
 
-        Returns:
-            ``(block_ids, num_cached_tokens)`` covering the whole prompt, or None if
-            there is no room now (nothing changed).
+        Raises:
+            KeyError: the request is not waiting for remote KV (e.g. aborted).
         """
-        if self.scheduler.num_swapped or self.scheduler.num_waiting:
-            return None
-        kv = self.kv_cache_manager
-        blocks, num_cached = kv.get_computed_blocks(request_id, prompt_token_ids)
-        if not kv.allocate_slots(request_id, num_cached, len(prompt_token_ids) - num_cached, blocks):
-            return None
-        return kv.get_block_ids(request_id), num_cached
-
-    def release(self, request_id: str) -> bool:
-        """Free a reservation whose request never started here."""
-        return self.kv_cache_manager.free(request_id)
-
-    def add_prefilled_request(self, request: Request, vocab_size: int | None = None) -> None:
-        """Start decoding a request whose prompt KV landed in its reserved blocks and
-        whose first token (sampled by the prefill worker) is in ``output_token_ids``."""
         from tandem.engine.sampler import skip_first_draw
 
-        skip_first_draw(request, vocab_size or self.model_config.vocab_size)
-        self.scheduler.add_prefilled(request)
+        if first_token_id is None:
+            if self.scheduler.give_up_remote_prefill(request_id):
+                self.kv_connector.cancel_load(request_id)
+            return
+        req = self.scheduler.set_remote_first_token(request_id, first_token_id, first_logprobs)
+        skip_first_draw(req, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a request (and its pending forks); frees its blocks. False if unknown."""
-        return self.scheduler.abort_request(request_id) is not None
+        """Abort a request (and its pending forks); frees its blocks (those a remote KV
+        load may still write once the load ended). False if unknown."""
+        if self.scheduler.abort_request(request_id) is None:
+            return False
+        if request_id in self.scheduler.remote_kv.orphaned:
+            self.kv_connector.cancel_load(request_id)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -161,11 +178,24 @@ class LLMEngine:
         Returns:
             Requests that got a token or finished in this step.
         """
-        out: SchedulerOutput = self.scheduler.schedule()
+        sch, connector = self.scheduler, self.kv_connector
+        if connector is not None:
+            for rid, error in connector.get_finished_loads():
+                sch.finish_kv_load(rid, error is None)
+        out: SchedulerOutput = sch.schedule()
+        self.last_step_ran = not out.is_empty
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        return self.scheduler.update(out, sampled)
+        for req in out.kv_loads_to_start:
+            req.kv_load_ticket = connector.start_load(
+                req.request_id, self.kv_cache_manager.get_block_ids(req.request_id),
+                req.num_cached_tokens, req.num_prompt_tokens, req.kv_transfer_params)
+        result = self.runner.execute(out)
+        failed = [sch.requests[rid] for rid in result.kv_save_failures]
+        for req in failed:
+            sch.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
+                               result.kv_save_failures[req.request_id])
+        return out.kv_loads_to_start + sch.update(out, result.sampled) + failed
 
     @property
     def num_preemptions(self) -> int:
@@ -186,7 +216,8 @@ class LLMEngine:
         from tandem.engine.outputs import WorkerStats
 
         kv, sch = self.kv_cache_manager, self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sch.waiting)
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sch.waiting
+                     if not r.needs_remote_kv)
         queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sch.running
                       if r.num_computed_tokens < r.num_tokens - 1)
         return WorkerStats(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import ModelConfig
+from tandem.engine.kv_connector import KVConnector, KVSave
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleResult, Sampler
@@ -107,6 +109,21 @@ class KVCache:
             self.tensor[:, :, dst] = self.host_tensor[:, :, src].to(self.tensor.device)
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one executed step produced.
+
+    Attributes:
+        sampled: request id -> sampled results, for every request whose chunk reached
+            its last token (a parent with pending forks gets ``1 + len(forks)``).
+        kv_save_failures: request id -> error message, for prompts whose KV the
+            connector failed to send in this step.
+    """
+
+    sampled: dict[str, list[SampleResult]] = field(default_factory=dict)
+    kv_save_failures: dict[str, str] = field(default_factory=dict)
+
+
 class ModelRunner:
     """Turns a :class:`SchedulerOutput` into one forward pass and sampled tokens.
 
@@ -115,15 +132,20 @@ class ModelRunner:
         kv_cache: this engine's :class:`KVCache`.
         backend: attention backend.
         block_table_fn: request id -> its block ids (from the KV cache manager).
+        kv_connector: a producer engine's connector: a request whose prompt completes
+            in a step and that carries a ticket has each layer's KV sent from inside
+            the forward pass, right after that layer is written.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 block_table_fn, device: torch.device, seed: int = 0):
+                 block_table_fn, device: torch.device, seed: int = 0,
+                 kv_connector: KVConnector | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_table_fn = block_table_fn
         self.device = device
+        self.kv_connector = kv_connector
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
 
     def prepare(self, scheduled: list[ScheduledRequest]
@@ -173,24 +195,38 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta, ordered)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, after_layer=None) -> dict[str, list[SampleResult]]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step.
 
         Block operations first, in the order :class:`SchedulerOutput` prescribes
         (swap-out, swap-in, copy-on-write); a step may consist of nothing else.
-
-        Returns:
-            request id -> sampled results for every request whose chunk reached its
-            last token (a parent with pending forks gets ``1 + len(forks)`` results).
         """
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
         if not out.scheduled:
-            return {}
+            return ModelRunnerOutput()
         input_ids, positions, meta, ordered = self.prepare(out.scheduled)
+        saves = self._kv_saves(out)
+        if saves:
+            self.kv_connector.start_save(saves)
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
-                            after_layer)
+                            self.kv_connector.save_kv_layer if saves else None)
+        failures = self.kv_connector.wait_for_save() if saves else {}
+        return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures)
+
+    def _kv_saves(self, out: SchedulerOutput) -> list[KVSave]:
+        """Requests whose prompt completes in this step and whose KV goes to a consumer."""
+        if self.kv_connector is None:
+            return []
+        return [KVSave(s.request.request_id, s.request.kv_transfer_params,
+                       tuple(self.block_table_fn(s.request.request_id)))
+                for s in out.scheduled
+                if s.samples and s.request.kv_transfer_params is not None
+                and s.request.kv_transfer_params.ticket is not None]
+
+    def _sample(self, hidden: torch.Tensor, ordered: list[ScheduledRequest],
+                meta: AttentionMetadata) -> dict[str, list[SampleResult]]:
         rows: list[int] = []
         row_requests: list[Request] = []
         owners: list[str] = []

@@ -1,14 +1,38 @@
-"""Small typed messages that leave a worker: per-step token deltas and worker stats.
+"""Small typed messages that cross a worker's boundary: the request a worker is
+given, per-step token deltas and worker stats.
 
 The same dataclasses cross Ray (pickled) and are turned into protobuf in one
-place, the router.
+place, the router's front end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.request import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """A request as the router hands it to a worker.
+
+    Attributes:
+        request_id: the router's internal id (samples of ``n > 1`` become ``id#i``).
+        prompt_token_ids: the prompt (tokens).
+        sampling_params: validated sampling parameters.
+        priority: lower is more important.
+        kv_transfer_params: for a disaggregated request: on the decode worker the
+            prefill worker its KV comes from, on the prefill worker the decode
+            worker's ticket; None when the worker computes the prompt itself.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    priority: int = 0
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -22,6 +46,9 @@ class RequestDelta:
         finish_reason: ``stop``, ``length``, ``abort`` or ``error`` once finished, else None.
         stop_reason: the stop token id that ended it, if any.
         num_prompt_tokens, num_cached_tokens, num_output_tokens: usage so far (tokens).
+        kv_transfer_ticket: a remote-prefill request's KV ticket (plain dict), once,
+            in the step that reserved its blocks; the router hands it to the prefill
+            worker.
     """
 
     request_id: str
@@ -32,6 +59,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    kv_transfer_ticket: dict | None = None
 
 
 @dataclass(frozen=True)

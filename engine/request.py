@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -16,6 +17,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"          # recompute: back in the waiting queue, blocks freed
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks reserved, prompt KV landing
     SWAPPED = "swapped"              # swap: in the swapped queue, blocks in host memory
     FINISHED_STOPPED = "stop"        # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"       # max_tokens or the model's context length
@@ -64,6 +66,15 @@ class Request:
         num_cached_tokens: prompt tokens found in the prefix cache at admission.
         num_preemptions: times this request was preempted (swap or recompute).
         priority: lower is more important (admission order, and last to be preempted).
+        kv_transfer_params: set for a request whose prompt KV crosses engines: on a
+            producer (prefill) engine the consumer's ticket to send it to; on a
+            consumer (decode) engine the producer it comes from (``ticket`` None).
+            Cleared on the consumer when the remote prefill is given up and the
+            prompt is computed here instead.
+        kv_load_finished, kv_load_ok: consumer side: the load of the prompt KV has
+            ended, and whether every layer landed.
+        kv_load_ticket: consumer side: the KV connector's ticket (plain dict) for the
+            producer, set when blocks were reserved and taken by whoever publishes it.
     """
 
     request_id: str
@@ -82,6 +93,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    kv_load_finished: bool = False
+    kv_load_ok: bool = False
+    kv_load_ticket: dict | None = None
     # Children to fork from this request once its prompt is computed (n > 1).
     pending_forks: list["Request"] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_seq))
@@ -111,6 +126,12 @@ class Request:
     def sort_key(self) -> tuple[int, float, int]:
         """Admission order: priority, then arrival. Preemption takes the largest."""
         return (self.priority, self.arrival_time, self.arrival_seq)
+
+    @property
+    def needs_remote_kv(self) -> bool:
+        """Consumer side: the prompt KV is to come from another engine."""
+        p = self.kv_transfer_params
+        return p is not None and p.ticket is None
 
     @property
     def is_finished(self) -> bool:

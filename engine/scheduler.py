@@ -42,10 +42,11 @@ over the sort order, every request finishes in a bounded number of steps as
 long as the requests more important than it are finitely many. Strict priority
 means an endless stream of more important requests can hold a less important
 one back indefinitely, as in vLLM's priority policy; within one priority the
-order is first come, first served. Blocks taken outside the scheduler (a decode
-worker's reservations for prompts prefilled elsewhere) are refused while
-preempted requests wait to resume (:meth:`LLMEngine.reserve`), so they cannot
-keep a preempted request out either.
+order is first come, first served. A decode worker's reservations for prompts
+prefilled elsewhere are waiting requests like any other, admitted in the same
+order (:mod:`tandem.engine.remote_kv`), so they cannot keep a preempted request
+out either; while reserved they are never preemption victims (layers are
+landing in their blocks) and count against ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import bisect
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.preemption import PreemptionMode, get_preemption_policy
+from tandem.engine.remote_kv import RemoteKVRequests
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -93,6 +95,8 @@ class Scheduler:
         self.running: list[Request] = []   # sorted by Request.sort_key
         self.swapped: list[Request] = []   # sorted by Request.sort_key
         self.requests: dict[str, Request] = {}
+        # Consumer side of disaggregation: blocks reserved, prompt KV landing.
+        self.remote_kv = RemoteKVRequests(kv_cache_manager)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
         budget = config.max_num_batched_tokens
@@ -116,20 +120,55 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=_sort_key)
 
-    def add_prefilled(self, request: Request) -> None:
-        """Put a request whose prompt KV is already in this cache (a remote prefill,
-        blocks reserved beforehand) straight into the running queue; its first
-        generated token is in ``request.output_token_ids``.
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        """The KV connector reports that a remote-prefill request's load ended
+        (``ok``: every layer landed); see :mod:`tandem.engine.remote_kv`."""
+        req = self.requests.get(request_id)
+        if self.remote_kv.load_finished(req, request_id, ok):
+            self._requeue(req)
+
+    def set_remote_first_token(self, request_id: str, token_id: int, logprobs=None) -> Request:
+        """Give a remote-prefill request the first token its prefill engine sampled.
 
         Raises:
-            ValueError: its id is already in use.
+            KeyError: no such request waiting for remote KV (aborted, or never added).
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=_sort_key)
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV \
+                or req.num_output_tokens:
+            raise KeyError(f"request_id: {request_id!r} is not waiting for its first token")
+        req.output_token_ids.append(token_id)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        if self.remote_kv.set_first_token(req):
+            self._requeue(req)
+        return req
+
+    def give_up_remote_prefill(self, request_id: str) -> bool:
+        """The remote prefill of a request failed: compute its prompt here instead.
+
+        Returns:
+            True if its load is still in flight (the caller cancels it; the request
+            is requeued when the load ends).
+
+        Raises:
+            KeyError: no such request waiting for remote KV.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            if req is not None and req.needs_remote_kv:     # not reserved yet
+                req.kv_transfer_params = None
+                return False
+            raise KeyError(f"request_id: {request_id!r} is not waiting for remote KV")
+        if self.remote_kv.give_up(req):
+            self._requeue(req)
+            return False
+        return not req.kv_load_finished
+
+    def _requeue(self, req: Request) -> None:
+        """Back to the waiting queue, to be prefilled here (keeps its output so far)."""
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=_sort_key)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks (device or host).
@@ -144,7 +183,9 @@ class Scheduler:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        """Requests to run, or remote KV loads (of live or aborted requests) to collect."""
+        return bool(self.waiting or self.running or self.swapped or self.remote_kv.requests
+                    or self.remote_kv.orphaned)
 
     @property
     def num_waiting(self) -> int:
@@ -167,6 +208,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate, swap and preempt blocks."""
         out = SchedulerOutput()
+        for req in self.remote_kv.take_ready():      # remote prefill landed: decode now
+            req.kv_transfer_params = None
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_sort_key)
         self._preempt_for_priority(out)
         budget = self.token_budget
         running_preempted = False
@@ -192,15 +237,17 @@ class Scheduler:
         # Resume and admit only when the running requests fit: otherwise the
         # blocks just freed would be handed straight back and preempted again.
         while (not running_preempted and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) + len(self.remote_kv) < self.config.max_num_seqs):
             req = self._next_to_start()
             if req is None:
                 break
             if req.status is RequestStatus.SWAPPED:
                 num_new = self._swap_in(req, budget, out)
+            elif req.needs_remote_kv:
+                num_new = self._reserve_remote(req, out)
             else:
                 num_new = self._admit(req, budget, out)
-            if not num_new:
+            if num_new is None:
                 break
             budget -= num_new
         out.block_copies = self.kv.take_pending_copies()
@@ -214,11 +261,11 @@ class Scheduler:
             return self.swapped[0]
         return self.waiting[0] if self.waiting else None
 
-    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Swap ``req`` in and schedule its next tokens; returns how many (0: no room)."""
+    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Swap ``req`` in and schedule its next tokens; returns how many (None: no room)."""
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.kv.num_free_blocks < self._blocks_to_swap_in(req, num_new):
-            return 0
+            return None
         rid = req.request_id
         if not (self.kv.swap_in(rid)
                 and self.kv.allocate_slots(rid, req.num_computed_tokens, num_new)):
@@ -237,16 +284,25 @@ class Scheduler:
         extra = max(0, _cdiv(req.num_computed_tokens + num_new, self.kv.block_size) - num_table)
         return self.kv.num_blocks_to_swap_in(req.request_id) + extra
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Start a waiting request's (next) prefill chunk; returns its tokens (0: no room)."""
+    def _reserve_remote(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Reserve blocks for a remote-prefill request's prompt; it computes nothing
+        here, so it takes no token budget. Returns 0 (None: no room)."""
+        if not self.remote_kv.reserve(req):
+            return None
+        self.waiting.remove(req)
+        out.kv_loads_to_start.append(req)
+        return 0
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Start a waiting request's (next) prefill chunk; returns its tokens (None: no room)."""
         blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
         num_new = req.num_tokens - num_cached
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
-                return 0
+                return None
             num_new = budget
         if not self.kv.allocate_slots(req.request_id, num_cached, num_new, blocks):
-            return 0
+            return None
         self.waiting.remove(req)
         if req.status is RequestStatus.WAITING:   # first admission, not a resumed preemption
             req.num_cached_tokens = num_cached
@@ -378,11 +434,16 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        orphaned = False
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            # Layers may still land in its blocks: they are freed when the load ends.
+            orphaned = self.remote_kv.abort(req)
         for queue in (self.running, self.swapped, self.waiting):
             if req in queue:
                 queue.remove(req)
                 break
-        self.kv.free(req.request_id)
+        if not orphaned:
+            self.kv.free(req.request_id)
         req.status = status
         self.requests.pop(req.request_id, None)
 
@@ -418,4 +479,8 @@ class Scheduler:
                 elif name == "waiting":
                     assert kv.num_blocks_of(rid) == 0 and r.num_computed_tokens == 0, (
                         f"waiting request {rid!r} holds blocks or computed tokens")
+        for r in self.remote_kv.requests:
+            assert r.request_id not in seen, f"request {r.request_id!r} is in two queues"
+            seen.add(r.request_id)
+        self.remote_kv.check_invariants(self.requests)
         kv.check_invariants()

@@ -37,6 +37,8 @@ class SchedulerOutput:
         blocks_to_swap_in: ``(host_block_id, device_block_id)`` copies of
             requests swapped in in this step.
         preempted: requests preempted (swap or recompute) while scheduling this step.
+        kv_loads_to_start: remote-prefill requests whose blocks were reserved in this
+            step; the engine starts their KV loads (consumer side of a KV connector).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -44,6 +46,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_loads_to_start: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -53,4 +56,4 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run: no tokens and no block operations."""
         return not (self.scheduled or self.block_copies or self.blocks_to_swap_out
-                    or self.blocks_to_swap_in)
+                    or self.blocks_to_swap_in or self.kv_loads_to_start)

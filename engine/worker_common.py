@@ -28,11 +28,16 @@ def pin_cpus(cpus: list[int] | None) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def kv_layout_of(engine) -> dict:
-    """The engine's KV cache layout as a plain dict (see ``tandem.kvtransfer.KVLayout``)."""
-    from tandem.kvtransfer.layout import KVLayout
+def node_ip_address() -> str:
+    """This node's address as Ray knows it (the one other nodes reach it at); 127.0.0.1
+    outside Ray. A decode worker's KV listener binds to it, so a prefill worker on
+    another node can connect."""
+    import sys
 
-    return KVLayout.from_cache(engine.kv_cache.tensor).to_dict()
+    ray = sys.modules.get("ray")     # never import Ray from the engine
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 def model_info(engine, config: EngineConfig) -> dict:
@@ -55,4 +60,6 @@ def block_counts(engine) -> dict:
             "num_swapped": engine.scheduler.num_swapped,
             "num_free_host_blocks": kv.num_free_host_blocks,
             "num_host_blocks": kv.num_host_blocks,
-            "num_preemptions": engine.num_preemptions}
+            "num_preemptions": engine.num_preemptions,
+            "num_reserved": len(engine.scheduler.remote_kv)
+            + len(engine.scheduler.remote_kv.orphaned)}

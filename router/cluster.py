@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem.engine.outputs import RequestDelta, StepOutput, WorkerStats
+from tandem.router.worker_client import call_worker
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +46,14 @@ class Cluster:
 
     Args:
         prefill, decode: worker handles (colocated workers go in ``decode``).
-        call: ``call(actor_method, *args) -> awaitable`` (Ray: ``m.remote(*args)``).
         on_step: called with each :class:`StepOutput` (metrics).
         on_health: called with True/False when the cluster becomes able / unable to serve.
     """
 
     def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
-                 call: Callable, on_step: Callable[[WorkerHandle, StepOutput], None] | None = None,
+                 on_step: Callable[[WorkerHandle, StepOutput], None] | None = None,
                  on_health: Callable[[bool], None] | None = None):
         self.prefill, self.decode = prefill, decode
-        self.call = call
         self.on_step = on_step
         self.on_health = on_health
         self._queues: dict[str, asyncio.Queue] = {}
@@ -72,7 +71,7 @@ class Cluster:
         return not self.prefill or any(w.alive for w in self.prefill)
 
     # -- routing ------------------------------------------------------------------------------
-    def pick_decode(self) -> WorkerHandle:
+    def pick_decode(self, prompt_token_ids=()) -> WorkerHandle:
         """Most free KV blocks, then the smallest running batch.
 
         Raises:
@@ -89,7 +88,7 @@ class Cluster:
             return (-s.num_free_blocks, s.num_running + s.num_waiting, w.worker_id)
         return min(alive, key=load)
 
-    def pick_prefill(self) -> WorkerHandle:
+    def pick_prefill(self, prompt_token_ids=()) -> WorkerHandle:
         """Fewest queued prefill tokens.
 
         Raises:
@@ -99,6 +98,11 @@ class Cluster:
         if not alive:
             raise RuntimeError("no prefill worker is alive")
         return min(alive, key=lambda w: (w.inflight_prefill_tokens, w.worker_id))
+
+    async def call(self, w: WorkerHandle, method: str, *args: Any) -> Any:
+        """Call ``method`` on worker ``w``; errors are typed as
+        :func:`~tandem.router.worker_client.call_worker` says."""
+        return await call_worker(w.worker_id, w.actor, method, *args)
 
     # -- request queues -----------------------------------------------------------------------
     def register(self, request_id: str, worker: WorkerHandle) -> asyncio.Queue:
@@ -127,7 +131,7 @@ class Cluster:
         whether they are alive."""
         while w.alive:
             try:
-                w.stats = await asyncio.wait_for(self.call(w.actor.stats), 30.0)
+                w.stats = await asyncio.wait_for(self.call(w, "stats"), 30.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -146,7 +150,7 @@ class Cluster:
     async def _pump(self, w: WorkerHandle) -> None:
         while True:
             try:
-                steps = await self.call(w.actor.poll, 1.0)
+                steps = await self.call(w, "poll", 1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

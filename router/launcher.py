@@ -126,36 +126,48 @@ class TandemServer:
         self.metrics_port: int | None = None
         self.health = None
 
-    def _engine_config(self, cfg: EngineConfig, threads: int) -> EngineConfig:
-        return dataclasses.replace(cfg, num_threads=threads or None)
-
-    def _spawn_workers(self):
+    def _spawn(self, worker_id: str):
+        """Start the Ray actor of ``worker_id`` (``prefill-i``, ``decode-i``, ``colocated-i``)
+        with its cores, threads, engine config and placement."""
         import ray
 
         from tandem.decode_worker.worker import DecodeWorker
         from tandem.prefill_worker.worker import PrefillWorker
 
         cfg = self.config
+        role, index = worker_id.rsplit("-", 1)
         pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
-        role = "decode" if cfg.mode == "disaggregated" else "colocated"
-        decode = {}
-        for i in range(cfg.num_decode):
-            wid = f"{role}-{i}"
-            t = threads or len(dec_cpus[i] or [])
-            decode[wid] = ray.remote(DecodeWorker).options(**actor_options(role, cfg.engine)).remote(
-                wid, self._engine_config(cfg.engine, t), role, dec_cpus[i], cfg.kv_transport,
-                cfg.transfer_timeout_s)
-        prefill = {}
-        if cfg.mode == "disaggregated":
-            pcfg = cfg.prefill_engine or cfg.engine
-            for i in range(cfg.num_prefill):
-                wid = f"prefill-{i}"
-                t = threads or len(pre_cpus[i] or [])
-                prefill[wid] = ray.remote(PrefillWorker).options(
-                    **actor_options("prefill", pcfg)).remote(
-                    wid, self._engine_config(pcfg, t), pre_cpus[i], cfg.kv_transport,
-                    cfg.transfer_timeout_s)
-        return prefill, decode
+        cpus = (pre_cpus if role == "prefill" else dec_cpus)[int(index)]
+        engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
+        engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
+        opts = actor_options(role, engine)
+        if role == "prefill":
+            return ray.remote(PrefillWorker).options(**opts).remote(
+                worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s)
+        return ray.remote(DecodeWorker).options(**opts).remote(
+            worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s)
+
+    def _worker_ids(self) -> list[str]:
+        cfg = self.config
+        if cfg.mode == "colocated":
+            return [f"colocated-{i}" for i in range(cfg.num_decode)]
+        return ([f"decode-{i}" for i in range(cfg.num_decode)]
+                + [f"prefill-{i}" for i in range(cfg.num_prefill)])
+
+    @staticmethod
+    async def _wire_kv(prefill: "WorkerHandle", decode: "WorkerHandle") -> None:
+        """Open ``decode``'s KV channel for ``prefill`` and connect ``prefill`` to it
+        (the layouts are checked first: KVLayoutMismatchError names the fields)."""
+        rdv = await decode.actor.open_kv_channel.remote(prefill.worker_id)
+        await prefill.actor.connect_kv.remote(decode.worker_id, rdv, decode.info["kv_layout"])
+
+    async def _start_worker(self, worker_id: str) -> "WorkerHandle":
+        from tandem.router.cluster import WorkerHandle
+
+        actor = self._spawn(worker_id)
+        self.actors[worker_id] = actor
+        info = await actor.info.remote()
+        return WorkerHandle(worker_id, info["role"], actor, info)
 
     async def start(self) -> "TandemServer":
         """Start everything; returns once the router answers and health is SERVING.
@@ -168,37 +180,33 @@ class TandemServer:
 
         from tandem.engine.model_files import resolve_model
         from tandem.engine.tokenizer import Tokenizer
-        from tandem.router.cluster import Cluster, WorkerHandle
+        from tandem.router.cluster import Cluster
         from tandem.router.metrics import Metrics
+        from tandem.router.orchestrator import Orchestrator
         from tandem.router.server import TandemService, start_grpc_server
 
         init_ray(self.config.ray_address)
-        prefill, decode = self._spawn_workers()
-        self.actors = {**prefill, **decode}
         try:
-            infos = await asyncio.gather(*(a.info.remote() for a in self.actors.values()))
-            info = dict(zip(self.actors, infos))
-            # KV channels: every prefill worker to every decode worker; layouts checked first.
-            for did, dactor in decode.items():
-                for pid, pactor in prefill.items():
-                    rdv = await dactor.open_kv_channel.remote(pid)
-                    await pactor.connect_kv.remote(did, rdv, info[did]["kv_layout"])
+            handles = await asyncio.gather(*(self._start_worker(w) for w in self._worker_ids()))
+            prefill = [h for h in handles if h.role == "prefill"]
+            decode = [h for h in handles if h.role != "prefill"]
+            # KV channels: every prefill worker to every decode worker.
+            for d in decode:
+                for p in prefill:
+                    await self._wire_kv(p, d)
         except BaseException:
             await self._kill_actors()
             raise
         tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(self.config.engine.model))
-        first = info[next(iter(decode))]
+        first = decode[0].info
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
-        role = "decode" if prefill else "colocated"
-        self.cluster = Cluster(
-            [WorkerHandle(w, "prefill", a, info[w]) for w, a in prefill.items()],
-            [WorkerHandle(w, role, a, info[w]) for w, a in decode.items()],
-            call=lambda method, *args: method.remote(*args),
-            on_step=self.metrics.worker_step, on_health=self._set_health)
+        self.cluster = Cluster(prefill, decode, on_step=self.metrics.worker_step,
+                               on_health=self._set_health)
         self.cluster.start()
-        service = TandemService(self.cluster, tokenizer, model_info, self.metrics)
+        service = TandemService(Orchestrator(self.cluster, tokenizer, self.metrics), tokenizer,
+                                model_info, self.metrics)
         self.server, self.port, self.health = await start_grpc_server(
             service, self.config.host, self.config.port)
         if self.config.metrics_port is not None:
@@ -216,49 +224,28 @@ class TandemServer:
         kinds are alive again."""
         import ray
 
-        from tandem.decode_worker.worker import DecodeWorker
-        from tandem.prefill_worker.worker import PrefillWorker
-        from tandem.router.cluster import WorkerHandle
-
-        cfg = self.config
         old = self.actors.pop(worker_id, None)
         if old is not None:
             try:
                 ray.kill(old)
             except Exception as exc:   # already gone: that is why we restart it
                 logger.debug("kill %s: %s", worker_id, exc)
-        pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
-        index = int(worker_id.rsplit("-", 1)[1])
-        if worker_id.startswith("prefill"):
-            t = threads or len(pre_cpus[index] or [])
-            pcfg = cfg.prefill_engine or cfg.engine
-            actor = ray.remote(PrefillWorker).options(**actor_options("prefill", pcfg)).remote(
-                worker_id, self._engine_config(pcfg, t),
-                pre_cpus[index], cfg.kv_transport, cfg.transfer_timeout_s)
-            role = "prefill"
+        handle = await self._start_worker(worker_id)
+        if handle.role == "prefill":
+            for d in self.cluster.decode:
+                if d.alive:
+                    await self._wire_kv(handle, d)
         else:
-            t = threads or len(dec_cpus[index] or [])
-            role = "decode" if cfg.mode == "disaggregated" else "colocated"
-            actor = ray.remote(DecodeWorker).options(**actor_options(role, cfg.engine)).remote(
-                worker_id, self._engine_config(cfg.engine, t), role, dec_cpus[index],
-                cfg.kv_transport, cfg.transfer_timeout_s)
-        info = await actor.info.remote()
-        self.actors[worker_id] = actor
-        pairs = ([(worker_id, actor, w.worker_id, w.actor, w.info) for w in self.cluster.decode
-                  if w.alive] if role == "prefill" else
-                 [(w.worker_id, w.actor, worker_id, actor, info) for w in self.cluster.prefill
-                  if w.alive])
-        for pid, pactor, did, dactor, dinfo in pairs:
-            rdv = await dactor.open_kv_channel.remote(pid)
-            await pactor.connect_kv.remote(did, rdv, dinfo["kv_layout"])
-        self.cluster.replace(WorkerHandle(worker_id, role, actor, info))
+            for p in self.cluster.prefill:
+                if p.alive:
+                    await self._wire_kv(p, handle)
+        self.cluster.replace(handle)
 
     async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:
         """(Re-)create the KV pair between two live workers."""
         p = next(w for w in self.cluster.prefill if w.worker_id == prefill_id)
         d = next(w for w in self.cluster.decode if w.worker_id == decode_id)
-        rdv = await d.actor.open_kv_channel.remote(prefill_id)
-        await p.actor.connect_kv.remote(decode_id, rdv, d.info["kv_layout"])
+        await self._wire_kv(p, d)
 
     def _set_health(self, ok: bool) -> None:
         from grpc_health.v1 import health_pb2

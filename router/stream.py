@@ -15,16 +15,6 @@ from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tandem.engine.outputs import RequestDelta
 from tandem.engine.request import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
-from tandem.v1 import tandem_pb2 as pb
-
-FINISH_REASONS = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
-
 
 @dataclass
 class SampleUpdate:
@@ -95,23 +85,3 @@ def new_sample_streams(tokenizer, prompt_token_ids, params: SamplingParams,
     return [SampleStream(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens),
                          StopStringMatcher(params.stop, params.include_stop_str_in_output))
             for i in range(params.n)]
-
-
-def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int],
-                logprobs: list[TokenLogprobs], num_prompt_tokens: int) -> pb.GenerateResponse:
-    """Build one ``GenerateResponse``; usage and the stop reason ride on the final one."""
-    resp = pb.GenerateResponse(request_id=request_id, index=s.index, text=text,
-                               token_ids=token_ids, finish_reason=FINISH_REASONS[s.finish_reason])
-    for lp in logprobs:
-        resp.logprobs.append(pb.TokenLogprobs(
-            token_id=lp.token_id, logprob=lp.logprob,
-            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
-    if s.finished:
-        if isinstance(s.stop_reason, str) and s.finish_reason == "stop":
-            resp.stop_str = s.stop_reason
-        elif isinstance(s.stop_reason, int):
-            resp.stop_token_id = s.stop_reason
-        resp.usage.CopyFrom(pb.Usage(prompt_tokens=num_prompt_tokens,
-                                     completion_tokens=s.num_tokens,
-                                     cached_tokens=s.num_cached_tokens))
-    return resp

@@ -10,16 +10,24 @@ ones torch.compile's CPU backend emits; where they are missing nothing is packed
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
+@functools.cache
 def packing_available() -> bool:
-    """Whether this torch build has the oneDNN packed-linear ops."""
+    """Whether this torch build has the oneDNN packed-linear ops and this CPU runs their
+    bfloat16 path (oneDNN needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only
+    CPU the reorder raises, and nothing is packed)."""
     try:
-        return (torch.backends.mkldnn.is_available()
+        if not (torch.backends.mkldnn.is_available()
                 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return False
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        return True
     except (AttributeError, RuntimeError):
         return False
 

@@ -1,0 +1,186 @@
+"""Disaggregation inside the engine: the KV connector interface and its registry.
+
+A KV connector moves a request's prompt KV between two engines (the shape of
+vLLM's KV connector and SGLang's ``disaggregation/``). The engine drives it; the
+transport behind it (Gloo, NCCL, ...) lives in :mod:`tandem.kvtransfer`, found
+through a registry keyed by the transport config string, so the engine never
+imports a transport.
+
+Producer (prefill engine), inside the forward pass of the step that computes a
+request's last prompt chunk::
+
+    runner: connector.start_save(saves)          requests whose prompt completes now
+            for each layer l: compute l; connector.save_kv_layer(l, kv_cache)
+            failed = connector.wait_for_save()   request id -> error message
+
+Consumer (decode engine): a request added with ``kv_transfer_params`` is a
+remote-prefill request. The scheduler admits it in queue order and reserves
+blocks for its whole prompt (prefix-cache hits reused); it then waits in state
+``WAITING_FOR_REMOTE_KV``::
+
+    engine: ticket = connector.start_load(request_id, block_ids, num_cached, num_tokens, peer)
+            ... each step: connector.get_finished_loads() -> [(request id, error or None)]
+    scheduler: all layers landed and the first token known -> RUNNING
+
+Everything that crosses between engines (tickets, rendezvous) is plain data
+(dicts of str/int/bytes), so it may travel over Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Where a request's prompt KV comes from or goes to.
+
+    Attributes:
+        peer_id: the other engine's worker id (e.g. ``decode-0``).
+        ticket: producer side: the consumer's reservation (``KVTransferTicket.to_dict()``,
+            destination blocks and cached prefix); None on the consumer side, where
+            the connector makes the ticket once blocks are reserved.
+    """
+
+    peer_id: str
+    ticket: dict | None = None
+
+
+@dataclass(frozen=True)
+class KVSave:
+    """One request whose prompt KV the producer sends in this step.
+
+    Attributes:
+        request_id: the request.
+        params: its :class:`KVTransferParams` (with the consumer's ticket).
+        block_ids: this engine's blocks of the request, in sequence order.
+    """
+
+    request_id: str
+    params: KVTransferParams
+    block_ids: tuple[int, ...]
+
+
+class KVConnector(ABC):
+    """Moves prompt KV between a producer (prefill) and a consumer (decode) engine.
+
+    One connector per engine, with channels to any number of peers. The engine
+    calls every method on its own (loop) thread; an implementation may use
+    threads of its own for the wire, but reports results only through
+    :meth:`wait_for_save` and :meth:`get_finished_loads`.
+
+    Args:
+        kv_cache: the engine's ``[L, 2, NB, BS, Hkv, D]`` cache tensor.
+        notify: called (from any thread) when a load finishes, so an idle engine
+            loop wakes up to collect it.
+    """
+
+    def __init__(self, kv_cache: Any, notify: Callable[[], None] | None = None):
+        self.kv_cache = kv_cache
+        self.notify = notify or (lambda: None)
+
+    # -- channels (control plane) ----------------------------------------------------------
+    @abstractmethod
+    def open_channel(self, peer_id: str, host: str) -> dict:
+        """Consumer: listen on ``host`` for producer ``peer_id``; returns the rendezvous
+        (plain values) to hand to that producer's :meth:`connect`."""
+
+    @abstractmethod
+    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict) -> None:
+        """Producer: join consumer ``peer_id``'s channel.
+
+        Raises:
+            KVLayoutMismatchError: the two caches disagree (the message names each
+                differing field with both values).
+        """
+
+    @abstractmethod
+    def close_channel(self, peer_id: str) -> bool:
+        """Close the channel to ``peer_id``; returns whether there was one. Requests
+        for that peer then fail until a channel is opened again."""
+
+    @abstractmethod
+    def layout(self) -> dict:
+        """This engine's KV layout as plain values (compared across a channel)."""
+
+    # -- producer --------------------------------------------------------------------------
+    @abstractmethod
+    def start_save(self, saves: Sequence[KVSave]) -> None:
+        """Before the forward pass: these requests' prompts complete in this step."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer: int) -> None:
+        """Right after ``layer``'s K/V of this step are in the cache: send that layer
+        of every request given to :meth:`start_save` (without waiting for the wire)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> dict[str, str]:
+        """After the forward pass: wait until this step's sends have left.
+
+        Returns:
+            request id -> error message, for each save that failed (the others
+            reached the wire completely).
+        """
+
+    # -- consumer --------------------------------------------------------------------------
+    @abstractmethod
+    def start_load(self, request_id: str, block_ids: Sequence[int], num_cached_tokens: int,
+                   num_tokens: int, params: KVTransferParams) -> dict:
+        """Blocks were reserved for a remote-prefill request: start receiving its layers.
+
+        Args:
+            block_ids: the request's blocks covering ``num_tokens`` prompt tokens.
+            num_cached_tokens: leading tokens already in this cache (not sent).
+
+        Returns:
+            The ticket (plain dict) the producer needs.
+        """
+
+    @abstractmethod
+    def cancel_load(self, request_id: str) -> None:
+        """Stop waiting for ``request_id``'s layers; its load still finishes (with an
+        error) through :meth:`get_finished_loads`, after which its blocks may be freed."""
+
+    @abstractmethod
+    def get_finished_loads(self) -> list[tuple[str, str | None]]:
+        """Loads that ended since the last call: ``(request id, None)`` once every layer
+        landed, ``(request id, error message)`` when the load failed or was cancelled.
+        Never blocks."""
+
+    @property
+    @abstractmethod
+    def num_loads_in_flight(self) -> int:
+        """Loads started and not yet reported by :meth:`get_finished_loads`."""
+
+    def close(self) -> None:
+        """Release every channel. Idempotent."""
+
+
+# Transport config string -> "module:Class" implementing KVConnector. Imported on
+# first use, so that the engine never imports a transport it does not use.
+_CONNECTORS: dict[str, str] = {
+    "gloo": "tandem.kvtransfer.connector:TransportKVConnector",
+    "nccl": "tandem.kvtransfer.connector:TransportKVConnector",
+}
+
+
+def kv_connector_names() -> list[str]:
+    """Config strings accepted by :func:`get_kv_connector`."""
+    return sorted(_CONNECTORS)
+
+
+def get_kv_connector(name: str, kv_cache: Any, notify: Callable[[], None] | None = None,
+                     **kwargs: Any) -> KVConnector:
+    """Build the connector for transport ``name`` over ``kv_cache``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if name not in _CONNECTORS:
+        raise ValueError(f"kv_transport: unknown KV transport {name!r}; "
+                         f"known: {kv_connector_names()}")
+    module, cls = _CONNECTORS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(name, kv_cache, notify, **kwargs)

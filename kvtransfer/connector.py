@@ -1,0 +1,162 @@
+"""The engine's KV connector over a sender/receiver transport (Gloo on CPU, NCCL on GPU).
+
+One :class:`TransportKVConnector` per engine holds a pair per peer: senders on a
+prefill engine, receivers on a decode engine. Sends are queued layer by layer
+from inside the forward pass (:meth:`save_kv_layer`); receives run on a small
+fixed pool of threads (``receive`` blocks until every layer of a ticket landed or
+its timeout passed), whose results the engine collects each step with
+:meth:`get_finished_loads`. Layers that arrive before their receive starts wait
+in the transport's staging buffers, so a queued receive never stalls the wire.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from tandem.engine.kv_connector import KVConnector, KVSave, KVTransferParams
+from tandem.kvtransfer.base import KVReceiver, KVSender, KVTransferError, get_transport
+from tandem.kvtransfer.layout import KVLayout, KVTransferTicket, check_compatible
+
+logger = logging.getLogger(__name__)
+
+
+class TransportKVConnector(KVConnector):
+    """A :class:`KVConnector` over the transport named ``transport``.
+
+    Args:
+        transport: config string of :func:`tandem.kvtransfer.base.get_transport`.
+        kv_cache: the engine's ``[L, 2, NB, BS, Hkv, D]`` cache tensor.
+        notify: called when a load finishes (wakes an idle engine loop).
+        transfer_timeout_s: seconds a send may take to drain, and a receive to land
+            every layer, before the transfer counts as failed.
+        num_receive_threads: receives that run at once (others queue; their
+            layers are staged meanwhile).
+    """
+
+    def __init__(self, transport: str, kv_cache: Any, notify: Callable[[], None] | None = None,
+                 transfer_timeout_s: float = 60.0, num_receive_threads: int = 4):
+        super().__init__(kv_cache, notify)
+        self.transport = get_transport(transport)
+        self.transfer_timeout_s = transfer_timeout_s
+        self._layout = KVLayout.from_cache(kv_cache)
+        self._senders: dict[str, KVSender] = {}
+        self._receivers: dict[str, KVReceiver] = {}
+        # Producer state of the current step: (request id, ticket, sender, source block ids).
+        self._saving: list[tuple[str, KVTransferTicket, KVSender, list[int]]] = []
+        self._failed: dict[str, str] = {}
+        self.kv_transfer_bytes = 0            # bytes of completed sends, all time
+        # Consumer state: request id -> (receive future, receiver, ticket).
+        self._loads: dict[str, tuple[Future, KVReceiver | None, KVTransferTicket | None]] = {}
+        self._transfer_ids = itertools.count()
+        self._pool = ThreadPoolExecutor(num_receive_threads, thread_name_prefix="kv-recv")
+
+    # -- channels --------------------------------------------------------------------------
+    def layout(self) -> dict:
+        return self._layout.to_dict()
+
+    def open_channel(self, peer_id: str, host: str) -> dict:
+        receiver = self.transport.receiver.listen(host)
+        old = self._receivers.pop(peer_id, None)
+        if old is not None:
+            old.close()
+        self._receivers[peer_id] = receiver
+        return receiver.rendezvous
+
+    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict) -> None:
+        check_compatible(self._layout, KVLayout.from_dict(peer_layout))
+        sender = self.transport.sender.connect(rendezvous)
+        old = self._senders.pop(peer_id, None)
+        if old is not None:
+            old.close()
+        self._senders[peer_id] = sender
+
+    def close_channel(self, peer_id: str) -> bool:
+        end = self._senders.pop(peer_id, None) or self._receivers.pop(peer_id, None)
+        if end is not None:
+            end.close()
+        return end is not None
+
+    # -- producer --------------------------------------------------------------------------
+    def start_save(self, saves: Sequence[KVSave]) -> None:
+        self._saving, self._failed = [], {}
+        for s in saves:
+            try:
+                ticket = KVTransferTicket.from_dict(s.params.ticket)
+                check_compatible(self._layout, ticket.layout)
+            except ValueError as exc:        # KVLayoutMismatchError included
+                self._failed[s.request_id] = str(exc)
+                continue
+            sender = self._senders.get(s.params.peer_id)
+            if sender is None:
+                self._failed[s.request_id] = f"no KV channel to {s.params.peer_id}"
+                continue
+            src = [s.block_ids[i] for i in ticket.sent_block_indices()]
+            self._saving.append((s.request_id, ticket, sender, src))
+
+    def save_kv_layer(self, layer: int) -> None:
+        for rid, ticket, sender, src in self._saving:
+            if rid in self._failed:
+                continue
+            try:
+                sender.send_layer(ticket, layer, src, self.kv_cache)
+            except (KVTransferError, ValueError) as exc:
+                self._failed[rid] = str(exc)
+
+    def wait_for_save(self) -> dict[str, str]:
+        for rid, ticket, sender, _ in self._saving:
+            # finish() even after a failed send_layer: it releases the ticket's buffers.
+            try:
+                sender.finish(ticket, self.transfer_timeout_s)
+            except KVTransferError as exc:
+                self._failed.setdefault(rid, str(exc))
+                continue
+            if rid not in self._failed:
+                self.kv_transfer_bytes += ticket.bytes_per_layer * ticket.layout.num_layers
+        failed, self._saving, self._failed = self._failed, [], {}
+        return failed
+
+    # -- consumer --------------------------------------------------------------------------
+    def start_load(self, request_id: str, block_ids: Sequence[int], num_cached_tokens: int,
+                   num_tokens: int, params: KVTransferParams) -> dict:
+        ticket = KVTransferTicket(request_id, next(self._transfer_ids), tuple(block_ids),
+                                  num_cached_tokens, num_tokens, self._layout)
+        receiver = self._receivers.get(params.peer_id)
+        if receiver is None:
+            fut: Future = Future()
+            fut.set_exception(KVTransferError(f"no KV channel to {params.peer_id}"))
+        else:
+            fut = self._pool.submit(receiver.receive, ticket, self.kv_cache,
+                                    self.transfer_timeout_s)
+        self._loads[request_id] = (fut, receiver, ticket)
+        fut.add_done_callback(lambda _: self.notify())
+        return ticket.to_dict()
+
+    def cancel_load(self, request_id: str) -> None:
+        entry = self._loads.get(request_id)
+        if entry is not None and entry[1] is not None:
+            entry[1].discard(entry[2].transfer_id)
+
+    def get_finished_loads(self) -> list[tuple[str, str | None]]:
+        done = []
+        for rid, (fut, _, _) in list(self._loads.items()):
+            if fut.done():
+                del self._loads[rid]
+                exc = fut.exception()
+                if exc is not None:
+                    logger.warning("KV load of %s failed: %s", rid, exc)
+                done.append((rid, None if exc is None else str(exc)))
+        return done
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    def close(self) -> None:
+        for end in [*self._senders.values(), *self._receivers.values()]:
+            end.close()
+        self._senders.clear()
+        self._receivers.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
