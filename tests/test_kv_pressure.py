@@ -292,12 +292,18 @@ def test_high_priority_arrival_preempts_low_priority_requests(base_llm):
 
 
 def test_reservations_wait_until_preempted_requests_resume(base_llm):
-    """A decode worker's reservation (a prompt another worker prefills) does not
-    take blocks a swapped request is waiting for."""
+    """A decode engine's reservation (a prompt another engine prefills) waits in the
+    queue behind a swapped request: it takes no block that request is waiting for,
+    and is reserved as soon as it comes first."""
+    import dataclasses
+
+    from tandem.engine.kv_connector import KVTransferParams
+    from tandem.engine.llm_engine import LLMEngine
+
     rng = random.Random(11)
-    llm = LLM(dtype="float32", num_blocks=8, preemption_mode="swap", num_host_blocks=8,
-              weights_from=base_llm)
-    engine = llm.engine
+    cfg = LLM(dtype="float32", num_blocks=8, preemption_mode="swap", num_host_blocks=8,
+              weights_from=base_llm).config
+    engine = LLMEngine(cfg, weights_from=base_llm.engine, kv_transport="gloo")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     first, second = (engine.add_request(random_prompt(rng, 56), params)[0] for _ in range(2))
     for _ in range(20):
@@ -308,15 +314,23 @@ def test_reservations_wait_until_preempted_requests_resume(base_llm):
     assert second.status is RequestStatus.SWAPPED
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == 3                       # room for a 10-token prompt...
-    assert engine.reserve("remote", random_prompt(rng, 10)) is None   # ...but second came first
-    assert kv.num_free_blocks == 3
+    remote = engine.add_request(random_prompt(rng, 10), dataclasses.replace(params, max_tokens=4),
+                                "remote", kv_transfer_params=KVTransferParams("prefill-0"))[0]
+    engine.step()
+    engine.check_invariants()
+    assert remote.status is RequestStatus.WAITING        # ...but second came first
     while second.status is RequestStatus.SWAPPED:
         engine.step()
         engine.check_invariants()
     assert first.is_finished
-    ticket = engine.reserve("remote", random_prompt(rng, 10))
-    assert ticket is not None and ticket[1] == 0 and len(ticket[0]) == 1
-    assert engine.release("remote")
+    while remote.status is RequestStatus.WAITING:
+        engine.step()
+        engine.check_invariants()
+    assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    ticket = remote.kv_load_ticket
+    assert ticket["num_cached_tokens"] == 0 and len(ticket["dst_block_ids"]) == 1
+    assert engine.abort_request("remote")
     while engine.has_unfinished_requests():
         engine.step()
+        engine.check_invariants()
     assert len(second.output_token_ids) == 16 and kv.num_free_blocks == 8
