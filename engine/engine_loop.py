@@ -106,15 +106,18 @@ class EngineLoop:
         deltas = tuple(self.delta(r) for r in changed)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
-        self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s))
+        self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s,
+                                   tuple(self.engine.kv_cache_manager.take_kv_events())))
 
     def _publish_idle_stats(self) -> None:
         """Gauges must settle when the engine goes idle (e.g. after an abort, which
         runs no step): send the stats once more if they changed."""
         stats = self.engine.stats(self.worker_id, self.role)
-        if stats != self._last_stats:
+        # Commands run between steps (a reserve evicts) record KV events too.
+        kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
+        if stats != self._last_stats or kv_events:
             self._last_stats = stats
-            self.outbox.put(StepOutput((), stats))
+            self.outbox.put(StepOutput((), stats, kv_events=kv_events))
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published."""
