@@ -11,33 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-from tandem.engine.outputs import RequestDelta, StepOutput, WorkerStats
+from tandem.engine.outputs import RequestDelta, StepOutput
+from tandem.router.registry import WorkerHandle
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerHandle:
-    """One worker as the router sees it.
-
-    Attributes:
-        worker_id: e.g. ``decode-0``; role: ``prefill``, ``decode`` or ``colocated``.
-        actor: the Ray actor handle (or any object with the same async methods).
-        stats: the latest :class:`WorkerStats` it reported.
-        inflight_prefill_tokens: prompt tokens sent to it and not yet back (prefill).
-        alive: False once a call to it failed because it is gone.
-    """
-
-    worker_id: str
-    role: str
-    actor: Any
-    info: dict = field(default_factory=dict)
-    stats: WorkerStats | None = None
-    inflight_prefill_tokens: int = 0
-    alive: bool = True
 
 
 class Cluster:
