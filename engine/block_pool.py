@@ -34,7 +34,7 @@ import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.engine.kv_events import KVEvent, KVEventRecorder
 
 BlockHash = int
 """A chained block hash: 128-bit unsigned int (see :func:`hash_block_tokens`)."""
@@ -225,10 +225,7 @@ class BlockPool:
         # One block per hash. If two requests compute the same block, the second
         # stays uncached (see cache_block); its table is never rewritten.
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
-        self.enable_kv_events = enable_kv_events
-        # Events not yet taken, as (kind, hashes): consecutive events of one kind
-        # are merged, so a prefill that caches n blocks records one BlockStored.
-        self._kv_events: list[tuple[type, list[BlockHash]]] = []
+        self.kv_events = KVEventRecorder(enable_kv_events)
 
     # -- counts -----------------------------------------------------------------
 
@@ -347,7 +344,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
-        self._record(BlockStored, block_hash)
+        self.kv_events.stored(block_hash)
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -360,9 +357,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        if self.enable_kv_events:
-            # Whatever was recorded before is void after a clear: keep only the clear.
-            self._kv_events = [(AllBlocksCleared, [])]
+        self.kv_events.cleared()
         return n
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -372,22 +367,12 @@ class BlockPool:
         :attr:`cached_block_hash_to_block`'s keys. Always ``[]`` when
         ``enable_kv_events`` is off.
         """
-        events, self._kv_events = self._kv_events, []
-        return [AllBlocksCleared() if kind is AllBlocksCleared else kind(tuple(hashes))
-                for kind, hashes in events]
-
-    def _record(self, kind: type, block_hash: BlockHash) -> None:
-        if not self.enable_kv_events:
-            return
-        if self._kv_events and self._kv_events[-1][0] is kind:
-            self._kv_events[-1][1].append(block_hash)
-        else:
-            self._kv_events.append((kind, [block_hash]))
+        return self.kv_events.take()
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
-            self._record(BlockRemoved, block.block_hash)
+            self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     # -- checks -----------------------------------------------------------------

@@ -18,7 +18,8 @@ the parent block's hash (:func:`~tandem.engine.block_pool.hash_block_tokens`),
 so holding a hash means holding the whole prefix up to that block.
 
 Plain frozen dataclasses, no torch: they travel in
-:class:`~tandem.engine.outputs.StepOutput` across Ray (pickled).
+:class:`~tandem.engine.outputs.StepOutput` across Ray (pickled). The block pool
+buffers them in a :class:`KVEventRecorder` until the engine loop takes them.
 """
 
 from __future__ import annotations
@@ -59,3 +60,48 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventRecorder:
+    """The events a block pool recorded and nobody has taken yet.
+
+    Consecutive events of one kind are merged (a prefill that caches n blocks
+    records one :class:`BlockStored` of n hashes), and a clear voids everything
+    recorded before it, so the buffer stays small between two :meth:`take` calls.
+
+    Args:
+        enabled: record at all; when ``False`` every method but :meth:`take` is a
+            no-op, so an engine whose events nobody drains stays bounded.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._events: list[tuple[type, list[BlockHash]]] = []    # (kind, hashes)
+
+    def __len__(self) -> int:
+        """Events buffered (after merging)."""
+        return len(self._events)
+
+    def stored(self, block_hash: BlockHash) -> None:
+        self._record(BlockStored, block_hash)
+
+    def removed(self, block_hash: BlockHash) -> None:
+        self._record(BlockRemoved, block_hash)
+
+    def cleared(self) -> None:
+        if self.enabled:
+            self._events = [(AllBlocksCleared, [])]
+
+    def take(self) -> list[KVEvent]:
+        """The buffered events, oldest first; empties the buffer."""
+        events, self._events = self._events, []
+        return [AllBlocksCleared() if kind is AllBlocksCleared else kind(tuple(hashes))
+                for kind, hashes in events]
+
+    def _record(self, kind: type, block_hash: BlockHash) -> None:
+        if not self.enabled:
+            return
+        if self._events and self._events[-1][0] is kind:
+            self._events[-1][1].append(block_hash)
+        else:
+            self._events.append((kind, [block_hash]))

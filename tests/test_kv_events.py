@@ -109,13 +109,13 @@ def test_reset_prefix_cache_clears_and_supersedes_earlier_events():
 
 def test_events_off_by_default_record_nothing():
     m = KVCacheManager(num_blocks=4, block_size=BS)
-    assert m.block_pool.enable_kv_events is False
+    assert m.block_pool.kv_events.enabled is False
     for i in range(20):          # store, evict, reset: the buffer stays empty
         prefill(m, f"r{i}", P(9, 100 + 10 * i))
         m.free(f"r{i}")
         if i % 5 == 0:
             m.reset_prefix_cache()
-    assert m.block_pool._kv_events == []
+    assert len(m.block_pool.kv_events) == 0
     assert m.take_kv_events() == []
 
 
