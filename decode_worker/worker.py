@@ -50,7 +50,7 @@ class DecodeWorker:
         self.worker_id, self.role, self.config = worker_id, role, config
         self.cpus = pin_cpus(cpus)
         self.engine = LLMEngine(config, kv_transport=kv_transport if role == "decode" else None,
-                                transfer_timeout_s=transfer_timeout_s)
+                                transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
 
     async def _call(self, fn, *args):

@@ -16,6 +16,12 @@ least-recently-used order, and a cached free block is evicted (its hash dropped)
 only when it reaches the head and is handed out again. A cache hit on a free
 block takes it out of the middle of the queue (:meth:`BlockPool.touch`).
 
+With ``enable_kv_events`` the pool also records every change to the set of
+cached hashes as a KV cache event (:mod:`tandem.engine.kv_events`): a hash is
+*stored* when :meth:`BlockPool.cache_block` registers it and *removed* when its
+block is evicted; :meth:`BlockPool.reset_prefix_cache` *clears* all of them.
+Freeing a cached block records nothing: it stays findable until evicted.
+
 Block id 0 is not reserved: every id in ``range(num_blocks)`` can be allocated.
 Padding entries of a padded block table may still hold 0, because attention
 never reads past a sequence's length.
@@ -27,6 +33,8 @@ import hashlib
 import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+
+from tandem.engine.kv_events import KVEvent, KVEventRecorder
 
 BlockHash = int
 """A chained block hash: 128-bit unsigned int (see :func:`hash_block_tokens`)."""
@@ -198,12 +206,15 @@ class BlockPool:
         enable_caching: keep full blocks findable by hash after they are freed.
             When ``False``, :meth:`cache_block` registers nothing and
             :meth:`get_cached_block` always misses.
+        enable_kv_events: record KV cache events for :meth:`take_kv_events`.
+            Off, nothing is recorded (an engine nobody drains stays bounded).
 
     Raises:
         ValueError: ``num_blocks`` < 1.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 enable_kv_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -214,6 +225,7 @@ class BlockPool:
         # One block per hash. If two requests compute the same block, the second
         # stays uncached (see cache_block); its table is never rewritten.
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
+        self.kv_events = KVEventRecorder(enable_kv_events)
 
     # -- counts -----------------------------------------------------------------
 
@@ -332,6 +344,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        self.kv_events.stored(block_hash)
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -344,11 +357,22 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.kv_events.cleared()
         return n
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events recorded since the last call, oldest first; clears them.
+
+        Replayed in order onto the hashes known before, they give exactly
+        :attr:`cached_block_hash_to_block`'s keys. Always ``[]`` when
+        ``enable_kv_events`` is off.
+        """
+        return self.kv_events.take()
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
+            self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     # -- checks -----------------------------------------------------------------

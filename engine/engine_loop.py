@@ -6,8 +6,9 @@ never touched by two threads at once and need no locks. Callers on other threads
 (a Ray actor's event loop) get a ``concurrent.futures.Future`` for each command.
 
 Each step's token deltas for all requests go out as one
-:class:`~tandem.engine.outputs.StepOutput` in the outbox (unless the owner reads
-results only through :meth:`EngineLoop.track`, as a prefill worker does).
+:class:`~tandem.engine.outputs.StepOutput` in the outbox with the stats and the
+KV cache events of the step (a prefill worker's carry no deltas: it reads
+results through :meth:`EngineLoop.track`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ class EngineLoop:
         worker_id, role: reported in stats.
         idle_wait_s: how long an idle loop sleeps before looking again (seconds;
             any command, and any KV load that ends, wakes it at once).
-        publish_outputs: put every step's :class:`StepOutput` in :attr:`outbox`
-            (False: nobody polls it; results go only to :meth:`track` futures).
+        publish_deltas: put the requests' token deltas in the :class:`StepOutput` s
+            of :attr:`outbox` (False: they carry only stats and KV events, and
+            results go to :meth:`track` futures, as on a prefill worker).
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,
-                 publish_outputs: bool = True):
+                 publish_deltas: bool = True):
         self.engine = engine
         self.worker_id, self.role = worker_id, role
         self.idle_wait_s = idle_wait_s
@@ -49,7 +51,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._published: dict[str, int] = {}       # request id -> output tokens already sent
         self._tracked: dict[str, Future] = {}      # request id -> future of its final delta
-        self.publish_outputs = publish_outputs
+        self.publish_deltas = publish_deltas
         if engine.kv_connector is not None:
             engine.kv_connector.notify = self._wake.set
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -138,17 +140,19 @@ class EngineLoop:
                     fut.set_result(d)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
-        if self.publish_outputs:
-            self.outbox.put(StepOutput(deltas, self._last_stats, step_time_s))
+        self.outbox.put(StepOutput(deltas if self.publish_deltas else (), self._last_stats,
+                                   step_time_s,
+                                   tuple(self.engine.kv_cache_manager.take_kv_events())))
 
     def _publish_idle_stats(self) -> None:
         """Gauges must settle when the engine goes idle (e.g. after an abort, which
         runs no step): send the stats once more if they changed."""
         stats = self.engine.stats(self.worker_id, self.role)
-        if stats != self._last_stats:
+        # Commands run between steps (a reserve evicts) record KV events too.
+        kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
+        if stats != self._last_stats or kv_events:
             self._last_stats = stats
-            if self.publish_outputs:
-                self.outbox.put(StepOutput((), stats))
+            self.outbox.put(StepOutput((), stats, kv_events=kv_events))
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published."""

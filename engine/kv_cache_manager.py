@@ -52,6 +52,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tandem.engine.block_pool import Block, BlockHash, BlockPool
+from tandem.engine.kv_events import KVEvent
 from tandem.engine.kv_swap import HostBlockPool, KVSwapMixin
 from tandem.engine.prefix_cache import PrefixCacheMixin
 
@@ -74,6 +75,8 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         block_size: tokens per block (> 0).
         enable_caching: prefix caching on or off.
         num_host_blocks: host blocks for swapped-out requests (0: no swapping).
+        enable_kv_events: record KV cache events for :meth:`take_kv_events`
+            (workers report them to the router; off for an offline engine).
 
     Attributes:
         prefix_cache_queries: tokens looked up by :meth:`get_computed_blocks`
@@ -85,12 +88,12 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, enable_kv_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
         self.host_pool = HostBlockPool(num_host_blocks)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.req_to_host_blocks: dict[str, list[int]] = {}
@@ -126,6 +129,10 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
     def usage(self) -> float:
         """Fraction of blocks in use by some request, in ``[0, 1]``."""
         return self.block_pool.usage
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache changes since the last call (see :meth:`BlockPool.take_kv_events`)."""
+        return self.block_pool.take_kv_events()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids; ``[]`` for a request holding no blocks."""

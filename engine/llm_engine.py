@@ -38,11 +38,13 @@ class LLMEngine:
         kv_transport: the KV connector's transport config string (``gloo``, ``nccl``)
             for an engine of a disaggregated pair; None for a standalone engine.
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
+        enable_kv_events: record prefix-cache events (blocks stored / removed) for
+            a router's prefix-aware routing (workers); off for offline use.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  weights_from: "LLMEngine | None" = None, kv_transport: str | None = None,
-                 transfer_timeout_s: float = 60.0):
+                 transfer_timeout_s: float = 60.0, enable_kv_events: bool = False):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -71,7 +73,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, config.torch_dtype,
                                 self.device, num_host_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               num_host_blocks)
+                                               num_host_blocks, enable_kv_events)
         # A lone request must always fit in the pool, or it could be preempted
         # forever (see the no-starvation argument in tandem.engine.scheduler).
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,

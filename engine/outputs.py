@@ -102,8 +102,17 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One message per engine step: every request's new tokens, plus the worker's stats."""
+    """One message per engine step: every request's new tokens, plus the worker's stats.
+
+    Attributes:
+        deltas: each changed request's new tokens.
+        stats: the worker's stats after the step.
+        step_time_s: wall time of the step (seconds).
+        kv_events: prefix-cache changes since the previous message, oldest first
+            (:mod:`tandem.engine.kv_events`); empty when the engine records none.
+    """
 
     deltas: tuple[RequestDelta, ...]
     stats: WorkerStats
     step_time_s: float = 0.0
+    kv_events: tuple = ()

@@ -45,8 +45,8 @@ class PrefillWorker:
         self.worker_id, self.config = worker_id, config
         self.cpus = pin_cpus(cpus)
         self.engine = LLMEngine(config, kv_transport=kv_transport,
-                                transfer_timeout_s=transfer_timeout_s)
-        self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_outputs=False).start()
+                                transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
+        self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))

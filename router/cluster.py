@@ -1,103 +1,82 @@
-"""The router's view of the workers: handles, load, routing policy and the output pumps.
+"""The router's view of the cluster: the worker registry, the routing policy, the
+output pumps and the per-request queues they feed.
 
-Routing (DESIGN.md step 2): a decode worker is picked by free KV blocks, then
-running batch size; a prefill worker by the prompt tokens the router has sent it
-that are not back yet (queued prefill tokens). One pump task per decode (or
-colocated) worker long-polls its step outputs and hands each request's deltas to
-that request's queue.
+One pump task per worker long-polls its step outputs: stats go to the
+registry, KV cache events to the routing policy (which blocks each worker
+caches, for prefix-aware routing), and a decode (or colocated) worker's token
+deltas to the queue of the request they belong to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from tandem.engine.outputs import RequestDelta, StepOutput, WorkerStats
+from tandem.engine.outputs import RequestDelta, StepOutput
+from tandem.router.registry import WorkerHandle, WorkerRegistry
+from tandem.router.routing import RoutingPolicy
 from tandem.router.worker_client import call_worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerHandle:
-    """One worker as the router sees it.
-
-    Attributes:
-        worker_id: e.g. ``decode-0``; role: ``prefill``, ``decode`` or ``colocated``.
-        actor: the Ray actor handle (or any object with the same async methods).
-        stats: the latest :class:`WorkerStats` it reported.
-        inflight_prefill_tokens: prompt tokens sent to it and not yet back (prefill).
-        alive: False once a call to it failed because it is gone.
-    """
-
-    worker_id: str
-    role: str
-    actor: Any
-    info: dict = field(default_factory=dict)
-    stats: WorkerStats | None = None
-    inflight_prefill_tokens: int = 0
-    alive: bool = True
 
 
 class Cluster:
     """Workers plus the per-request queues their outputs feed.
 
     Args:
-        prefill, decode: worker handles (colocated workers go in ``decode``).
+        registry: the workers (:class:`~tandem.router.registry.WorkerRegistry`).
+        policy: picks the workers of each request
+            (:class:`~tandem.router.routing.RoutingPolicy`).
         on_step: called with each :class:`StepOutput` (metrics).
         on_health: called with True/False when the cluster becomes able / unable to serve.
     """
 
-    def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy,
                  on_step: Callable[[WorkerHandle, StepOutput], None] | None = None,
                  on_health: Callable[[bool], None] | None = None):
-        self.prefill, self.decode = prefill, decode
+        self.registry, self.policy = registry, policy
         self.on_step = on_step
-        self.on_health = on_health
+        registry.add_worker_down_listener(policy.forget_worker)
+        if on_health is not None:
+            registry.add_health_listener(on_health)
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}            # request id -> decode worker id
         self._pumps: list[asyncio.Task] = []
 
     @property
+    def prefill(self) -> list[WorkerHandle]:
+        return self.registry.workers("prefill")
+
+    @property
+    def decode(self) -> list[WorkerHandle]:
+        """Decode and colocated workers."""
+        return self.registry.workers("decode")
+
+    @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill)
+        return self.registry.disaggregated
 
     @property
     def healthy(self) -> bool:
-        if not any(w.alive for w in self.decode):
-            return False
-        return not self.prefill or any(w.alive for w in self.prefill)
+        return self.registry.healthy
 
     # -- routing ------------------------------------------------------------------------------
-    def pick_decode(self, prompt_token_ids=()) -> WorkerHandle:
-        """Most free KV blocks, then the smallest running batch.
+    def pick_decode(self, prompt_token_ids: Sequence[int]) -> WorkerHandle:
+        """The policy's decode worker for this prompt.
 
         Raises:
             RuntimeError: no decode worker is alive.
         """
-        alive = [w for w in self.decode if w.alive]
-        if not alive:
-            raise RuntimeError("no decode worker is alive")
+        return self.policy.pick_decode(self.registry.alive("decode"), prompt_token_ids)
 
-        def load(w: WorkerHandle):
-            s = w.stats
-            if s is None:
-                return (0, 0, w.worker_id)
-            return (-s.num_free_blocks, s.num_running + s.num_waiting, w.worker_id)
-        return min(alive, key=load)
-
-    def pick_prefill(self, prompt_token_ids=()) -> WorkerHandle:
-        """Fewest queued prefill tokens.
+    def pick_prefill(self, prompt_token_ids: Sequence[int]) -> WorkerHandle:
+        """The policy's prefill worker for this prompt.
 
         Raises:
             RuntimeError: no prefill worker is alive.
         """
-        alive = [w for w in self.prefill if w.alive]
-        if not alive:
-            raise RuntimeError("no prefill worker is alive")
-        return min(alive, key=lambda w: (w.inflight_prefill_tokens, w.worker_id))
+        return self.policy.pick_prefill(self.registry.alive("prefill"), prompt_token_ids)
 
     async def call(self, w: WorkerHandle, method: str, *args: Any) -> Any:
         """Call ``method`` on worker ``w``; errors are typed as
@@ -121,25 +100,8 @@ class Cluster:
 
     # -- pumps --------------------------------------------------------------------------------
     def start(self) -> None:
-        for w in self.decode:
+        for w in self.registry.workers():
             self._pumps.append(asyncio.ensure_future(self._pump(w)))
-        for w in self.prefill:
-            self._pumps.append(asyncio.ensure_future(self._watch(w)))
-
-    async def _watch(self, w: WorkerHandle, period_s: float = 1.0) -> None:
-        """Prefill workers send no step outputs: poll their stats, which also shows
-        whether they are alive."""
-        while w.alive:
-            try:
-                w.stats = await asyncio.wait_for(self.call(w, "stats"), 30.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.mark_dead(w, exc)
-                return
-            if self.on_step is not None:
-                self.on_step(w, StepOutput((), w.stats))
-            await asyncio.sleep(period_s)
 
     async def stop(self) -> None:
         for t in self._pumps:
@@ -148,6 +110,7 @@ class Cluster:
         self._pumps.clear()
 
     async def _pump(self, w: WorkerHandle) -> None:
+        routes_deltas = w.role != "prefill"     # a prefill worker's results return by call
         while True:
             try:
                 steps = await self.call(w, "poll", 1.0)
@@ -156,38 +119,35 @@ class Cluster:
             except Exception as exc:
                 self.mark_dead(w, exc)
                 return
+            current = self.registry.get(w.worker_id) is w   # not a replaced incarnation
             for step in steps:
-                w.stats = step.stats
+                if not current:
+                    break
+                self.registry.update_stats(w.worker_id, step.stats)
+                if step.kv_events:
+                    self.policy.on_kv_events(w.worker_id, step.kv_events)
                 if self.on_step is not None:
                     self.on_step(w, step)
+                if not routes_deltas:
+                    continue
                 for d in step.deltas:
                     q = self._queues.get(d.request_id.split("#", 1)[0])
                     if q is not None:
                         q.put_nowait(d)
+            if not current:
+                return
 
     def mark_dead(self, w: WorkerHandle, exc: BaseException) -> None:
         """A worker is gone: fail its requests (their streams end with ``error``)."""
-        if not w.alive:
+        if self.registry.get(w.worker_id) is not w or not self.registry.mark_dead(w.worker_id):
             return
         logger.error("worker %s is gone: %s", w.worker_id, exc)
-        w.alive = False
         for rid, owner in list(self._owner.items()):
             if owner == w.worker_id:
                 self._queues[rid].put_nowait(RequestDelta(rid, (), (), "error",
                                                           f"worker {w.worker_id} failed"))
-        if self.on_health is not None:
-            self.on_health(self.healthy)
 
     def replace(self, w: WorkerHandle) -> None:
         """Put a (new) worker in service in place of the one with the same id."""
-        pool = self.prefill if w.role == "prefill" else self.decode
-        for i, old in enumerate(pool):
-            if old.worker_id == w.worker_id:
-                pool[i] = w
-                break
-        else:
-            pool.append(w)
-        watch = self._watch if w.role == "prefill" else self._pump
-        self._pumps.append(asyncio.ensure_future(watch(w)))
-        if self.on_health is not None:
-            self.on_health(self.healthy)
+        self.registry.add(w)
+        self._pumps.append(asyncio.ensure_future(self._pump(w)))

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig
+from tandem.router.registry import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class ServeConfig:
         metrics_port: HTTP port for ``/metrics`` and ``/health`` (None = off, 0 = any).
         ray_address: an existing Ray cluster, or None for an embedded one.
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
+        routing_policy: ``prefix_aware`` (longest cached prefix unless overloaded) or
+            ``least_loaded`` (see :mod:`tandem.router.routing`).
     """
 
     mode: str = "disaggregated"
@@ -51,12 +54,18 @@ class ServeConfig:
     metrics_port: int | None = None
     ray_address: str | None = None
     transfer_timeout_s: float = 60.0
+    routing_policy: str = "prefix_aware"
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode: expected disaggregated or colocated, got {self.mode!r}")
         if self.num_decode < 1 or (self.mode == "disaggregated" and self.num_prefill < 1):
             raise ValueError("num_prefill/num_decode: need at least one worker of each kind")
+        from tandem.router.routing import ROUTING_POLICIES
+
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy: unknown {self.routing_policy!r}, expected one "
+                             f"of {', '.join(ROUTING_POLICIES)}")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -155,15 +164,13 @@ class TandemServer:
                 + [f"prefill-{i}" for i in range(cfg.num_prefill)])
 
     @staticmethod
-    async def _wire_kv(prefill: "WorkerHandle", decode: "WorkerHandle") -> None:
+    async def _wire_kv(prefill: WorkerHandle, decode: WorkerHandle) -> None:
         """Open ``decode``'s KV channel for ``prefill`` and connect ``prefill`` to it
         (the layouts are checked first: KVLayoutMismatchError names the fields)."""
         rdv = await decode.actor.open_kv_channel.remote(prefill.worker_id)
         await prefill.actor.connect_kv.remote(decode.worker_id, rdv, decode.info["kv_layout"])
 
-    async def _start_worker(self, worker_id: str) -> "WorkerHandle":
-        from tandem.router.cluster import WorkerHandle
-
+    async def _start_worker(self, worker_id: str) -> WorkerHandle:
         actor = self._spawn(worker_id)
         self.actors[worker_id] = actor
         info = await actor.info.remote()
@@ -183,6 +190,8 @@ class TandemServer:
         from tandem.router.cluster import Cluster
         from tandem.router.metrics import Metrics
         from tandem.router.orchestrator import Orchestrator
+        from tandem.router.registry import InProcessRegistry
+        from tandem.router.routing import make_routing_policy
         from tandem.router.server import TandemService, start_grpc_server
 
         init_ray(self.config.ray_address)
@@ -202,8 +211,9 @@ class TandemServer:
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
-        self.cluster = Cluster(prefill, decode, on_step=self.metrics.worker_step,
-                               on_health=self._set_health)
+        self.cluster = Cluster(InProcessRegistry(decode + prefill),
+                               make_routing_policy(self.config.routing_policy),
+                               on_step=self.metrics.worker_step, on_health=self._set_health)
         self.cluster.start()
         service = TandemService(Orchestrator(self.cluster, tokenizer, self.metrics), tokenizer,
                                 model_info, self.metrics)

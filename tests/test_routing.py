@@ -1,0 +1,206 @@
+"""Routing policies on crafted stats, and prefix-aware routing fed by real KV cache events.
+
+Block size 4; ``P(n)`` is ``n`` distinct tokens, so ``P(17)`` has 4 hittable
+blocks and a worker that prefilled ``P(13)`` holds its first 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.outputs import WorkerStats
+from tandem.router.prefix_index import prompt_block_hashes
+from tandem.router.registry import InProcessRegistry, WorkerHandle
+from tandem.router.routing import (
+    ROUTING_POLICIES, LeastLoadedPolicy, PrefixAwarePolicy, make_routing_policy)
+
+BS = 4
+
+
+def P(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def D(worker_id: str, free: int = 100, running: int = 0, waiting: int = 0, usage: float = 0.0,
+      role: str = "decode", block_size: int | None = BS) -> WorkerHandle:
+    stats = WorkerStats(worker_id, role, num_running=running, num_waiting=waiting,
+                        num_free_blocks=free, num_blocks=100, kv_cache_usage=usage)
+    info = {} if block_size is None else {"block_size": block_size}
+    return WorkerHandle(worker_id, role, actor=object(), info=info, stats=stats)
+
+
+def Pf(worker_id: str, inflight: int = 0) -> WorkerHandle:
+    return WorkerHandle(worker_id, "prefill", actor=object(), info={"block_size": BS},
+                        inflight_prefill_tokens=inflight)
+
+
+def cached(policy: PrefixAwarePolicy, worker_id: str, *prompts: list[int],
+           block_size: int = BS) -> KVCacheManager:
+    """Prefill ``prompts`` on a real KV cache manager and feed its events to ``policy``."""
+    m = KVCacheManager(num_blocks=64, block_size=block_size, enable_kv_events=True)
+    for i, tokens in enumerate(prompts):
+        hits, n = m.get_computed_blocks(f"r{i}", tokens)
+        assert m.allocate_slots(f"r{i}", n, len(tokens) - n, hits)
+        m.cache_blocks(f"r{i}", tokens, len(tokens))
+        m.free(f"r{i}")
+    policy.on_kv_events(worker_id, m.take_kv_events())
+    return m
+
+
+# -- least_loaded ------------------------------------------------------------------------------
+
+def test_least_loaded_decode_most_free_blocks_then_fewest_requests_then_id():
+    pol = LeastLoadedPolicy()
+    ws = [D("d0", free=10, running=1), D("d1", free=12, running=5, waiting=4),
+          D("d2", free=12, running=3, waiting=5)]
+    assert pol.pick_decode(ws, P(9)).worker_id == "d2"      # 12 free; 8 < 9 requests
+    ws = [D("d1", free=12, running=8), D("d0", free=12, running=8)]
+    assert pol.pick_decode(ws, P(9)).worker_id == "d0"      # full tie: smallest id
+
+
+def test_least_loaded_decode_no_stats_sorts_as_zero_free_blocks():
+    pol = LeastLoadedPolicy()
+    fresh = WorkerHandle("d0", "decode", actor=object())
+    assert pol.pick_decode([fresh, D("d1", free=1, running=50)], []).worker_id == "d1"
+    assert pol.pick_decode([fresh, D("d1", free=0, running=1)], []).worker_id == "d0"
+
+
+def test_least_loaded_prefill_fewest_inflight_tokens_then_id():
+    pol = LeastLoadedPolicy()
+    ws = [Pf("p0", 100), Pf("p2", 50), Pf("p1", 50)]
+    assert pol.pick_prefill(ws, P(9)).worker_id == "p1"
+
+
+def test_dead_workers_are_skipped_and_none_alive_raises():
+    pol = LeastLoadedPolicy()
+    best = D("d0", free=90)
+    best.alive = False
+    assert pol.pick_decode([best, D("d1", free=10)], []).worker_id == "d1"
+    with pytest.raises(RuntimeError, match="no decode worker is alive"):
+        pol.pick_decode([best], [])
+    p = Pf("p0")
+    p.alive = False
+    with pytest.raises(RuntimeError, match="no prefill worker is alive"):
+        pol.pick_prefill([p], [])
+    with pytest.raises(RuntimeError, match="no prefill worker is alive"):
+        PrefixAwarePolicy().pick_prefill([], [])
+
+
+# -- the registry of policies ----------------------------------------------------------------
+
+def test_make_routing_policy():
+    assert list(ROUTING_POLICIES) == ["least_loaded", "prefix_aware"]
+    assert isinstance(make_routing_policy("least_loaded"), LeastLoadedPolicy)
+    pol = make_routing_policy("prefix_aware", max_kv_usage=0.5, max_extra_requests=2)
+    assert isinstance(pol, PrefixAwarePolicy)
+    assert (pol.max_kv_usage, pol.max_extra_requests) == (0.5, 2)
+    with pytest.raises(ValueError, match=r"routing_policy: unknown 'random', expected one of "
+                                         r"least_loaded, prefix_aware"):
+        make_routing_policy("random")
+    with pytest.raises(ValueError, match="max_kv_usage must be in"):
+        make_routing_policy("prefix_aware", max_kv_usage=0.0)
+    with pytest.raises(ValueError, match="max_extra_requests must be >= 0"):
+        PrefixAwarePolicy(max_extra_requests=-1)
+
+
+# -- prefix_aware: hashing -------------------------------------------------------------------
+
+def test_prompt_block_hashes_are_the_engines():
+    m = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = P(17)
+    assert m.allocate_slots("a", 0, 17)
+    m.cache_blocks("a", tokens, 17)
+    assert m.req_to_block_hashes["a"] == prompt_block_hashes(tokens, BS)
+    # The last prompt token is always computed: 16 tokens hit at most 3 blocks.
+    assert prompt_block_hashes(tokens[:16], BS) == m.req_to_block_hashes["a"][:3]
+    assert [b.block_hash for b in m.find_cached_prefix(tokens[:16])] == \
+        prompt_block_hashes(tokens[:16], BS)
+    assert prompt_block_hashes(tokens[:4], BS) == []
+    assert prompt_block_hashes([], BS) == []
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        prompt_block_hashes(tokens, 0)
+
+
+# -- prefix_aware: decode --------------------------------------------------------------------
+
+def test_prefix_aware_decode_longest_prefix_wins_over_least_loaded():
+    pol = PrefixAwarePolicy()
+    cached(pol, "d0", P(13))          # 3 blocks of P(17)
+    cached(pol, "d1", P(9))           # 2 blocks
+    ws = [D("d0", free=40, running=2), D("d1", free=50, running=1), D("d2", free=60)]
+    assert pol.cached_prefix_tokens(ws, P(17)) == {"d0": 12, "d1": 8, "d2": 0}
+    assert pol.pick_decode(ws, P(17)).worker_id == "d0"
+    # P(10) has 2 hittable blocks and both hold them: the tie goes to the least loaded.
+    assert pol.pick_decode(ws, P(10)).worker_id == "d1"
+    # Nobody holds a block: least-loaded.
+    assert pol.pick_decode(ws, P(17, start=500)).worker_id == "d2"
+    assert LeastLoadedPolicy().pick_decode(ws, P(17)).worker_id == "d2"
+
+
+def test_prefix_aware_decode_falls_back_when_the_holder_is_overloaded():
+    pol = PrefixAwarePolicy(max_kv_usage=0.9, max_extra_requests=8)
+    cached(pol, "d0", P(13))
+    cached(pol, "d1", P(9))
+    least = D("d2", free=60, running=2, waiting=1)            # 3 requests
+    # KV usage over the threshold: the next longest prefix wins.
+    ws = [D("d0", free=5, usage=0.95), D("d1", free=50), least]
+    assert pol.pick_decode(ws, P(17)).worker_id == "d1"
+    ws = [D("d0", free=5, usage=0.9), D("d1", free=50), least]     # at the threshold: fine
+    assert pol.pick_decode(ws, P(17)).worker_id == "d0"
+    # Queue: 3 + 8 requests is the most allowed.
+    ws = [D("d0", free=40, running=10, waiting=1), D("d1", free=40, running=12), least]
+    assert pol.pick_decode(ws, P(17)).worker_id == "d0"
+    ws = [D("d0", free=40, running=10, waiting=2), D("d1", free=40, running=12), least]
+    assert pol.pick_decode(ws, P(17)).worker_id == "d2"       # both holders overloaded
+
+
+def test_prefix_aware_decode_ignores_a_dead_worker_and_forgets_it_via_the_registry():
+    pol = PrefixAwarePolicy()
+    reg = InProcessRegistry([D("d0", free=40), D("d1", free=50), D("d2", free=60)])
+    reg.add_worker_down_listener(pol.forget_worker)
+    cached(pol, "d0", P(13))
+    cached(pol, "d1", P(9))
+    # A dead handle is skipped even while the index still lists its blocks.
+    dead = D("d0", free=40)
+    dead.alive = False
+    assert pol.pick_decode([dead, D("d1", free=50), D("d2", free=60)], P(17)).worker_id == "d1"
+    assert pol.pick_decode(reg.alive("decode"), P(17)).worker_id == "d0"
+    reg.mark_dead("d0")
+    assert pol.index.hashes_of("d0") == frozenset()
+    # Handed a dead worker anyway, the policy skips it.
+    assert pol.pick_decode(reg.workers("decode"), P(17)).worker_id == "d1"
+    # Replaced (restarted with an empty cache): its entries go at once.
+    assert len(pol.index.hashes_of("d1")) == 2
+    reg.add(D("d1", free=50))
+    assert pol.index.hashes_of("d1") == frozenset()
+    assert pol.pick_decode(reg.alive("decode"), P(17)).worker_id == "d2"
+
+
+def test_prefix_aware_hashes_at_each_workers_block_size():
+    pol = PrefixAwarePolicy()
+    cached(pol, "d0", P(13), block_size=2)       # 6 blocks of 2 tokens
+    cached(pol, "d1", P(13))                     # 3 blocks of 4 tokens
+    ws = [D("d0", block_size=2), D("d1"), D("d2", block_size=None)]
+    assert pol.cached_prefix_tokens(ws, P(17)) == {"d0": 12, "d1": 12, "d2": 0}
+    assert pol.cached_prefix_tokens(ws, P(12)) == {"d0": 10, "d1": 8, "d2": 0}
+    assert pol.pick_decode(ws, P(12)).worker_id == "d0"
+
+
+# -- prefix_aware: prefill -------------------------------------------------------------------
+
+def test_prefix_aware_prefill_queued_plus_uncached_tokens():
+    pol = PrefixAwarePolicy()
+    cached(pol, "p0", P(9))                       # 8 tokens of P(17) cached
+    prompt = P(17)
+    # Cost: in-flight tokens + prompt tokens to compute.
+    assert pol.pick_prefill([Pf("p0", 0), Pf("p1", 0)], prompt).worker_id == "p0"   # 9 < 17
+    assert pol.pick_prefill([Pf("p0", 9), Pf("p1", 0)], prompt).worker_id == "p1"   # 18 > 17
+    # 17 == 17: the longer prefix wins the tie.
+    assert pol.pick_prefill([Pf("p0", 8), Pf("p1", 0)], prompt).worker_id == "p0"
+    # No hits anywhere: exactly least-loaded.
+    ws = [Pf("p0", 100), Pf("p2", 50), Pf("p1", 50)]
+    assert pol.pick_prefill(ws, P(17, start=500)).worker_id == "p1"
+    dead = Pf("p0", 0)
+    dead.alive = False
+    assert pol.pick_prefill([dead, Pf("p1", 30)], prompt).worker_id == "p1"
