@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -36,6 +37,19 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.worker_common import block_counts, kv_layout_of, model_info, pin_cpus
 
 logger = logging.getLogger(__name__)
+
+
+def node_ip_address() -> str:
+    """This node's address as other nodes reach it (the host KV senders connect to).
+
+    Inside Ray that is the node's IP (``ray start --node-ip-address``); a process
+    that is not a Ray worker (a test or GPU check driving a worker directly, where
+    Ray need not even be installed) has only loopback.
+    """
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 class NoRoomError(RuntimeError):
@@ -107,18 +121,18 @@ class DecodeWorker:
     # -- control plane ------------------------------------------------------------------------
     async def info(self) -> dict:
         """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
-        plus this worker's KV layout, pid and cores."""
+        plus this worker's KV layout, pid, cores and node IP."""
         import os
 
         return {**model_info(self.engine, self.config), "kv_layout": kv_layout_of(self.engine),
                 "worker_id": self.worker_id, "role": self.role, "pid": os.getpid(),
-                "cpus": self.cpus}
+                "cpus": self.cpus, "node_ip": node_ip_address()}
 
     async def open_kv_channel(self, peer_id: str) -> dict:
         """Listen for prefill worker ``peer_id``'s KV; returns the rendezvous to hand it."""
         from tandem.kvtransfer.base import get_transport
 
-        receiver = get_transport(self.kv_transport).receiver.listen("127.0.0.1")
+        receiver = get_transport(self.kv_transport).receiver.listen(node_ip_address())
         old = self._receivers.pop(peer_id, None)
         if old is not None:
             old.close()

@@ -117,9 +117,11 @@ class PrefillWorker:
     async def info(self) -> dict:
         import os
 
+        from tandem.decode_worker.worker import node_ip_address
+
         return {**model_info(self.engine, self.config), "kv_layout": kv_layout_of(self.engine),
                 "worker_id": self.worker_id, "role": "prefill", "pid": os.getpid(),
-                "cpus": self.cpus}
+                "cpus": self.cpus, "node_ip": node_ip_address()}
 
     async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict) -> None:
         """Join decode worker ``peer_id``'s KV channel.
@@ -133,8 +135,11 @@ class PrefillWorker:
 
         check_compatible(KVLayout.from_dict(kv_layout_of(self.engine)),
                          KVLayout.from_dict(decode_layout))
+        from tandem.decode_worker.worker import node_ip_address
+
+        # On this node's address: on another node the decode worker cannot reach ours.
         sender = await asyncio.to_thread(get_transport(self.kv_transport).sender.connect,
-                                         rendezvous)
+                                         rendezvous, local_host=node_ip_address())
         old = self._senders.pop(peer_id, None)
         if old is not None:
             old.close()

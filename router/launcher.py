@@ -76,6 +76,10 @@ def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int]
     return split(pre, cfg.num_prefill), split(dec, cfg.num_decode), 0
 
 
+EMBEDDED_NODE_IP = "127.0.0.2"
+"""The embedded cluster's node address: one machine, so its traffic stays on loopback."""
+
+
 def init_ray(address: str | None = None) -> None:
     """Connect to Ray (or start an embedded one) unless already connected."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -86,7 +90,10 @@ def init_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, namespace="tandem", log_to_driver=True)
     else:
+        # On a loopback alias: Ray replaces 127.0.0.1 itself by the machine's outbound
+        # address, and workers listen for KV on their node's address.
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="tandem",
+                 _node_ip_address=EMBEDDED_NODE_IP,
                  object_store_memory=200 * 1024 * 1024, log_to_driver=True,
                  runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
                                            "TOKENIZERS_PARALLELISM": "false"}})
