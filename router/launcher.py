@@ -198,6 +198,8 @@ class TandemServer:
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
+        for wid, winfo in info.items():
+            self.metrics.register_worker(wid, winfo["role"])
         role = "decode" if prefill else "colocated"
         self.cluster = Cluster(
             [WorkerHandle(w, "prefill", a, info[w]) for w, a in prefill.items()],

@@ -34,6 +34,10 @@ MAX_TOKENS = 24
 RUN_TIMEOUT_S = 180
 
 
+def prompt_ids(tokenizer) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": CONTENT}])
+
+
 def session_pids(sid: int) -> list[int]:
     """Processes in session ``sid`` (the scenario and every Ray process it started)."""
     pids = []
@@ -68,7 +72,7 @@ def kill_session(sid: int, timeout_s: float = 10.0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def scenario():
+def scenario(request, tokenizer):
     # Ray's socket paths must stay under the AF_UNIX limit (107 bytes): a short
     # directory of our own, which also keeps the cluster's address file away from
     # every other Ray on this machine (ray.init() would otherwise join this one).
@@ -83,6 +87,9 @@ def scenario():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:
+        # transformers' reference (cached by the fixture) is made while the cluster
+        # boots: that is mostly Ray starting its daemons.
+        request.getfixturevalue("hf_greedy")(prompt_ids(tokenizer), MAX_TOKENS)
         try:
             output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -148,14 +155,14 @@ def test_kv_pair_runs_between_the_node_addresses(scenario):
 
 
 def test_greedy_output_equals_transformers(scenario, tokenizer, hf_greedy):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": CONTENT}])
+    prompt = prompt_ids(tokenizer)
     assert scenario["prompt_tokens"] == len(prompt)
     assert scenario["finish_reason"] == "FINISH_REASON_LENGTH"
     assert scenario["token_ids"] == hf_greedy(prompt, MAX_TOKENS)
 
 
 def test_kv_bytes_crossed_and_blocks_are_idle(scenario, tokenizer):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": CONTENT}])
+    prompt = prompt_ids(tokenizer)
     layout = scenario["workers"]["decode-0"]["kv_layout"]
     counts = scenario["counts"]
     # Every prompt block travels (nothing was cached on the decode side): K and V,
