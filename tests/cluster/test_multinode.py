@@ -77,31 +77,38 @@ def scenario(request, tokenizer):
     # directory of our own, which also keeps the cluster's address file away from
     # every other Ray on this machine (ray.init() would otherwise join this one).
     ray_tmp = tempfile.mkdtemp(prefix="tdm-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    request, result = os.path.join(ray_tmp, "request.json"), os.path.join(ray_tmp, "result.json")
-    with open(request, "w") as f:
+    request_file, result_file, log_file = (os.path.join(ray_tmp, name) for name in (
+        "request.json", "result.json", "scenario.log"))
+    with open(request_file, "w") as f:
         json.dump({"content": CONTENT, "max_tokens": MAX_TOKENS}, f)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp,
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, str(SCENARIO), request, result], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
+
+    def log_tail() -> str:
+        with open(log_file) as f:
+            return f.read()[-6000:]
+
+    # Output to a file, not a pipe: nobody reads a pipe while the reference runs.
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(SCENARIO), request_file, result_file],
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         # transformers' reference (cached by the fixture) is made while the cluster
         # boots: that is mostly Ray starting its daemons.
         request.getfixturevalue("hf_greedy")(prompt_ids(tokenizer), MAX_TOKENS)
         try:
-            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+            proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            pytest.fail(f"scenario did not finish within {RUN_TIMEOUT_S} s:\n{output[-6000:]}")
-        assert proc.returncode == 0, f"scenario failed (exit {proc.returncode}):\n{output[-6000:]}"
-        with open(result) as f:
+            pytest.fail(f"scenario did not finish within {RUN_TIMEOUT_S} s:\n{log_tail()}")
+        assert proc.returncode == 0, f"scenario failed (exit {proc.returncode}):\n{log_tail()}"
+        with open(result_file) as f:
             facts = json.load(f)
     finally:
         # Before any test runs: a failed assertion must not leave a cluster behind.
         left = kill_session(proc.pid)
+        proc.wait()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert left == [], f"processes of the scenario survived SIGKILL: {left}"
     return facts
