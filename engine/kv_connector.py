@@ -89,8 +89,10 @@ class KVConnector(ABC):
         (plain values) to hand to that producer's :meth:`connect`."""
 
     @abstractmethod
-    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict) -> None:
-        """Producer: join consumer ``peer_id``'s channel.
+    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
+                local_host: str | None = None) -> None:
+        """Producer: join consumer ``peer_id``'s channel, from this node's address
+        ``local_host`` (None: the address on the route to the peer).
 
         Raises:
             KVLayoutMismatchError: the two caches disagree (the message names each

@@ -41,10 +41,17 @@ class KVSender(ABC):
 
     @classmethod
     @abstractmethod
-    def connect(cls, rendezvous: dict[str, Any], *, timeout_s: float = 60.0) -> KVSender:
+    def connect(cls, rendezvous: dict[str, Any], *, timeout_s: float = 60.0,
+                local_host: str | None = None) -> KVSender:
         """Join the pair that a receiver's :attr:`KVReceiver.rendezvous` describes.
 
         Blocks until both ends are connected.
+
+        Args:
+            local_host: this worker's address as the receiver reaches it (its node
+                IP), for a transport whose sender listens too; None: the transport
+                picks (Gloo: the local end of the route to the receiver, which for a
+                loopback receiver is the receiver's own address).
 
         Raises:
             KVTransferError: the receiver could not be reached within ``timeout_s`` seconds.

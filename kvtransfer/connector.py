@@ -65,9 +65,10 @@ class TransportKVConnector(KVConnector):
         self._receivers[peer_id] = receiver
         return receiver.rendezvous
 
-    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict) -> None:
+    def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
+                local_host: str | None = None) -> None:
         check_compatible(self._layout, KVLayout.from_dict(peer_layout))
-        sender = self.transport.sender.connect(rendezvous)
+        sender = self.transport.sender.connect(rendezvous, local_host=local_host)
         old = self._senders.pop(peer_id, None)
         if old is not None:
             old.close()

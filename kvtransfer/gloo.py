@@ -227,8 +227,9 @@ class GlooSender(KVSender):
         """See :meth:`KVSender.connect`.
 
         Args:
-            local_host: this machine's address as the receiver sees it; by default
-                the local end of the route to ``rendezvous["host"]``.
+            local_host: this worker's address as the receiver reaches it (where its
+                Gloo device listens); by default the local end of the route to
+                ``rendezvous["host"]``.
         """
         host, port, pair_name = rendezvous["host"], rendezvous["port"], rendezvous["name"]
         pair_store = dist.PrefixStore(pair_name, join_store(host, port, timeout_s))

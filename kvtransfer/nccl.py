@@ -258,9 +258,13 @@ class NCCLSender(KVSender):
 
     @classmethod
     def connect(cls, rendezvous: dict[str, Any], *, timeout_s: float = 60.0,
-                device: torch.device | int | str | None = None,
+                local_host: str | None = None, device: torch.device | int | str | None = None,
                 library: NCCLLibrary | None = None) -> NCCLSender:
-        """See :meth:`KVSender.connect`; ``device`` is the CUDA device of this worker's KV cache."""
+        """See :meth:`KVSender.connect`; ``device`` is the CUDA device of this worker's KV cache.
+
+        ``local_host`` is not used: NCCL's bootstrap picks its own interface
+        (``NCCL_SOCKET_IFNAME``).
+        """
         device = _cuda_device(device)
         lib = library or NCCLLibrary()
         host, port, pair_name = rendezvous["host"], rendezvous["port"], rendezvous["name"]

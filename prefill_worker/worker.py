@@ -65,7 +65,7 @@ class PrefillWorker:
                 ...); the message names each field with both values.
         """
         await asyncio.to_thread(self.engine.kv_connector.connect, peer_id, rendezvous,
-                                decode_layout)
+                                decode_layout, node_ip_address())
 
     async def close_kv_channel(self, peer_id: str) -> bool:
         """Close the pair to decode worker ``peer_id`` (e.g. before re-creating a broken

@@ -85,6 +85,10 @@ def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int]
     return split(pre, cfg.num_prefill), split(dec, cfg.num_decode), 0
 
 
+EMBEDDED_NODE_IP = "127.0.0.2"
+"""The embedded cluster's node address: one machine, so its traffic stays on loopback."""
+
+
 def init_ray(address: str | None = None) -> None:
     """Connect to Ray (or start an embedded one) unless already connected."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -95,7 +99,10 @@ def init_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, namespace="tandem", log_to_driver=True)
     else:
+        # On a loopback alias: Ray replaces 127.0.0.1 itself by the machine's outbound
+        # address, and workers listen for KV on their node's address.
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="tandem",
+                 _node_ip_address=EMBEDDED_NODE_IP,
                  object_store_memory=200 * 1024 * 1024, log_to_driver=True,
                  runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"],
                                            "TOKENIZERS_PARALLELISM": "false"}})
@@ -211,6 +218,8 @@ class TandemServer:
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
+        for h in handles:
+            self.metrics.register_worker(h.worker_id, h.role)
         self.cluster = Cluster(InProcessRegistry(decode + prefill),
                                make_routing_policy(self.config.routing_policy),
                                on_step=self.metrics.worker_step, on_health=self._set_health)
@@ -241,6 +250,7 @@ class TandemServer:
             except Exception as exc:   # already gone: that is why we restart it
                 logger.debug("kill %s: %s", worker_id, exc)
         handle = await self._start_worker(worker_id)
+        self.metrics.register_worker(worker_id, handle.role)
         if handle.role == "prefill":
             for d in self.cluster.decode:
                 if d.alive:

@@ -26,6 +26,30 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
+def _finish_reasons() -> tuple[str, ...]:
+    from tandem.engine.request import RequestStatus
+
+    return tuple(s.finish_reason for s in RequestStatus if s.finished)
+
+
+def _request_fields() -> tuple[str, ...]:
+    from tandem.v1 import tandem_pb2 as pb
+
+    d = pb.GenerateRequest.DESCRIPTOR
+    return tuple(f.name for f in d.fields) + tuple(o.name for o in d.oneofs)
+
+
+# Closed label sets. Their series exist at 0 from start-up, as in vLLM, so that
+# dashboards and rate() see them before the first event.
+FINISH_REASONS = _finish_reasons()
+"""``finished_reason`` values of ``tandem:request_success``: stop, length, abort, error."""
+PREEMPTION_KINDS = ("swap", "recompute")
+"""``kind`` values of ``tandem:num_preemptions``."""
+REQUEST_FIELDS = _request_fields()
+"""``field`` values of ``tandem:invalid_requests``: the top-level fields (and the
+``input`` oneof) of ``GenerateRequest``, which is what a refusal's field path starts with."""
+
+
 @dataclass
 class RequestTrace:
     """Timestamps (``time.monotonic`` seconds) of one request in the router."""
@@ -114,6 +138,44 @@ class Metrics:
                                           "Tokens run per engine step.", w, **tok)
         self._worker_totals: dict[str, dict[str, int]] = {}
         self._http: ThreadingHTTPServer | None = None
+        # labels() creates a child at 0: every model-level series, and each value of
+        # the closed label sets, is exposed from the first scrape.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.request_aborts, self.ttft,
+                       self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
+                       self.decode_time, self.request_prompt_tokens, self.request_generation_tokens):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        for name in REQUEST_FIELDS:
+            self.invalid_requests.labels(model_name, name)
+
+    def register_worker(self, worker_id: str, role: str) -> None:
+        """Create every series of one worker at 0 (call it when the worker starts).
+
+        Gauges (running, waiting, swapped, KV cache usage), preemptions of each kind,
+        prefix-cache queries and hits and the iteration-tokens histogram for any
+        role; the KV transfer series for a ``prefill`` worker, which is what they
+        are labelled by. Counters keep what they counted before a restart (they
+        must never go down); the worker's own totals start again from zero, so
+        its step stats are counted from there.
+
+        Args:
+            worker_id: e.g. ``decode-0``.
+            role: ``prefill``, ``decode`` or ``colocated``.
+        """
+        labels = (self.model_name, worker_id, role)
+        for gauge in (self.num_requests_running, self.num_requests_waiting,
+                      self.num_requests_swapped, self.kv_cache_usage_perc):
+            gauge.labels(*labels).set(0)
+        for kind in PREEMPTION_KINDS:
+            self.num_preemptions.labels(*labels, kind)
+        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens):
+            metric.labels(*labels)
+        if role == "prefill":
+            for metric in (self.kv_transfer_bytes, self.kv_transfer_failures,
+                           self.kv_transfer_seconds):
+                metric.labels(self.model_name, worker_id)
+        self._worker_totals[worker_id] = {}
 
     # -- request hooks (router event loop) -----------------------------------------------------
     def invalid_request(self, field_name: str) -> None:

@@ -238,3 +238,30 @@ def test_peer_death_fails_both_directions_fast():
     finally:
         peer.stop()
         receiver.close()
+
+
+@pytest.mark.parametrize("sender_host", [None, "127.0.0.2"])
+def test_receiver_and_sender_on_different_node_addresses(sender_host):
+    # Two nodes of one machine, as the multi-node cluster test runs them: the decode
+    # worker listens on its node address, the prefill worker is on another one. With
+    # no local_host the sender takes the local end of the route to the receiver,
+    # which for a loopback receiver is the receiver's own (local) address.
+    from tandem.kvtransfer.gloo import local_address_for
+
+    assert local_address_for("127.0.0.3") == "127.0.0.3"
+    layout = _layout()
+    peer = Peer()
+    try:
+        with GlooReceiver.listen("127.0.0.3", connect_timeout_s=30) as receiver:
+            assert receiver.rendezvous["host"] == "127.0.0.3"
+            options = {} if sender_host is None else {"local_host": sender_host}
+            peer.call("connect", "gloo", receiver.rendezvous, options)
+            ticket = _ticket(layout, [5, 0, 9], num_cached_tokens=0, num_tokens=40, request_id="remote")
+            peer.call("send", [(ticket.to_dict(), [2, 19, 7])], layout.to_dict(), SRC_NUM_BLOCKS, 21)
+            kv_cache = _dst_cache(layout)
+            receiver.receive(ticket, kv_cache, timeout_s=20)
+            src = make_cache(layout, SRC_NUM_BLOCKS, seed=21)
+            _assert_only(kv_cache, {5: src[:, :, 2], 0: src[:, :, 19], 9: src[:, :, 7]})
+            peer.stop()
+    finally:
+        peer.stop()

@@ -21,6 +21,8 @@ MODEL = "SmolLM2-135M-Instruct"
 def fresh(ray_session):
     server = start_server(serve_config("disaggregated", num_blocks=256))
     client = Client(server)
+    # Before any test sends a request, whatever order the tests run in.
+    client.startup_metrics = client.metrics_text()
     yield client
     client.close()
     server.stop()
@@ -41,6 +43,59 @@ def value(m: dict, name: str, **labels) -> float:
 
 def total(m: dict, name: str) -> float:
     return sum(v for (n, _), v in m.items() if n == name)
+
+
+def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
+    """Every sample but ``_created`` and ``_bucket`` that a cluster with ``workers``
+    (id -> role) exposes before its first request: all of them 0."""
+    from tandem.router.metrics import FINISH_REASONS, PREEMPTION_KINDS, REQUEST_FIELDS
+
+    def key(name, **labels):
+        return name, tuple(sorted({"model_name": MODEL, **labels}.items()))
+
+    want = [key(f"tandem:{n}_total") for n in ("prompt_tokens", "generation_tokens", "request_aborts")]
+    want += [key("tandem:request_success_total", finished_reason=r) for r in FINISH_REASONS]
+    want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
+    for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        want += [key(f"tandem:{h}_count"), key(f"tandem:{h}_sum")]
+    for wid, role in workers.items():
+        w = dict(worker=wid, role=role)
+        want += [key(f"tandem:{g}", **w) for g in ("num_requests_running", "num_requests_waiting",
+                                                   "num_requests_swapped", "kv_cache_usage_perc")]
+        want += [key("tandem:num_preemptions_total", kind=k, **w) for k in PREEMPTION_KINDS]
+        want += [key(f"tandem:prefix_cache_{n}_total", **w) for n in ("queries", "hits")]
+        want += [key(f"tandem:iteration_tokens_total_{n}", **w) for n in ("count", "sum")]
+        if role == "prefill":
+            want += [key(f"tandem:kv_transfer_{n}", worker=wid) for n in (
+                "bytes_total", "failures_total", "seconds_count", "seconds_sum")]
+    assert len(set(want)) == len(want)
+    return dict.fromkeys(want, 0.0)
+
+
+def test_every_series_exists_at_zero_before_the_first_request(fresh):
+    m = samples(fresh.startup_metrics)
+    got = {k: v for k, v in m.items() if not k[0].endswith(("_created", "_bucket"))}
+    assert got == startup_series({"prefill-0": "prefill", "decode-0": "decode"})
+    # Each histogram's buckets are there too, empty.
+    buckets = {k: v for k, v in m.items() if k[0].endswith("_bucket")}
+    assert set(buckets.values()) == {0.0}
+    assert {(n[:-len("_bucket")], tuple(kv for kv in labels if kv[0] != "le"))
+            for n, labels in buckets} == {(n[:-len("_count")], labels)
+                                          for n, labels in got if n.endswith("_count")}
+
+
+def test_register_worker_creates_one_workers_series_at_zero():
+    # A colocated worker has no KV transfer series: those are labelled by prefill worker.
+    from tandem.router.metrics import Metrics
+
+    metrics = Metrics(MODEL)
+    metrics.register_worker("colocated-0", "colocated")
+    m = samples(metrics.render().decode())
+    got = {k: v for k, v in m.items() if not k[0].endswith(("_created", "_bucket"))}
+    assert got == startup_series({"colocated-0": "colocated"})
 
 
 def test_counters_exact_after_real_requests(fresh, tokenizer):
@@ -125,3 +180,23 @@ def test_one_structured_log_line_per_request_without_prompt_text(fresh, caplog):
                   "finish_reason=length", "prefill_worker=prefill-0", "decode_worker=decode-0"):
         assert field in line, (field, line)
     assert secret not in line and "zebra" not in caplog.text
+
+
+def test_a_restarted_worker_counts_from_zero_again():
+    # Worker stats carry totals since the worker started; a restarted worker's start
+    # again from 0, and its first preemption must still count.
+    from tandem.engine.outputs import StepOutput, WorkerStats
+    from tandem.router.metrics import Metrics
+
+    metrics = Metrics(MODEL)
+    metrics.register_worker("decode-0", "decode")
+    metrics.worker_step(None, StepOutput((), WorkerStats("decode-0", "decode", num_swap_preemptions=3,
+                                                         prefix_cache_queries=40)))
+    metrics.register_worker("decode-0", "decode")
+    metrics.worker_step(None, StepOutput((), WorkerStats("decode-0", "decode", num_swap_preemptions=1,
+                                                         prefix_cache_queries=16)))
+    m = samples(metrics.render().decode())
+    w = dict(worker="decode-0", role="decode")
+    assert value(m, "tandem:num_preemptions_total", kind="swap", **w) == 4
+    assert value(m, "tandem:num_preemptions_total", kind="recompute", **w) == 0
+    assert value(m, "tandem:prefix_cache_queries_total", **w) == 56
