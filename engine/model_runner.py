@@ -170,6 +170,9 @@ class ModelRunner:
             block_ids = self.block_table_fn(req.request_id)
             if s.num_new_tokens == 1:
                 input_ids.append(_token_at(req, start))
+            elif s.spec_token_ids:
+                input_ids.extend(req.all_token_ids[start:])
+                input_ids.extend(s.spec_token_ids)
             else:
                 input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
@@ -234,10 +237,14 @@ class ModelRunner:
             if not s.samples:
                 continue
             last = meta.query_start_loc_cpu[i + 1] - 1
-            for r in [s.request, *s.request.pending_forks]:
-                rows.append(last)
-                row_requests.append(r)
-                owners.append(s.request.request_id)
+            # One row per sample (forks share the prompt's last row); with k draft
+            # tokens, the k + 1 rows ending at the last verify them.
+            first = last - len(s.spec_token_ids)
+            for row in range(first, last + 1):
+                for r in [s.request, *s.request.pending_forks]:
+                    rows.append(row)
+                    row_requests.append(r)
+                    owners.append(s.request.request_id)
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])

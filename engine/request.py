@@ -75,6 +75,9 @@ class Request:
             ended, and whether every layer landed.
         kv_load_ticket: consumer side: the KV connector's ticket (plain dict) for the
             producer, set when blocks were reserved and taken by whoever publishes it.
+        spec_token_ids: draft tokens proposed to follow the request's last token,
+            verified in its next decode step (see :mod:`tandem.engine.scheduler`);
+            cleared by that step.
     """
 
     request_id: str
@@ -97,6 +100,7 @@ class Request:
     kv_load_finished: bool = False
     kv_load_ok: bool = False
     kv_load_ticket: dict | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
     # Children to fork from this request once its prompt is computed (n > 1).
     pending_forks: list["Request"] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_seq))

@@ -71,6 +71,14 @@ def _sort_key(r: Request):
     return r.sort_key
 
 
+def _num_accepted(spec_token_ids: tuple[int, ...], results) -> int:
+    """Leading draft tokens equal to the model's own choice at their position."""
+    n = 0
+    while n < len(spec_token_ids) and results[n].token_id == spec_token_ids[n]:
+        n += 1
+    return n
+
+
 class Scheduler:
     """Running, swapped and waiting queues over one :class:`KVCacheManager`.
 
@@ -222,6 +230,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = self._spec_tokens(req, num_new, budget)
+            num_new += len(spec)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -230,7 +240,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: everything after it is gone too
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, spec))
             budget -= num_new
             i += 1
 
@@ -253,6 +263,18 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv.take_pending_swaps()
         return out
+
+    @staticmethod
+    def _spec_tokens(req: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The draft tokens to verify with ``req``'s decode this step (as many as the
+        budget leaves). Only greedy requests without penalties are verified here
+        (accepted while each equals the argmax); other requests' drafts are dropped
+        until rejection sampling (Leviathan et al. 2023, Alg. 1) is added."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if not spec or num_new != req.num_tokens - req.num_computed_tokens \
+                or not req.sampling_params.greedy or req.sampling_params.has_penalties:
+            return ()
+        return tuple(spec[:budget - num_new])
 
     def _next_to_start(self) -> Request | None:
         """The head of the swapped and waiting queues, whichever sorts first."""
@@ -387,6 +409,10 @@ class Scheduler:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
+            if s.spec_token_ids:
+                self._update_speculative(s, sampled[req.request_id])
+                changed.append(req)
+                continue
             req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
             self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if not s.samples:
@@ -407,7 +433,23 @@ class Scheduler:
             changed.append(req)
         return changed
 
+    def _update_speculative(self, s: ScheduledRequest, results: list) -> None:
+        """A decode step that verified ``s.spec_token_ids``: ``results[j]`` is the token
+        chosen after position ``j`` of the step. Accepted drafts and the bonus token
+        are appended; drafts after the first rejected one leave no KV that counts
+        (their slots are written again later) and are never cached."""
+        req = s.request
+        accepted = _num_accepted(s.spec_token_ids, results)
+        req.num_computed_tokens = s.num_computed_tokens + 1 + accepted
+        for res in results[:accepted + 1]:
+            self._append_token(req, res)
+            if req.is_finished:           # a stop inside the run ends the request there
+                return
+        self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+
     def _append_token(self, req: Request, res) -> None:
+        """Append one sampled token; finish the request on EOS, a stop token id,
+        ``max_tokens`` or the context limit."""
         req.output_token_ids.append(res.token_id)
         if res.logprobs is not None:
             req.output_logprobs.append(res.logprobs)

@@ -9,16 +9,27 @@ from tandem.engine.request import Request
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+    """One request's share of a step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on.
+
+    With speculative tokens the last ``len(spec_token_ids)`` of the new tokens are
+    draft tokens that follow the request's last known token::
+
+        | computed | last known token | d0 d1 ... dk-1 |
+                   ^ num_computed_tokens                ^ num_computed + num_new_tokens
+
+    The step's logits at all ``k + 1`` positions verify them.
+    """
 
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last known token: its logits give the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass
