@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
@@ -105,18 +104,7 @@ class DecodeWorker:
     # -- outputs and stats ---------------------------------------------------------------------
     async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
         """Step outputs since the last poll (waits up to ``timeout_s`` for the first)."""
-        if self.loop.error is not None:
-            raise RuntimeError(f"{self.worker_id} engine failed: {self.loop.error}")
-        out: list[StepOutput] = []
-        try:
-            out.append(await asyncio.to_thread(self.loop.outbox.get, True, timeout_s))
-        except queue.Empty:
-            return out
-        while True:
-            try:
-                out.append(self.loop.outbox.get_nowait())
-            except queue.Empty:
-                return out
+        return await asyncio.to_thread(self.loop.poll, timeout_s)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, self.role)

@@ -119,6 +119,25 @@ class EngineLoop:
             self.publish(changed, time.perf_counter() - t0)
         return self.engine.last_step_ran
 
+    def poll(self, timeout_s: float) -> list[StepOutput]:
+        """Step outputs since the last poll; waits up to ``timeout_s`` seconds for the
+        first (call from any thread but the loop's).
+
+        Raises:
+            RuntimeError: the loop failed (its requests were finished with ``error``).
+        """
+        if self.error is not None:
+            raise RuntimeError(f"{self.worker_id} engine failed: {self.error}")
+        try:
+            out = [self.outbox.get(True, timeout_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return out
+
     def track(self, request_id: str) -> Future:
         """A future of ``request_id``'s final :class:`RequestDelta` (call on the loop
         thread, e.g. in the same command that adds the request)."""

@@ -23,7 +23,7 @@ import os
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.outputs import RequestDelta, WorkerRequest, WorkerStats
+from tandem.engine.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.worker_common import block_counts, model_info, node_ip_address, pin_cpus
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,11 @@ class PrefillWorker:
             self.loop.untrack(request_id)
             return self.engine.abort_request(request_id)
         return await self._call(abort)
+
+    async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
+        """Stats and KV cache events since the last poll (no token deltas: the first
+        token returns from :meth:`prefill`); waits up to ``timeout_s`` for the first."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, "prefill")
