@@ -216,8 +216,6 @@ class DecodeWorker:
 
     def _admit(self, transfer: _Transfer, req: Request, landed_ok: bool) -> bool:
         """Loop thread: decode from the landed KV, or (transfer failed) prefill here."""
-        from tandem.engine.sampler import skip_first_draw
-
         rid = req.request_id
         if self._transfers.get(rid) is not transfer or transfer.released:
             raise RequestAbortedError(f"{rid} was aborted before it started decoding")
@@ -226,7 +224,7 @@ class DecodeWorker:
             self.engine.add_prefilled_request(req)
         else:
             self.engine.release(rid)
-            skip_first_draw(req, self.engine.model_config.vocab_size)
+            self.engine.runner.sampler.skip_first_draw(req, self.engine.model_config.vocab_size)
             self.engine.scheduler.add_request(req)
         self.loop.mark_published(rid, 1)
         return landed_ok

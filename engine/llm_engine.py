@@ -142,14 +142,22 @@ class LLMEngine:
     def add_prefilled_request(self, request: Request, vocab_size: int | None = None) -> None:
         """Start decoding a request whose prompt KV landed in its reserved blocks and
         whose first token (sampled by the prefill worker) is in ``output_token_ids``."""
-        from tandem.engine.sampler import skip_first_draw
-
-        skip_first_draw(request, vocab_size or self.model_config.vocab_size)
+        self.runner.sampler.skip_first_draw(request, vocab_size or self.model_config.vocab_size)
         self.scheduler.add_prefilled(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks. False if unknown."""
+        # Pending forks have never been sampled (their first draw comes with
+        # the parent's last prompt token), so only the request holds a generator.
+        self.runner.sampler.free(request_id)
         return self.scheduler.abort_request(request_id) is not None
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        """End a request from outside the scheduler (a matched stop string); frees
+        its blocks and its sampler state. Unknown or finished ids are ignored."""
+        self.runner.sampler.free(request_id)
+        self.scheduler.finish_request(request_id, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,7 +173,11 @@ class LLMEngine:
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
-        return self.scheduler.update(out, sampled)
+        changed = self.scheduler.update(out, sampled)
+        for r in changed:
+            if r.is_finished:
+                self.runner.sampler.free(r.request_id)
+        return changed
 
     @property
     def num_preemptions(self) -> int:
@@ -323,8 +335,7 @@ class LLM:
             for req in changed:
                 stop = processor.process(req)
                 if stop is not None:
-                    engine.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
-                                                    stop)
+                    engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
             if step_callback is not None:
                 step_callback(engine)
         results = []

@@ -74,6 +74,8 @@ class PrefillLoop(EngineLoop):
             except Exception as exc:
                 failed.setdefault(rid, exc)
         for r in eng.scheduler.update(out, sampled):
+            if r.is_finished:
+                eng.runner.sampler.free(r.request_id)
             self._resolve(r, failed.get(r.request_id))
 
     def _fail_all(self, exc: BaseException) -> None:
