@@ -33,6 +33,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import StepOutput, WorkerStats
 from tandem.engine.request import Request, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.threads import apply_thread_settings
 from tandem.engine.worker_common import block_counts, kv_layout_of, model_info, pin_cpus
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class DecodeWorker:
                  transfer_timeout_s: float = 60.0, reserve_timeout_s: float = 120.0):
         self.worker_id, self.role, self.config = worker_id, role, config
         self.cpus = pin_cpus(cpus)
+        apply_thread_settings(config)     # this actor is its process's entry point
         self.engine = LLMEngine(config)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
         self.kv_transport = kv_transport

@@ -249,7 +249,9 @@ class EngineConfig:
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
         max_model_len: cap on the context length (None = the model's).
-        num_threads: torch intra-op threads for this engine (None = leave as is).
+        num_threads: torch intra-op threads of the process running this engine
+            (None = leave as is); applied by the process's entry point with
+            :func:`tandem.engine.threads.apply_thread_settings`, never by the engine.
     """
 
     model: str | None = None

@@ -18,6 +18,7 @@ from tandem.engine.model_runner import KVCache, ModelRunner
 from tandem.engine.request import Request, RequestStatus, TokenLogprobs
 from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.threads import apply_thread_settings
 from tandem.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  weights_from: "LLMEngine | None" = None):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # config.num_threads is not applied here: the thread pool is the
+        # process's (see tandem.engine.threads.apply_thread_settings).
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
@@ -256,6 +257,10 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        num_threads: torch intra-op threads. ``LLM`` is the process's entry
+            point in offline use, so it applies them to the whole process
+            (:func:`~tandem.engine.threads.apply_thread_settings`) before
+            building its engine; None leaves them as they are.
         weights_from: an existing ``LLM`` whose loaded weights to share.
     """
 
@@ -278,6 +283,7 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       preemption_mode=preemption_mode))
+        apply_thread_settings(self.config)
         self.engine = LLMEngine(self.config,
                                 weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer

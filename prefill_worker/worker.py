@@ -26,6 +26,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestDelta, WorkerStats
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.threads import apply_thread_settings
 from tandem.engine.worker_common import block_counts, kv_layout_of, model_info, pin_cpus
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class PrefillWorker:
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0):
         self.worker_id, self.config = worker_id, config
         self.cpus = pin_cpus(cpus)
+        apply_thread_settings(config)     # this actor is its process's entry point
         self.engine = LLMEngine(config)
         self.loop = PrefillLoop(self.engine, worker_id, transfer_timeout_s).start()
         self.kv_transport = kv_transport

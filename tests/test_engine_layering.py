@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 TORCH_FREE_MODULES = (
     "tandem.engine.block_pool",
     "tandem.engine.kv_cache_manager",
@@ -48,3 +50,33 @@ def test_engine_config_names_its_torch_dtype_lazily():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "torch.float16"]
+
+
+def test_apply_thread_settings_sets_the_process_pool_only_when_asked():
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.threads import apply_thread_settings
+
+    before = torch.get_num_threads()
+    try:
+        assert apply_thread_settings(EngineConfig()) == before       # None: left as is
+        assert apply_thread_settings(EngineConfig(num_threads=1)) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_engines_leave_the_process_thread_pool_alone():
+    """Two engines in one process: neither resizes torch's thread pool."""
+    import torch
+
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    before = torch.get_num_threads()
+    a = LLMEngine(EngineConfig(dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=8)))
+    LLMEngine(EngineConfig(dtype="float32", num_threads=before + 1,
+                           cache=CacheConfig(num_blocks=8)), weights_from=a)
+    assert torch.get_num_threads() == before
