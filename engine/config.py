@@ -10,24 +10,38 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.engine.model_files import ModelFiles
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# Names only: torch is imported where a dtype object is needed, so the
+# scheduling layers (which import this module for their configs) stay torch-free.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` -> torch dtype.
+def check_dtype_name(name: str) -> str:
+    """Validate a dtype name without importing torch; returns it.
+
+    Raises:
+        ValueError: not one of :data:`DTYPE_NAMES`.
+    """
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    return name
+
+
+def parse_dtype(name: str) -> "torch.dtype":
+    """``"float32" | "bfloat16" | "float16"`` -> torch dtype (imports torch).
 
     Raises:
         ValueError: another name.
     """
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {name!r}") from None
+    import torch
+
+    return getattr(torch, check_dtype_name(name))
 
 
 @dataclass(frozen=True)
@@ -235,7 +249,9 @@ class EngineConfig:
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
         max_model_len: cap on the context length (None = the model's).
-        num_threads: torch intra-op threads for this engine (None = leave as is).
+        num_threads: torch intra-op threads of the process running this engine
+            (None = leave as is); applied by the process's entry point with
+            :func:`tandem.engine.threads.apply_thread_settings`, never by the engine.
     """
 
     model: str | None = None
@@ -248,10 +264,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        check_dtype_name(self.dtype)
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        """``dtype`` as a torch dtype (imports torch)."""
         return parse_dtype(self.dtype)

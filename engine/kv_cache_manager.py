@@ -49,26 +49,31 @@ order gives the same result as the order of the calls, whatever they were:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tandem.engine.block_pool import Block, BlockHash, BlockPool
 from tandem.engine.kv_events import KVEvent
-from tandem.engine.kv_swap import HostBlockPool, KVSwapMixin
-from tandem.engine.prefix_cache import PrefixCacheMixin
+from tandem.engine.kv_swap import SwapManager
+from tandem.engine.prefix_cache import PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
+class KVCacheManager:
     """Block tables of all requests, keyed by ``request_id``.
 
     A request is *device-resident* (its block table is in ``req_to_blocks``),
-    *swapped* (its host block table is in ``req_to_host_blocks``; the swap
-    operations are in :class:`~tandem.engine.kv_swap.KVSwapMixin`) or unknown;
-    never two of these. Prefix-cache lookup and registration are in
-    :class:`~tandem.engine.prefix_cache.PrefixCacheMixin`.
+    *swapped* (its host block table is held by ``swap_manager``) or unknown;
+    never two of these. The manager owns the device block tables, the hash
+    chains and the copy-on-write queue, and two components it calls with
+    narrow views of that state:
+
+    * ``prefix_cache`` (:class:`~tandem.engine.prefix_cache.PrefixCache`):
+      lookup and registration of full blocks by hash;
+    * ``swap_manager`` (:class:`~tandem.engine.kv_swap.SwapManager`): the host
+      pool, swapped requests' host tables and the queued swap copies.
 
     Args:
         num_blocks: device blocks in the pool.
@@ -94,9 +99,9 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
-        self.host_pool = HostBlockPool(num_host_blocks)
+        self.prefix_cache = PrefixCache(self.block_pool, block_size, enable_caching)
+        self.swap_manager = SwapManager(self.block_pool, self.prefix_cache, num_host_blocks)
         self.req_to_blocks: dict[str, list[Block]] = {}
-        self.req_to_host_blocks: dict[str, list[int]] = {}
         # Chained hashes of the request's first len(...) blocks, as far as they
         # have been hashed; extended by cache_blocks so each call is O(new blocks).
         # Invariant: keys are the device-resident and swapped requests;
@@ -104,15 +109,6 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._copy_sources: list[Block] = []     # one reference each, aligned with _pending_copies
-        self._pending_swap_out: list[tuple[int, int]] = []   # (device id, host id)
-        self._pending_swap_in: list[tuple[int, int]] = []    # (host id, device id)
-        # Sources of queued swap-ins: released by take_pending_swaps, so that no
-        # swap-out of the same step can overwrite them before they are read.
-        self._host_blocks_to_release: list[int] = []
-        # Device block id -> hash to register once its pending swap-in is taken.
-        self._swap_in_hashes: dict[int, BlockHash] = {}
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     # -- counts -----------------------------------------------------------------
 
@@ -155,18 +151,66 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
 
     @property
     def num_host_blocks(self) -> int:
-        return self.host_pool.num_blocks
+        return self.swap_manager.host_pool.num_blocks
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self.host_pool.num_free_blocks
+        return self.swap_manager.host_pool.num_free_blocks
 
     def get_host_block_ids(self, request_id: str) -> list[int]:
         """A swapped request's host block table; ``[]`` for any other request."""
-        return list(self.req_to_host_blocks.get(request_id, ()))
+        return self.swap_manager.get_host_block_ids(request_id)
 
     def is_swapped(self, request_id: str) -> bool:
-        return request_id in self.req_to_host_blocks
+        return self.swap_manager.is_swapped(request_id)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up by :meth:`get_computed_blocks` (every call counts)."""
+        return self.prefix_cache.num_queried_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of :attr:`prefix_cache_queries`, tokens found cached."""
+        return self.prefix_cache.num_hit_tokens
+
+    # -- prefix cache -----------------------------------------------------------
+
+    def get_computed_blocks(self, request_id: str,
+                            token_ids: Sequence[int]) -> tuple[list[Block], int]:
+        """``(blocks, num_computed_tokens)``: the longest prefix of ``token_ids``
+        (the request's tokens so far) whose full blocks are cached; see
+        :meth:`PrefixCache.lookup`. ``request_id`` is for symmetry only.
+
+        No references are taken: pass the blocks to :meth:`allocate_slots` in the
+        same scheduling step, before any other allocation can evict them.
+        """
+        del request_id
+        return self.prefix_cache.lookup(token_ids)
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+        """The blocks :meth:`get_computed_blocks` would return, without counting a
+        query (for planning)."""
+        return self.prefix_cache.find_cached_prefix(token_ids)
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int],
+                     num_computed_tokens: int) -> None:
+        """Register the request's full, computed blocks not yet hashed
+        (:meth:`PrefixCache.cache_full_blocks`). Call after the forward pass
+        that computed them. A request holding no device blocks (already freed)
+        is a no-op, as is disabled prefix caching.
+
+        Raises:
+            ValueError: as :meth:`PrefixCache.cache_full_blocks`.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is not None:
+            self.prefix_cache.cache_full_blocks(
+                table, self.req_to_block_hashes[request_id], token_ids, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash; returns how many were dropped."""
+        return self.prefix_cache.reset()
 
     # -- allocation -------------------------------------------------------------
 
@@ -265,7 +309,7 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_computed_tokens="
                              f"{num_computed_tokens}, num_new_tokens={num_new_tokens}")
-        if request_id in self.req_to_host_blocks:
+        if self.swap_manager.is_swapped(request_id):
             raise ValueError(f"request {request_id!r} is swapped out; swap it in first")
         bs = self.block_size
         table = self.req_to_blocks.get(request_id, [])
@@ -320,13 +364,88 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         """
         if parent_request_id not in self.req_to_blocks:
             raise KeyError(f"fork: unknown parent request {parent_request_id!r}")
-        if child_request_id in self.req_to_blocks or child_request_id in self.req_to_host_blocks:
+        if child_request_id in self.req_to_blocks or self.swap_manager.is_swapped(child_request_id):
             raise ValueError(f"fork: request {child_request_id!r} already holds blocks")
         table = self.req_to_blocks[parent_request_id]
         self.block_pool.touch(table)
         self.req_to_blocks[child_request_id] = list(table)
         self.req_to_block_hashes[child_request_id] = list(
             self.req_to_block_hashes[parent_request_id])
+
+    # -- swap -------------------------------------------------------------------
+
+    def can_swap_out(self, request_id: str) -> bool:
+        """The request is device-resident and the host pool can hold its whole table."""
+        table = self.req_to_blocks.get(request_id)
+        return table is not None and self.swap_manager.can_swap_out(table)
+
+    def swap_out(self, request_id: str) -> bool:
+        """Move the request's block table to host blocks (Kwon et al. 2023, section 4.5):
+        host blocks and queued copies from :meth:`SwapManager.swap_out`, then the
+        device blocks are released as by :meth:`free` (a cached one stays
+        findable; a shared one stays allocated to its other holder). The hash
+        chain is kept for :meth:`swap_in`.
+
+        Returns:
+            ``True`` on success; ``False`` if the host pool has too few free
+            blocks, in which case nothing has changed.
+
+        Raises:
+            KeyError: the request holds no device block table.
+            ValueError: one of its blocks is the destination of a copy or
+                swap-in queued in this step (its content is not there yet);
+                nothing is changed.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            raise KeyError(f"swap_out: request {request_id!r} holds no device blocks")
+        pending_dst = {d for _, d in self._pending_copies} | self.swap_manager.swap_in_destinations()
+        if pending_dst.intersection(b.block_id for b in table):
+            raise ValueError(f"swap_out: request {request_id!r} has blocks written by an "
+                             "operation queued in this step; swap it out in a later step")
+        if not self.swap_manager.swap_out(request_id, table):
+            return False
+        del self.req_to_blocks[request_id]
+        self.block_pool.free_blocks(reversed(table))
+        return True
+
+    def num_blocks_to_swap_in(self, request_id: str) -> int:
+        """Free device blocks :meth:`swap_in` would take: the table's length, less
+        blocks found in use in the prefix cache (those are shared, not taken).
+
+        Raises:
+            KeyError: the request is not swapped.
+        """
+        return self.swap_manager.num_blocks_to_swap_in(request_id,
+                                                       self.req_to_block_hashes[request_id])
+
+    def swap_in(self, request_id: str) -> bool:
+        """Move a swapped request's table back to device blocks
+        (:meth:`SwapManager.swap_in`: blocks still cached on the device are
+        reused by hash, the others copied back from host memory).
+
+        Returns:
+            ``True`` on success; ``False`` if there are too few free device
+            blocks (see :meth:`num_blocks_to_swap_in`), in which case nothing
+            has changed.
+
+        Raises:
+            KeyError: the request is not swapped.
+        """
+        if request_id not in self.req_to_block_hashes:
+            raise KeyError(request_id)
+        table = self.swap_manager.swap_in(request_id, self.req_to_block_hashes[request_id])
+        if table is None:
+            return False
+        self.req_to_blocks[request_id] = table
+        return True
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(blocks_to_swap_out, blocks_to_swap_in)`` queued since the last call
+        (:meth:`SwapManager.take_pending_swaps`); clears the queues. The model
+        runner executes all swap-outs, then all swap-ins, then the copy-on-write
+        copies, before the forward pass."""
+        return self.swap_manager.take_pending_swaps()
 
     # -- release ----------------------------------------------------------------
 
@@ -346,7 +465,8 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
             ``True`` if the request held a block table (device or host),
             ``False`` (no-op) otherwise.
         """
-        if self._free_swapped(request_id):
+        if self.swap_manager.free(request_id):
+            del self.req_to_block_hashes[request_id]
             return True
         table = self.req_to_blocks.pop(request_id, None)
         if table is None:
@@ -360,10 +480,7 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
             self._pending_copies = [p for p, k in zip(self._pending_copies, keep) if k]
             self._copy_sources = [b for b, k in zip(self._copy_sources, keep) if k]
             self.block_pool.free_blocks(reversed(dropped))
-        if freed and self._pending_swap_in:
-            self._pending_swap_in = [p for p in self._pending_swap_in if p[1] not in freed]
-            for block_id in freed:
-                self._swap_in_hashes.pop(block_id, None)
+        self.swap_manager.drop_swap_ins_into(freed)
         return True
 
     # -- checks -----------------------------------------------------------------
@@ -381,7 +498,12 @@ class KVCacheManager(PrefixCacheMixin, KVSwapMixin):
         """
         pool = self.block_pool
         pool.check_invariants()
-        self._check_swap_invariants()
+        swapped = self.swap_manager.req_to_host_blocks
+        self.swap_manager.check_invariants(self.req_to_block_hashes)
+        both = self.req_to_blocks.keys() & swapped.keys()
+        assert not both, f"requests both device-resident and swapped: {sorted(both)}"
+        assert self.req_to_block_hashes.keys() == (self.req_to_blocks.keys() | swapped.keys()), (
+            "requests with a hash chain differ from requests with a block table")
         refs: Counter[int] = Counter(b.block_id for b in self._copy_sources)
         assert len(self._copy_sources) == len(self._pending_copies) and all(
             b.block_id == src for b, (src, _) in zip(self._copy_sources, self._pending_copies)), (

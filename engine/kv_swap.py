@@ -21,9 +21,10 @@ separate CPU block allocator in the same way).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
-from tandem.engine.block_pool import Block, NoFreeBlocksError
+from tandem.engine.block_pool import Block, BlockHash, BlockPool, NoFreeBlocksError
+from tandem.engine.prefix_cache import PrefixCache
 
 
 class HostBlockPool:
@@ -101,119 +102,137 @@ class HostBlockPool:
             f"host free {len(self._free)} + in use {len(self._in_use)} != total {self.num_blocks}")
 
 
-class KVSwapMixin:
-    """Swap-out / swap-in of :class:`~tandem.engine.kv_cache_manager.KVCacheManager`.
+class SwapManager:
+    """Swap-out and swap-in of block tables between the device pool and the host pool.
 
-    Uses the manager's ``block_pool``, ``host_pool``, ``req_to_blocks``,
-    ``req_to_host_blocks``, ``req_to_block_hashes`` and its queues of pending
-    copies, swap-outs, swap-ins, hashes to register and host blocks to release;
-    kept apart from the manager only to keep each module about one concern.
+    A component of :class:`~tandem.engine.kv_cache_manager.KVCacheManager`.
+    It owns the host side: the :class:`HostBlockPool`, the host block table of
+    every swapped request (``req_to_host_blocks``) and the step's queued swap
+    copies. Its view of the device side is narrow:
+
+    * of the device :class:`BlockPool`: ``num_free_blocks``, ``get_new_blocks``
+      and ``touch`` to build a swapped-in table, ``blocks[i]`` and
+      ``cache_block`` to register a swapped-in block once its copy is handed
+      to the runner. It never frees device blocks: the manager releases a
+      swapped-out table itself, as it releases any other.
+    * of the :class:`~tandem.engine.prefix_cache.PrefixCache`: ``find_blocks``,
+      to reuse blocks still cached on the device instead of copying them.
+    * of the device block tables and hash chains: only the table or chain the
+      manager passes in, never the manager's dicts.
+
+    A request is swapped exactly while it is a key of ``req_to_host_blocks``.
+
+    Args:
+        block_pool: the device block pool.
+        prefix_cache: the device prefix cache.
+        num_host_blocks: host blocks (0: swapping is impossible).
+
+    Raises:
+        ValueError: ``num_host_blocks`` < 0.
     """
 
-    def can_swap_out(self, request_id: str) -> bool:
-        """The request is device-resident and the host pool can hold its whole table."""
-        table = self.req_to_blocks.get(request_id)
-        return table is not None and len(table) <= self.host_pool.num_free_blocks
+    def __init__(self, block_pool: BlockPool, prefix_cache: PrefixCache,
+                 num_host_blocks: int) -> None:
+        self.block_pool = block_pool
+        self.prefix_cache = prefix_cache
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []   # (device id, host id)
+        self.pending_swap_in: list[tuple[int, int]] = []    # (host id, device id)
+        # Sources of queued swap-ins: released by take_pending_swaps, so that no
+        # swap-out of the same step can overwrite them before they are read.
+        self.host_blocks_to_release: list[int] = []
+        # Device block id -> hash to register once its pending swap-in is taken.
+        self.swap_in_hashes: dict[int, BlockHash] = {}
 
-    def swap_out(self, request_id: str) -> bool:
-        """Move the request's block table to host blocks (Kwon et al. 2023, section 4.5).
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_host_blocks
 
-        Every device block of the table gets a host block and a queued
-        ``(device_block_id, host_block_id)`` copy; then the device blocks are
-        released as by :meth:`free` (tail first; a cached block keeps its hash
-        and stays findable). A block shared with another request is copied too
-        and stays allocated to that request. The request's hash chain is kept
-        for :meth:`swap_in`.
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        """A swapped request's host block table; ``[]`` for any other request."""
+        return list(self.req_to_host_blocks.get(request_id, ()))
+
+    def can_swap_out(self, table: Sequence[Block]) -> bool:
+        """The host pool can hold all of ``table``."""
+        return len(table) <= self.host_pool.num_free_blocks
+
+    def swap_in_destinations(self) -> set[int]:
+        """Device block ids written by swap-ins queued in this step."""
+        return {d for _, d in self.pending_swap_in}
+
+    def swap_out(self, request_id: str, table: Sequence[Block]) -> bool:
+        """Give every block of the request's device ``table`` a host block and a
+        queued ``(device_block_id, host_block_id)`` copy; record the host table.
+
+        The caller then releases ``table``'s device blocks and forgets it.
 
         Returns:
             ``True`` on success; ``False`` if the host pool has too few free
             blocks, in which case nothing has changed.
 
         Raises:
-            KeyError: the request holds no device block table.
-            ValueError: one of its blocks is the destination of a copy or
-                swap-in queued in this step (its content is not there yet);
-                nothing is changed.
+            ValueError: the request is swapped already.
         """
-        table = self.req_to_blocks.get(request_id)
-        if table is None:
-            raise KeyError(f"swap_out: request {request_id!r} holds no device blocks")
-        pending_dst = ({d for _, d in self._pending_copies}
-                       | {d for _, d in self._pending_swap_in})
-        if pending_dst.intersection(b.block_id for b in table):
-            raise ValueError(f"swap_out: request {request_id!r} has blocks written by an "
-                             "operation queued in this step; swap it out in a later step")
-        if len(table) > self.host_pool.num_free_blocks:
+        if request_id in self.req_to_host_blocks:
+            raise ValueError(f"swap_out: request {request_id!r} is swapped already")
+        if not self.can_swap_out(table):
             return False
         host_ids = self.host_pool.allocate(len(table))
-        self._pending_swap_out.extend(zip((b.block_id for b in table), host_ids))
-        del self.req_to_blocks[request_id]
+        self.pending_swap_out.extend(zip((b.block_id for b in table), host_ids))
         self.req_to_host_blocks[request_id] = host_ids
-        self.block_pool.free_blocks(reversed(table))
         return True
 
-    def num_blocks_to_swap_in(self, request_id: str) -> int:
-        """Free device blocks :meth:`swap_in` would take: the table's length, less
-        blocks found in use in the prefix cache (those are shared, not taken).
+    def num_blocks_to_swap_in(self, request_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Free device blocks :meth:`swap_in` would take: the host table's length,
+        less blocks found in use in the prefix cache (those are shared, not taken).
 
         Raises:
             KeyError: the request is not swapped.
         """
         host_ids = self.req_to_host_blocks[request_id]
-        hits = self._swap_in_hits(request_id)
+        hits = self.prefix_cache.find_blocks(block_hashes)
         return len(host_ids) - sum(1 for b in hits.values() if b.ref_cnt > 0)
 
-    def swap_in(self, request_id: str) -> bool:
-        """Move a swapped request's table back to device blocks.
+    def swap_in(self, request_id: str, block_hashes: Sequence[BlockHash]) -> list[Block] | None:
+        """Build a swapped request's device table again, from its host table.
 
-        Block ``i`` whose chained hash (from before the swap-out) is still in
-        the prefix cache is taken from the cache, with no copy; every other
-        block gets a fresh device block and a queued
-        ``(host_block_id, device_block_id)`` copy, and is registered in the
-        prefix cache again under its hash when :meth:`take_pending_swaps`
-        hands the copy to the runner (not before: a request freed in this step
-        drops its copy, and the block must not be findable without its KV).
-        Host blocks are released by :meth:`take_pending_swaps` too.
+        Block ``i`` whose chained hash ``block_hashes[i]`` (kept from before
+        the swap-out) is still in the prefix cache is taken from the cache, with
+        no copy; every other block gets a fresh device block and a queued
+        ``(host_block_id, device_block_id)`` copy, and is registered again under
+        its hash when :meth:`take_pending_swaps` hands the copy to the runner
+        (not before: a request freed in this step drops its copy, and the block
+        must not be findable without its KV). The host blocks are released by
+        :meth:`take_pending_swaps` too. The request is no longer swapped.
 
         Returns:
-            ``True`` on success; ``False`` if there are too few free device
-            blocks (see :meth:`num_blocks_to_swap_in`), in which case nothing
-            has changed.
+            The new device table (the caller installs it), or ``None`` if there
+            are too few free device blocks (see :meth:`num_blocks_to_swap_in`),
+            in which case nothing has changed.
 
         Raises:
             KeyError: the request is not swapped.
         """
         host_ids = self.req_to_host_blocks[request_id]
-        hits = self._swap_in_hits(request_id)
+        hits = self.prefix_cache.find_blocks(block_hashes)
         num_fresh = len(host_ids) - len(hits)
         num_taken_free_hits = len({b.block_id for b in hits.values() if b.ref_cnt == 0})
         if num_fresh > self.block_pool.num_free_blocks - num_taken_free_hits:
-            return False
+            return None
         self.block_pool.touch(hits.values())
         fresh = iter(self.block_pool.get_new_blocks(num_fresh))
-        block_hashes = self.req_to_block_hashes[request_id]
         table: list[Block] = []
         for i, host_id in enumerate(host_ids):
             block = hits.get(i)
             if block is None:
                 block = next(fresh)
-                self._pending_swap_in.append((host_id, block.block_id))
+                self.pending_swap_in.append((host_id, block.block_id))
                 if i < len(block_hashes):
-                    self._swap_in_hashes[block.block_id] = block_hashes[i]
+                    self.swap_in_hashes[block.block_id] = block_hashes[i]
             table.append(block)
         del self.req_to_host_blocks[request_id]
-        self.req_to_blocks[request_id] = table
-        self._host_blocks_to_release.extend(host_ids)
-        return True
-
-    def _swap_in_hits(self, request_id: str) -> dict[int, Block]:
-        """Table index -> cached device block holding that block's KV."""
-        hits: dict[int, Block] = {}
-        for i, block_hash in enumerate(self.req_to_block_hashes[request_id]):
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is not None:
-                hits[i] = block
-        return hits
+        self.host_blocks_to_release.extend(host_ids)
+        return table
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Swaps queued since the last call; clears the queues.
@@ -221,24 +240,22 @@ class KVSwapMixin:
         Returns:
             ``(blocks_to_swap_out, blocks_to_swap_in)``: ``(device_block_id,
             host_block_id)`` and ``(host_block_id, device_block_id)`` pairs. The
-            model runner executes all swap-outs, then all swap-ins, then the
-            copy-on-write copies, before the forward pass. The host blocks the
-            swap-ins read become free now, and the full blocks they fill
-            findable by hash.
+            host blocks the swap-ins read become free now, and the full blocks
+            they fill findable by hash.
         """
-        swap_out, self._pending_swap_out = self._pending_swap_out, []
-        swap_in, self._pending_swap_in = self._pending_swap_in, []
+        swap_out, self.pending_swap_out = self.pending_swap_out, []
+        swap_in, self.pending_swap_in = self.pending_swap_in, []
         for _, dev in swap_in:
-            block_hash = self._swap_in_hashes.get(dev)
+            block_hash = self.swap_in_hashes.get(dev)
             if block_hash is not None:
                 # False when another block took this hash meanwhile: it stays uncached.
                 self.block_pool.cache_block(self.block_pool.blocks[dev], block_hash)
-        self._swap_in_hashes = {}
-        self.host_pool.free(self._host_blocks_to_release)
-        self._host_blocks_to_release = []
+        self.swap_in_hashes = {}
+        self.host_pool.free(self.host_blocks_to_release)
+        self.host_blocks_to_release = []
         return swap_out, swap_in
 
-    def _free_swapped(self, request_id: str) -> bool:
+    def free(self, request_id: str) -> bool:
         """Release a swapped request's host blocks (abort); ``False`` if it is not swapped.
 
         Queued swap-outs into those host blocks are dropped: the blocks may be
@@ -247,38 +264,53 @@ class KVSwapMixin:
         host_ids = self.req_to_host_blocks.pop(request_id, None)
         if host_ids is None:
             return False
-        del self.req_to_block_hashes[request_id]
         self.host_pool.free(host_ids)
         dead = set(host_ids)
-        self._pending_swap_out = [p for p in self._pending_swap_out if p[1] not in dead]
+        self.pending_swap_out = [p for p in self.pending_swap_out if p[1] not in dead]
         return True
 
-    def _check_swap_invariants(self) -> None:
+    def drop_swap_ins_into(self, freed_block_ids: set[int]) -> None:
+        """Drop queued swap-ins (and their pending hashes) whose device block was
+        just freed: it may be handed out again in this step, and a stale copy
+        executed later would overwrite its new owner's data."""
+        if freed_block_ids and self.pending_swap_in:
+            self.pending_swap_in = [p for p in self.pending_swap_in
+                                    if p[1] not in freed_block_ids]
+            for block_id in freed_block_ids:
+                self.swap_in_hashes.pop(block_id, None)
+
+    def check_invariants(self, req_to_block_hashes: Mapping[str, Sequence[BlockHash]]) -> None:
+        """Host pool accounting, host table ownership and the queued swaps.
+
+        Args:
+            req_to_block_hashes: the manager's hash chains (read only); each
+                swapped request must have one no longer than its host table.
+
+        Raises:
+            AssertionError: naming the first violated invariant.
+        """
         pool = self.block_pool
         self.host_pool.check_invariants()
-        both = self.req_to_blocks.keys() & self.req_to_host_blocks.keys()
-        assert not both, f"requests both device-resident and swapped: {sorted(both)}"
-        assert self.req_to_block_hashes.keys() == (
-            self.req_to_blocks.keys() | self.req_to_host_blocks.keys()), (
-            "requests with a hash chain differ from requests with a block table")
-        host_owned = list(self._host_blocks_to_release)
+        host_owned = list(self.host_blocks_to_release)
         for request_id, host_ids in self.req_to_host_blocks.items():
             host_owned.extend(host_ids)
-            assert len(self.req_to_block_hashes[request_id]) <= len(host_ids), (
+            assert request_id in req_to_block_hashes, (
+                f"swapped request {request_id!r} has no hash chain")
+            assert len(req_to_block_hashes[request_id]) <= len(host_ids), (
                 f"swapped request {request_id!r}: more block hashes than host blocks")
         assert len(host_owned) == len(set(host_owned)), "a host block has two owners"
         assert len(host_owned) == self.host_pool.num_used_blocks and all(
             self.host_pool.is_in_use(h) for h in host_owned), (
             f"host tables hold {len(host_owned)} blocks, host pool has "
             f"{self.host_pool.num_used_blocks} in use")
-        for dev, host in self._pending_swap_out:
+        for dev, host in self.pending_swap_out:
             assert 0 <= dev < pool.num_blocks and self.host_pool.is_in_use(host), (
                 f"pending swap-out ({dev}, {host}) names a block outside the pools")
-        for host, dev in self._pending_swap_in:
+        for host, dev in self.pending_swap_in:
             assert self.host_pool.is_in_use(host) and pool.blocks[dev].ref_cnt > 0, (
                 f"pending swap-in ({host}, {dev}) reads a free host block or writes a free one")
-        swap_in_dsts = {dev for _, dev in self._pending_swap_in}
-        assert self._swap_in_hashes.keys() <= swap_in_dsts, (
+        swap_in_dsts = self.swap_in_destinations()
+        assert self.swap_in_hashes.keys() <= swap_in_dsts, (
             "a hash waits to be registered for a block no pending swap-in fills")
         for dev in swap_in_dsts:
             assert pool.blocks[dev].block_hash is None, (

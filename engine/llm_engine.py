@@ -19,6 +19,7 @@ from tandem.engine.model_runner import KVCache, ModelRunner
 from tandem.engine.request import Request, RequestStatus, TokenLogprobs
 from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.threads import apply_thread_settings
 from tandem.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ class LLMEngine:
                  weights_from: "LLMEngine | None" = None, kv_transport: str | None = None,
                  transfer_timeout_s: float = 60.0, enable_kv_events: bool = False):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # config.num_threads is not applied here: the thread pool is the
+        # process's (see tandem.engine.threads.apply_thread_settings).
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
@@ -152,23 +153,29 @@ class LLMEngine:
         Raises:
             KeyError: the request is not waiting for remote KV (e.g. aborted).
         """
-        from tandem.engine.sampler import skip_first_draw
-
         if first_token_id is None:
             if self.scheduler.give_up_remote_prefill(request_id):
                 self.kv_connector.cancel_load(request_id)
             return
         req = self.scheduler.set_remote_first_token(request_id, first_token_id, first_logprobs)
-        skip_first_draw(req, self.model_config.vocab_size)
+        self.runner.sampler.skip_first_draw(req, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks (those a remote KV
         load may still write once the load ended). False if unknown."""
         if self.scheduler.abort_request(request_id) is None:
             return False
+        self.runner.sampler.free(request_id)
         if request_id in self.scheduler.remote_kv.orphaned:
             self.kv_connector.cancel_load(request_id)
         return True
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        """End a request from outside the scheduler (a matched stop string); frees
+        its blocks and its sampler state. Unknown or finished ids are ignored."""
+        self.runner.sampler.free(request_id)
+        self.scheduler.finish_request(request_id, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -197,7 +204,11 @@ class LLMEngine:
         for req in failed:
             sch.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                result.kv_save_failures[req.request_id])
-        return out.kv_loads_to_start + sch.update(out, result.sampled) + failed
+        changed = out.kv_loads_to_start + sch.update(out, result.sampled) + failed
+        for r in changed:
+            if r.is_finished:
+                self.runner.sampler.free(r.request_id)
+        return changed
 
     @property
     def num_preemptions(self) -> int:
@@ -277,6 +288,10 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        num_threads: torch intra-op threads. ``LLM`` is the process's entry
+            point in offline use, so it applies them to the whole process
+            (:func:`~tandem.engine.threads.apply_thread_settings`) before
+            building its engine; None leaves them as they are.
         weights_from: an existing ``LLM`` whose loaded weights to share.
     """
 
@@ -299,6 +314,7 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       preemption_mode=preemption_mode))
+        apply_thread_settings(self.config)
         self.engine = LLMEngine(self.config,
                                 weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer
@@ -356,8 +372,7 @@ class LLM:
             for req in changed:
                 stop = processor.process(req)
                 if stop is not None:
-                    engine.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
-                                                    stop)
+                    engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
             if step_callback is not None:
                 step_callback(engine)
         results = []

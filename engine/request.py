@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tandem.engine.kv_connector import KVTransferParams
 from tandem.engine.sampling_params import SamplingParams
 
@@ -61,6 +59,10 @@ class Request:
     is prefilled, the others fork from it once its prompt is computed and share
     its blocks.
 
+    Plain Python, no torch: a seeded request's random generator is the
+    :class:`~tandem.engine.sampler.Sampler`'s, keyed by ``request_id`` and
+    seeded with ``sampling_params.seed + sample_index``.
+
     Attributes:
         num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache at admission.
@@ -95,7 +97,6 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_load_finished: bool = False
     kv_load_ok: bool = False
@@ -104,11 +105,6 @@ class Request:
     # Children to fork from this request once its prompt is computed (n > 1).
     pending_forks: list["Request"] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_seq))
-
-    def __post_init__(self) -> None:
-        seed = self.sampling_params.seed
-        if seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(seed + self.sample_index)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,10 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds.
 
 Each seeded request draws from its own ``torch.Generator``, row by row, so its
-samples do not depend on what else is in the batch. Sampling from
+samples do not depend on what else is in the batch. The sampler owns those
+generators (keyed by request id), not the requests: the scheduling layers stay
+plain Python, and the engine drops a request's generator with :meth:`Sampler.free`
+when the request finishes. Sampling from
 ``softmax(logits / T)`` uses the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)``), equivalent to the Gumbel-max trick (Gumbel 1954; Maddison et
 al. 2014, "A* Sampling", section 2).
@@ -27,12 +30,54 @@ class SampleResult:
 class Sampler:
     """Samples one token per row of a logits batch.
 
+    A seeded request (``sampling_params.seed`` set) draws from its own
+    ``torch.Generator``, created at its first draw from ``seed + sample_index``
+    (so the ``n`` samples of one seeded prompt differ, and each reproduces) and
+    kept until :meth:`free`. Unseeded requests share ``generator``.
+
     Args:
         generator: the source of randomness for unseeded requests.
     """
 
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator or torch.Generator().manual_seed(0)
+        # request id -> that seeded request's generator. Ids are unique among
+        # an engine's live requests (the scheduler refuses a reused one), and
+        # the engine frees an entry when its request finishes.
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def num_seeded_requests(self) -> int:
+        """Seeded requests whose generator is held (drawn from and not yet freed)."""
+        return len(self._generators)
+
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The generator ``request`` draws from: its own if seeded (created on the
+        first call), else the shared one."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.generator
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed(seed + request.sample_index)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def free(self, request_id: str) -> bool:
+        """Drop a finished request's generator. Returns whether one was held
+        (False for unseeded, greedy or never-sampled requests)."""
+        return self._generators.pop(request_id, None) is not None
+
+    def skip_first_draw(self, request: Request, vocab_size: int) -> None:
+        """Advance ``request``'s generator past one sampled token.
+
+        Used when another worker sampled the first token (disaggregated
+        prefill), so the rest of a seeded request continues exactly as it would
+        in one engine: a draw takes ``vocab_size`` exponentials (see
+        :func:`_sample_row`). No-op for greedy and unseeded requests.
+        """
+        if request.sampling_params.seed is not None and not request.sampling_params.greedy:
+            torch.empty(vocab_size).exponential_(generator=self.generator_for(request))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         """Sample.
@@ -40,7 +85,7 @@ class Sampler:
         Args:
             logits: ``[N, V]`` float32, row i belongs to ``requests[i]``.
             requests: the rows' requests (their token history feeds the penalties,
-                their ``generator`` the randomness).
+                their seed picks the generator).
 
         Returns:
             ``N`` results, in row order.
@@ -65,7 +110,7 @@ class Sampler:
                 token_ids[i] = t
         for i, r in enumerate(requests):
             if not r.sampling_params.greedy:
-                token_ids[i] = _sample_row(processed[i], r, r.generator or self.generator)
+                token_ids[i] = _sample_row(processed[i], r, self.generator_for(r))
         results = []
         for i, r in enumerate(requests):
             lp = None
@@ -73,16 +118,6 @@ class Sampler:
                 lp = _row_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
             results.append(SampleResult(token_ids[i], lp))
         return results
-
-
-def skip_first_draw(r: Request, vocab_size: int) -> None:
-    """Advance ``r``'s generator past one sampled token.
-
-    Used when another worker sampled the first token (disaggregated prefill), so the
-    rest of a seeded request continues exactly as it would in one engine.
-    """
-    if r.generator is not None and not r.sampling_params.greedy:
-        torch.empty(vocab_size).exponential_(generator=r.generator)
 
 
 def _needs_processing(r: Request) -> bool:

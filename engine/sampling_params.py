@@ -39,7 +39,8 @@ class SamplingParams:
             already generated (OpenAI API semantics).
         frequency_penalty: in [-2, 2], subtracted per occurrence of a generated token.
         seed: makes this request's samples reproducible whatever else is batched
-            with it (each request owns a ``torch.Generator``).
+            with it (the sampler keeps one ``torch.Generator`` per seeded
+            request, seeded with ``seed + sample index``).
         stop_token_ids: generation ends (finish reason ``stop``) on any of these.
         stop: stop strings, applied to the detokenized text.
         include_stop_str_in_output: keep the matched stop string in the text.

@@ -24,6 +24,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
+from tandem.engine.threads import apply_thread_settings
 from tandem.engine.worker_common import block_counts, model_info, node_ip_address, pin_cpus
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class PrefillWorker:
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0):
         self.worker_id, self.config = worker_id, config
         self.cpus = pin_cpus(cpus)
+        apply_thread_settings(config)     # this actor is its process's entry point
         self.engine = LLMEngine(config, kv_transport=kv_transport,
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()

@@ -307,3 +307,22 @@ def test_imports_no_torch():
     code = ("import sys, tandem.engine.kv_cache_manager;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefix_cache_component_works_on_a_bare_block_pool():
+    """PrefixCache needs only the pool's hash index and the table it is handed."""
+    from tandem.engine.block_pool import BlockPool
+    from tandem.engine.prefix_cache import PrefixCache
+
+    pool = BlockPool(4)
+    pc = PrefixCache(pool, 2, enable_caching=True)
+    table = pool.get_new_blocks(2)
+    hashes: list = []
+    pc.cache_full_blocks(table, hashes, [1, 2, 3, 4, 5], 4)
+    assert len(hashes) == 2 and [b.block_id for b in table] == [0, 1]
+    assert pc.find_cached_prefix([1, 2, 3, 4, 5]) == table
+    assert pc.lookup([1, 2, 9]) == ([table[0]], 2)
+    assert (pc.num_queried_tokens, pc.num_hit_tokens) == (3, 2)
+    assert pc.find_blocks(hashes) == {0: table[0], 1: table[1]}
+    assert pool.num_free_blocks == 2                 # lookups take no references
+    assert pc.reset() == 2 and pc.find_cached_prefix([1, 2, 3, 4, 5]) == []

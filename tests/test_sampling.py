@@ -114,8 +114,56 @@ def test_seeded_row_independent_of_batch():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     p = SamplingParams(temperature=0.8, seed=42)
     alone = [Sampler()(logits[:1], [_req(p)])[0].token_id for _ in range(1)]
-    with_others = Sampler()(logits, [_req(p), _req(SamplingParams()), _req(SamplingParams(seed=7))])
+    with_others = Sampler()(logits, [_req(p), _req(SamplingParams(), rid="u"),
+                                     _req(SamplingParams(seed=7), rid="s")])
     assert with_others[0].token_id == alone[0]
+
+
+def test_sampler_holds_a_seeded_generator_from_first_draw_until_free():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5))
+    seeded = _req(SamplingParams(temperature=0.8, seed=42), rid="a")
+    unseeded = _req(SamplingParams(temperature=0.8), rid="b")
+    greedy = _req(SamplingParams(temperature=0, seed=42), rid="c")
+    sampler = Sampler()
+    assert sampler.num_seeded_requests == 0
+    first = sampler(logits, [seeded])[0].token_id
+    sampler(logits, [unseeded])
+    sampler(logits, [greedy])
+    assert sampler.num_seeded_requests == 1          # only the seeded, sampled one
+    assert sampler.free("a") is True and sampler.free("a") is False
+    assert sampler.free("b") is False and sampler.num_seeded_requests == 0
+    # Freed and seen again (a new request under the id): starts over from its seed.
+    assert sampler(logits, [seeded])[0].token_id == first
+
+
+def test_seeded_samples_of_one_prompt_are_seeded_by_sample_index():
+    logits = torch.zeros(1, 1000)                    # uniform: the draw is the generator's
+    p = SamplingParams(temperature=1.0, seed=11)
+    a0, a1 = _req(p, rid="x"), _req(p, rid="x#1")
+    a1.sample_index = 1
+    b = _req(SamplingParams(temperature=1.0, seed=12), rid="y")
+    sampler = Sampler()
+    t0, t1, tb = (sampler(logits, [r])[0].token_id for r in (a0, a1, b))
+    assert t1 == tb                                  # 11 + index 1 == seed 12
+    assert t0 != t1
+
+
+def test_skip_first_draw_continues_as_in_one_engine():
+    gen = torch.Generator().manual_seed(9)
+    steps = [torch.randn(1, 64, generator=gen) for _ in range(4)]
+    p = SamplingParams(temperature=0.9, seed=3)
+    one = Sampler()
+    r = _req(p, rid="r")
+    expected = [one(x, [r])[0].token_id for x in steps]
+    # A decode worker: the first token came from the prefill worker's sampler.
+    decode = Sampler()
+    r2 = _req(p, rid="r")
+    decode.skip_first_draw(r2, 64)
+    assert [decode(x, [r2])[0].token_id for x in steps[1:]] == expected[1:]
+    # Greedy and unseeded requests hold no generator to advance.
+    decode.skip_first_draw(_req(SamplingParams(temperature=0, seed=3), rid="g"), 64)
+    decode.skip_first_draw(_req(SamplingParams(temperature=0.9), rid="u"), 64)
+    assert decode.num_seeded_requests == 1
 
 
 # -- on the real model ----------------------------------------------------------------------
@@ -179,6 +227,7 @@ def test_n_seeded_samples_differ_and_reproduce(llm, tokenizer):
     b = [c.token_ids for c in llm.generate([prompt], p)[0].outputs]
     assert a == b
     assert len({tuple(x) for x in a}) > 1
+    assert llm.engine.runner.sampler.num_seeded_requests == 0     # freed as they finished
 
 
 @pytest.mark.slow

@@ -36,12 +36,12 @@ def prefill(m: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
 def snapshot(m: KVCacheManager):
     pool = m.block_pool
     return ({r: m.get_block_ids(r) for r in m.req_to_blocks},
-            {r: list(h) for r, h in m.req_to_host_blocks.items()},
+            {r: list(h) for r, h in m.swap_manager.req_to_host_blocks.items()},
             {r: list(h) for r, h in m.req_to_block_hashes.items()},
             [(b.ref_cnt, b.block_hash) for b in pool.blocks],
             [b.block_id for b in pool.free_block_queue],
-            sorted(m.host_pool._free), list(m._pending_copies), list(m._pending_swap_out),
-            list(m._pending_swap_in), list(m._host_blocks_to_release))
+            sorted(m.swap_manager.host_pool._free), list(m._pending_copies), list(m.swap_manager.pending_swap_out),
+            list(m.swap_manager.pending_swap_in), list(m.swap_manager.host_blocks_to_release))
 
 
 # -- host block pool ----------------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_free_drops_queued_operations_into_blocks_it_releases():
     prefill(m, "c", P(4, start=300))
     assert m.swap_out("c")
     m.take_pending_swaps()
-    assert m.swap_in("c") and m._pending_swap_in == [(0, 4)]
+    assert m.swap_in("c") and m.swap_manager.pending_swap_in == [(0, 4)]
     # b and c freed in the same step: their blocks may be handed out again now,
     # so the copy into block 2 and the swap-in into block 4 must not run.
     m.free("b")
@@ -266,7 +266,7 @@ def test_check_invariants_detects_a_host_block_no_table_holds():
     m = KVCacheManager(4, BS, num_host_blocks=4)
     prefill(m, "a", P(5))
     m.swap_out("a")
-    m.host_pool.allocate(1)
+    m.swap_manager.host_pool.allocate(1)
     with pytest.raises(AssertionError, match="host tables hold 2 blocks"):
         m.check_invariants()
 

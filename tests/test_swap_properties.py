@@ -54,10 +54,10 @@ class SwapMachine(RuleBasedStateMachine):
     def _state(self):
         m = self.m
         return ({r: m.get_block_ids(r) for r in m.req_to_blocks},
-                {r: list(h) for r, h in m.req_to_host_blocks.items()},
+                {r: list(h) for r, h in m.swap_manager.req_to_host_blocks.items()},
                 [(b.ref_cnt, b.block_hash) for b in m.block_pool.blocks],
-                [b.block_id for b in m.block_pool.free_block_queue], sorted(m.host_pool._free),
-                list(m._pending_copies), list(m._pending_swap_out), list(m._pending_swap_in))
+                [b.block_id for b in m.block_pool.free_block_queue], sorted(m.swap_manager.host_pool._free),
+                list(m._pending_copies), list(m.swap_manager.pending_swap_out), list(m.swap_manager.pending_swap_in))
 
     def _resident(self):
         return sorted(r for r in self.tokens if not self.m.is_swapped(r))
@@ -157,12 +157,12 @@ class SwapMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self):
         self.m.check_invariants()
-        assert set(self.m.req_to_blocks) | set(self.m.req_to_host_blocks) == set(self.tokens)
-        assert self.m._pending_copies == self.m._pending_swap_out == self.m._pending_swap_in == []
+        assert set(self.m.req_to_blocks) | set(self.m.swap_manager.req_to_host_blocks) == set(self.tokens)
+        assert self.m._pending_copies == self.m.swap_manager.pending_swap_out == self.m.swap_manager.pending_swap_in == []
         for rid, n in self.num_computed.items():
             table = self.m.get_block_ids(rid) or self.m.get_host_block_ids(rid)
             assert len(table) >= -(-n // BLOCK_SIZE), (rid, table, n)
-        host_used = sum(len(h) for h in self.m.req_to_host_blocks.values())
+        host_used = sum(len(h) for h in self.m.swap_manager.req_to_host_blocks.values())
         assert self.m.num_free_host_blocks + host_used == NUM_HOST_BLOCKS
 
     @invariant()
