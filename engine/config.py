@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.model_files import ModelFiles
+from tandem.kernels.attention_backend import ATTENTION_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -249,8 +250,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}, "
+                             f"expected one of {', '.join(ATTENTION_BACKENDS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

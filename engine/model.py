@@ -5,7 +5,7 @@ projections are fused at load time (one matmul each); parameter names follow the
 Hugging Face checkpoint names so that loading is the declared mapping in
 :meth:`LlamaForCausalLM.weight_mapping`. The hot per-layer operations (attention
 over the paged cache, RMSNorm, RoPE, SiLU-and-mul) go through an
-:class:`~tandem.engine.attention.AttentionBackend`.
+:class:`~tandem.kernels.attention_backend.AttentionBackend`.
 
 Shapes: ``T`` packed tokens of the step, ``H`` hidden size, ``Hq``/``Hkv`` query
 and KV heads, ``D`` head dim, ``V`` vocab size.
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tandem.engine.attention import AttentionBackend, AttentionMetadata, default_scale
+from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.engine.config import ModelConfig
 from tandem.kernels.reference import rope_cos_sin_cache
 
