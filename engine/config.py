@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.linear import LINEAR_METHODS
 from tandem.engine.model_files import ModelFiles
 from tandem.kernels.attention_backend import ATTENTION_BACKENDS
 
@@ -235,6 +236,8 @@ class EngineConfig:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
+        quantization: the linear layers' weight format, a key of
+            :data:`tandem.engine.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``).
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads for this engine (None = leave as is).
     """
@@ -243,6 +246,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     attention_backend: str = "auto"
+    quantization: str = "none"
     max_model_len: int | None = None
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -253,6 +257,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}, "
                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.quantization not in LINEAR_METHODS:
+            raise ValueError(f"quantization: unknown {self.quantization!r}, "
+                             f"expected one of {', '.join(LINEAR_METHODS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
