@@ -248,6 +248,8 @@ class EngineConfig:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
+        quantization: the linear layers' weight format, a key of
+            :data:`tandem.engine.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``).
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads of the process running this engine
             (None = leave as is); applied by the process's entry point with
@@ -258,6 +260,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     attention_backend: str = "auto"
+    quantization: str = "none"
     max_model_len: int | None = None
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -265,8 +268,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}")
+        # The registries live with torch code: imported here, not at module level, so
+        # that importing this module (the scheduler does) never loads torch.
+        from tandem.engine.linear import LINEAR_METHODS
+        from tandem.kernels.attention_backend import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}, "
+                             f"expected one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.quantization not in LINEAR_METHODS:
+            raise ValueError(f"quantization: unknown {self.quantization!r}, "
+                             f"expected one of {', '.join(LINEAR_METHODS)}")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

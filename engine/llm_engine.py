@@ -9,7 +9,6 @@ from typing import Sequence
 
 import torch
 
-from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_connector import KVConnector, KVTransferParams, get_kv_connector
@@ -21,6 +20,7 @@ from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.threads import apply_thread_settings
 from tandem.engine.tokenizer import Tokenizer
+from tandem.kernels.attention_backend import get_attention_backend
 
 logger = logging.getLogger(__name__)
 

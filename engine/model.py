@@ -3,9 +3,11 @@
 Plain torch modules with shape comments (gpt-fast style). Q/K/V and gate/up
 projections are fused at load time (one matmul each); parameter names follow the
 Hugging Face checkpoint names so that loading is the declared mapping in
-:meth:`LlamaForCausalLM.weight_mapping`. The hot per-layer operations (attention
+:meth:`LlamaForCausalLM.weight_mapping`. The projections are
+:class:`~tandem.engine.linear.Linear` layers, whose linear method (dense, or a
+quantized format) owns their storage and matmul. The hot per-layer operations (attention
 over the paged cache, RMSNorm, RoPE, SiLU-and-mul) go through an
-:class:`~tandem.engine.attention.AttentionBackend`.
+:class:`~tandem.kernels.attention_backend.AttentionBackend`.
 
 Shapes: ``T`` packed tokens of the step, ``H`` hidden size, ``Hq``/``Hkv`` query
 and KV heads, ``D`` head dim, ``V`` vocab size.
@@ -18,9 +20,18 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tandem.engine.attention import AttentionBackend, AttentionMetadata, default_scale
 from tandem.engine.config import ModelConfig
+from tandem.engine.linear import (Linear, LinearMethodBase, UnquantizedLinearMethod,
+                                  get_linear_method, process_weights_after_loading)
+from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.kernels.reference import rope_cos_sin_cache
+
+# Checkpoint projection -> (fused projection, shard id): the sub-matrices that
+# load into one fused layer, in the order of its output sizes.
+_FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
 
 
 class RMSNorm(nn.Module):
@@ -31,13 +42,14 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               linear_method)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, linear_method)
         self.scale = default_scale(cfg.head_dim)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
@@ -55,20 +67,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        f = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [f, f], linear_method)
+        self.down_proj = Linear(f, cfg.hidden_size, linear_method)
 
     def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         return self.down_proj(backend.silu_and_mul(self.gate_up_proj(h)))   # [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, linear_method)
+        self.mlp = LlamaMLP(cfg, linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -78,35 +91,41 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: the model's :class:`ModelConfig`.
+        linear_method: the decoder layers' linear method (dense when None).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None):
         super().__init__()
         self.cfg = cfg
+        linear_method = linear_method or UnquantizedLinearMethod()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, linear_method)
+                                          for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.ignored_checkpoint_names = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        # The output projection stays dense: it multiplies by the (unquantized)
+        # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, UnquantizedLinearMethod())
+        tied = cfg.tie_word_embeddings
+        self.tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+        self.ignored_checkpoint_names = ("lm_head.weight",) if tied else ()
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache: torch.Tensor | None = None
-        self.logits_proj: torch.nn.Module | None = None   # set by pack_for_cpu()
 
     # -- loading ---------------------------------------------------------------------------
-    def weight_mapping(self, name: str) -> tuple[str, tuple[int, int] | None] | None:
-        """Checkpoint (Hugging Face) name -> (parameter name, row shard or None)."""
-        cfg = self.cfg
-        q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        prefix, sep, leaf = name.rpartition(".self_attn.")
-        if sep:
-            fused = {"q_proj.weight": (0, q), "k_proj.weight": (q, kv), "v_proj.weight": (q + kv, kv)}
-            if leaf in fused:
-                return f"{prefix}.self_attn.qkv_proj.weight", fused[leaf]
-            return name, None
-        prefix, sep, leaf = name.rpartition(".mlp.")
-        if sep and leaf in ("gate_proj.weight", "up_proj.weight"):
-            return f"{prefix}.mlp.gate_up_proj.weight", (0, f) if leaf.startswith("gate") else (f, f)
+    def weight_mapping(self, name: str) -> tuple[str, int | None]:
+        """Checkpoint (Hugging Face) name -> (parameter name, shard id or None).
+
+        ``model.layers.3.self_attn.k_proj.weight`` -> ``(...qkv_proj.weight, 1)``;
+        the tensor's leaf (``weight``, or a quantized format's ``qweight``,
+        ``scales``, ...) is kept, so the mapping holds for every linear method.
+        """
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in _FUSED_PROJECTIONS:
+            fused, shard_id = _FUSED_PROJECTIONS[proj]
+            return f"{parent}.{fused}.{leaf}", shard_id
         return name, None
 
     def init_rope(self, device: torch.device) -> None:
@@ -155,42 +174,33 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` -> float32 logits ``[N, V]``."""
-        if self.logits_proj is not None:
-            return self.logits_proj(hidden).float()
-        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
-    def pack_for_cpu(self) -> int:
-        """Pre-pack the bfloat16 linear weights for oneDNN, the (possibly tied) output
-        projection included (see :mod:`tandem.kernels.cpu.linear`). Idempotent.
-
-        Returns:
-            Number of layers packed (0 if not bfloat16 on CPU, or unsupported).
-        """
-        from tandem.kernels.cpu.linear import PackedLinear, pack_linear_weights
-
-        count = pack_linear_weights(self.model)   # only bfloat16 CPU layers qualify
-        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        if count and self.logits_proj is None:
-            self.logits_proj = PackedLinear(weight)
-            count += 1
-        return count
+    def pack_for_cpu(self) -> None:
+        """The linear layers' post-loading step (:func:`load_model` has run it
+        already; idempotent): oneDNN packing for bfloat16 on CPU."""
+        process_weights_after_loading(self)
 
 
-def load_model(files, dtype: torch.dtype, device: torch.device
+def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none"
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The module is created on the ``meta`` device (no random init), materialised on
-    ``device`` in ``dtype`` and filled strictly from the checkpoint.
+    ``device`` in ``dtype``, filled strictly from the checkpoint, and then each
+    linear layer's method prepares its weights for its kernel.
 
     Args:
         files: a resolved :class:`~tandem.engine.model_files.ModelFiles`.
+        dtype: weights and activations dtype.
+        device: where the weights live.
+        quantization: the linear method's config string (``EngineConfig.quantization``).
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
 
     Raises:
+        ValueError: unknown ``quantization``.
         WeightLoadError: the checkpoint does not match the architecture.
     """
     from tandem.engine import weights
@@ -203,10 +213,12 @@ def load_model(files, dtype: torch.dtype, device: torch.device
     else:
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)
+    linear_method = get_linear_method(quantization)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, linear_method)
     model = model.to_empty(device=device).to(dtype)
     weights.load_weights(model, tensors)
+    process_weights_after_loading(model)
     model.init_rope(device)
     model.eval()
     return model, cfg

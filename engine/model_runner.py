@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_connector import KVConnector, KVSave
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import SampleResult, Sampler
 from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 
 _HUGE_PAGE = 2 << 20

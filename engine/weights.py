@@ -3,7 +3,9 @@
 Both formats are first turned into Hugging Face parameter names (the names the
 model's parameters carry), then loaded through one declared mapping that is
 strict: a tensor the model does not know, or a parameter that no tensor fills,
-raises :class:`WeightLoadError`.
+raises :class:`WeightLoadError`. Each tensor is copied in by the module that owns
+its parameter, so a linear layer's method (:mod:`tandem.engine.linear`) decides
+how its format's tensors are laid out.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
 
-from tandem.engine.config import ModelConfig
+if TYPE_CHECKING:   # config imports the linear methods, which import this module
+    from tandem.engine.config import ModelConfig
 
 
 class WeightLoadError(ValueError):
@@ -118,18 +121,40 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """``target.copy_(loaded)`` in ``target``'s dtype, when the shapes are equal.
+
+    Raises:
+        WeightLoadError: the shapes differ.
+    """
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)} != "
+                              f"model shape {tuple(target.shape)}")
+    target.copy_(loaded.to(target.dtype))
+
+
 def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors (Hugging Face names) into ``model``, strictly.
 
-    The model declares how checkpoint names map onto its (possibly fused)
-    parameters through ``model.weight_mapping(name) -> (param_name, shard)`` where
-    ``shard`` is ``None`` (whole parameter) or ``(row_offset, num_rows)``.
+    The model declares where each checkpoint tensor goes through
+    ``model.weight_mapping(name) -> (param_name, shard_id)``: ``shard_id`` is None
+    (the tensor fills the whole parameter) or the index of the sub-matrix it
+    holds in a fused layer (``q_proj`` is shard 0 of ``qkv_proj``). The module
+    owning the parameter copies the tensor in: through its
+    ``load_weight(leaf_name, tensor, shard_id)`` where it has one (a
+    :class:`~tandem.engine.linear.Linear`, whose method knows its format), else
+    as one whole-tensor copy. A fused parameter is complete once each of its
+    module's ``shard_ids`` is loaded. ``model.tied_parameters`` (``{name: source
+    name}``) are not loaded: they become the very parameter they are tied to.
+    Names in ``model.ignored_checkpoint_names`` are skipped.
 
     Raises:
-        WeightLoadError: unknown tensor, wrong shape, or parameters left unfilled.
+        WeightLoadError: unknown tensor, wrong shape, a tensor loaded twice, or
+            parameters left unfilled.
     """
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {name: 0 for name in params}
+    tied: dict[str, str] = getattr(model, "tied_parameters", {})
+    params = {name: p for name, p in model.named_parameters() if name not in tied}
+    filled: dict[str, set[int | None]] = {name: set() for name in params}
     ignored = getattr(model, "ignored_checkpoint_names", ())
     for name, tensor in tensors:
         if name in ignored or name.endswith("rotary_emb.inv_freq"):
@@ -137,15 +162,30 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
         mapped = model.weight_mapping(name)
         if mapped is None or mapped[0] not in params:
             raise WeightLoadError(f"checkpoint tensor {name!r} has no place in the model")
-        pname, shard = mapped
-        param = params[pname]
-        target = param.data if shard is None else param.data[shard[0]:shard[0] + shard[1]]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                  f"model shape {tuple(target.shape)} ({pname})")
-        target.copy_(tensor.to(param.dtype))
-        filled[pname] += target.shape[0] if shard is not None else param.shape[0]
-    missing = [n for n, rows in filled.items() if rows != params[n].shape[0]]
+        pname, shard_id = mapped
+        if shard_id in filled[pname]:
+            raise WeightLoadError(f"checkpoint tensor {name!r} loaded twice into {pname}")
+        module_name, _, leaf = pname.rpartition(".")
+        module = model.get_submodule(module_name)
+        try:
+            if hasattr(module, "load_weight"):
+                module.load_weight(leaf, tensor, shard_id)
+            else:
+                copy_checked(params[pname].data, tensor)
+        except WeightLoadError as exc:
+            raise WeightLoadError(f"{name}: {exc} ({pname})") from None
+        filled[pname].add(shard_id)
+    for pname, source in tied.items():
+        # Building on `meta` and materialising with to_empty() unties parameters.
+        module_name, _, leaf = pname.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, params[source])
+    missing = [n for n, shards in filled.items()
+               if shards != {None} and shards != set(_shard_ids(model, n))]
     if missing:
         raise WeightLoadError(f"parameters not (fully) filled by the checkpoint: {missing[:8]}"
                               + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def _shard_ids(model: torch.nn.Module, param_name: str) -> tuple[int | None, ...]:
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    return getattr(module, "shard_ids", (None,))

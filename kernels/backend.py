@@ -1,5 +1,5 @@
 """The ``triton`` attention backend: the Triton kernels of this package behind
-:class:`tandem.engine.attention.AttentionBackend`.
+:class:`tandem.kernels.attention_backend.AttentionBackend`.
 
 On GPU the kernels compile natively. On CPU tensors they run under the Triton
 interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.kernels.activation import silu_and_mul
+from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 from tandem.kernels.paged_decode_attention import paged_decode_attention
 from tandem.kernels.paged_prefill_attention import paged_prefill_attention
 from tandem.kernels.reshape_and_cache import reshape_and_cache

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tandem.engine.attention import decode_attention_cpu, gather_blocks_cpu
+from tandem.kernels.attention_backend import decode_attention_cpu, gather_blocks_cpu
 from tandem.kernels.reference import paged_decode_attention_ref
 
 

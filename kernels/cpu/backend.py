@@ -1,11 +1,11 @@
 """The ``cpu`` attention backend: compiled CPU kernels behind
-:class:`tandem.engine.attention.AttentionBackend`.
+:class:`tandem.kernels.attention_backend.AttentionBackend`.
 
 Decode attention, KV-cache writes, RMSNorm, rotary embedding and SiLU-and-mul run
 in :mod:`tandem.kernels.cpu.ops` (one call per layer each, instead of a dozen
 small torch ops). Prefill attention runs there too in bfloat16 on CPUs with
 AVX-512 BF16; otherwise (float32, older CPUs) it stays on torch's fused CPU
-flash attention (see :class:`~tandem.engine.attention.TorchAttentionBackend`).
+flash attention (see :class:`~tandem.kernels.attention_backend.TorchAttentionBackend`).
 float32 and bfloat16 only.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
+from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
 from tandem.kernels.cpu import ops
 
 

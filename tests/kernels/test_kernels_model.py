@@ -2,9 +2,9 @@
 
 import torch
 
-from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.model import LlamaForCausalLM
+from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
 from tandem.kernels.backend import TritonAttentionBackend
 
 BS = 16

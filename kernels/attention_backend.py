@@ -6,6 +6,11 @@ the paged cache, attention over it (decode and prefill), RMSNorm, rotary
 embedding and SiLU-and-mul. The model calls only this interface, so the CPU
 (torch reference) path and the GPU (Triton) path run the same model code.
 
+The interface lives beside its implementations (:class:`TorchAttentionBackend`
+here, the Triton one in :mod:`tandem.kernels.backend`, the compiled CPU one in
+:mod:`tandem.kernels.cpu.backend`) so that ``tandem.kernels`` never imports
+``tandem.engine``: the engine depends on the kernels, not the other way round.
+
 Batch layout (built by the model runner for every step): tokens of all scheduled
 sequences are packed along dim 0, **decode sequences first** (one query token
 each), then prefill chunks::
@@ -240,54 +245,75 @@ class TorchAttentionBackend(AttentionBackend):
         return ref.silu_and_mul_ref(x)
 
 
-def _cpu_backend() -> AttentionBackend:
+def _torch_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
+    return TorchAttentionBackend()
+
+
+def _cpu_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
     from tandem.kernels.cpu.backend import CpuAttentionBackend  # builds the kernels lazily
     return CpuAttentionBackend()
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
     from tandem.kernels.backend import TritonAttentionBackend  # imports triton lazily
     return TritonAttentionBackend()
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "torch": TorchAttentionBackend,
+def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
+    """``triton`` on CUDA; on CPU the compiled ``cpu`` kernels for float32/bfloat16
+    when they build on this machine (else ``torch``, logged with the reason), and
+    ``torch`` for other dtypes (the compiled kernels have no float16)."""
+    if device.type == "cuda":
+        return _triton_backend(device, dtype)
+    if dtype in (None, torch.float32, torch.bfloat16):
+        try:
+            return _cpu_backend(device, dtype)
+        except RuntimeError as exc:     # CpuKernelsUnavailable
+            logger.warning("compiled CPU kernels unavailable, using torch ops: %s", exc)
+    return TorchAttentionBackend()
+
+
+# Config string -> factory ``(device, dtype) -> backend``. The kernel modules are
+# imported by their factory, so choosing ``torch`` never loads triton or builds C++.
+ATTENTION_BACKENDS: dict[str, Callable[[torch.device, torch.dtype | None], AttentionBackend]] = {
+    "auto": _auto_backend,
+    "torch": _torch_backend,
     "cpu": _cpu_backend,
     "triton": _triton_backend,
 }
 
 
+def attention_backend_names() -> list[str]:
+    """Config strings accepted by :func:`get_attention_backend`, ``auto`` first."""
+    return list(ATTENTION_BACKENDS)
+
+
 def get_attention_backend(name: str, device: torch.device,
                           dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Build the backend named by config.
+    """Build the backend named by config (see :data:`ATTENTION_BACKENDS`).
 
     ``auto`` picks ``triton`` on CUDA; on CPU it picks the compiled ``cpu``
     kernels for float32/bfloat16 when they build on this machine, and the
     ``torch`` ops otherwise (logged once, with the reason).
+
+    Args:
+        name: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        device: where the model runs.
+        dtype: the model's dtype (None: not known, treated like float32).
 
     Raises:
         ValueError: unknown name.
         tandem.kernels.cpu.build.CpuKernelsUnavailable: ``cpu`` asked for explicitly
             and no compiler could build it.
     """
-    if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        elif dtype in (None, torch.float32, torch.bfloat16):
-            try:
-                return _cpu_backend()
-            except RuntimeError as exc:     # CpuKernelsUnavailable
-                logger.warning("compiled CPU kernels unavailable, using torch ops: %s", exc)
-                name = "torch"
-        else:
-            name = "torch"
     try:
         factory = ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(f"attention_backend: unknown {name!r}, "
-                         f"expected one of auto, {', '.join(ATTENTION_BACKENDS)}") from None
-    return factory()
+                         f"expected one of {', '.join(ATTENTION_BACKENDS)}") from None
+    return factory(device, dtype)
 
 
 def default_scale(head_dim: int) -> float:
+    """Softmax scale ``1 / sqrt(head_dim)`` of scaled dot-product attention."""
     return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,212 @@
+"""Linear layers whose weight storage, loading and matmul belong to a *linear method*.
+
+This is vLLM's ``LinearMethodBase`` / ``quant_method`` split. A :class:`Linear`
+module knows only its shape: ``in_features`` and the output sizes of the
+sub-matrices fused into it (``[q, kv, kv]`` for QKV, ``[F, F]`` for gate-up).
+Its :class:`LinearMethodBase` decides the rest:
+
+- which tensors the layer stores (:meth:`~LinearMethodBase.create_weights`): one
+  dense ``weight`` today; a quantized format registers several packed tensors
+  (GPTQ/AWQ ``qweight``, ``scales``, ``qzeros``; GGUF quant blocks) under its
+  checkpoint's leaf names, so that the model's name mapping carries
+  ``q_proj.qweight`` to ``qkv_proj.qweight`` as it carries ``q_proj.weight``;
+- how one checkpoint tensor lands in them (:meth:`~LinearMethodBase.load_weight`):
+  a fused layer receives each sub-matrix on its own, by shard id (its index in the
+  output sizes), and where a shard goes depends on the packing (rows of a dense
+  weight, columns of a GPTQ ``qweight`` ``[in / 8, out]``);
+- what happens once every tensor is in
+  (:meth:`~LinearMethodBase.process_weights_after_loading`): a re-layout for the
+  kernel that will run (oneDNN packing for bfloat16 on CPU);
+- the matmul itself (:meth:`~LinearMethodBase.apply`).
+
+Methods are chosen by the config string ``EngineConfig.quantization`` through
+:data:`LINEAR_METHODS`; ``none`` (dense, unquantized) is the only one so far.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.weights import WeightLoadError, copy_checked
+from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
+
+
+class LinearMethodBase(ABC):
+    """How a :class:`Linear` layer stores, loads and multiplies by its weights.
+
+    A method is stateless: one instance serves every layer, and whatever a layer
+    needs (its tensors, a packed copy) lives on the layer. Methods may mutate only
+    the ``layer`` they are given, and only its own attributes.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, in_features: int, output_sizes: Sequence[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register on ``layer`` the parameters this format stores, named as the
+        checkpoint names them (the last component of the tensor name).
+
+        Called inside the module's constructor, typically on the ``meta`` device.
+
+        Args:
+            layer: the layer being built.
+            in_features: input width ``K``.
+            output_sizes: rows of each fused sub-matrix; ``sum(output_sizes)`` is
+                the output width ``N``.
+            params_dtype: dtype of floating-point parameters (activations' dtype);
+                packed integer tensors keep their own.
+        """
+
+    @abstractmethod
+    def load_weight(self, layer: Linear, param_name: str, loaded: torch.Tensor,
+                    shard_id: int | None) -> None:
+        """Copy one checkpoint tensor into ``layer``'s parameter ``param_name``.
+
+        Args:
+            loaded: the checkpoint's tensor, in the checkpoint's dtype.
+            shard_id: None (the tensor fills the whole parameter) or the index in
+                ``layer.output_sizes`` of the fused sub-matrix it holds.
+
+        Raises:
+            WeightLoadError: a shape that does not fit, or a tensor this format
+                does not store.
+        """
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Re-lay the loaded tensors out for the kernel :meth:`apply` runs.
+
+        Called once every tensor is loaded; must be idempotent. The default keeps
+        the tensors as loaded.
+        """
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T``: ``[T, in_features]`` -> ``[T, out_features]``, in ``x``'s dtype."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Dense weight ``[out_features, in_features]`` in the model's dtype.
+
+    The matmul is ``F.linear``, except for bfloat16 on the CPU, where the weight is
+    packed once for oneDNN (:mod:`tandem.kernels.cpu.linear`: bit-identical, and it
+    saves a re-layout of every weight on every step).
+    """
+
+    name = "none"
+
+    def create_weights(self, layer, in_features, output_sizes, params_dtype):
+        weight = nn.Parameter(torch.empty(sum(output_sizes), in_features, dtype=params_dtype),
+                              requires_grad=False)
+        # nn.Linear's initialisation, so that a model built off the meta device
+        # (tests) computes something finite before any checkpoint is loaded.
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        layer.register_parameter("weight", weight)
+        layer.packed_weight = None
+
+    def load_weight(self, layer, param_name, loaded, shard_id):
+        if param_name != "weight":
+            raise WeightLoadError(f"a dense linear layer stores no {param_name!r}")
+        target = layer.weight.data
+        if shard_id is not None:
+            target = target.narrow(0, layer.shard_offset(shard_id), layer.output_sizes[shard_id])
+        copy_checked(target, loaded)
+
+    def process_weights_after_loading(self, layer):
+        if layer.packed_weight is not None:
+            return
+        w = layer.weight
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and packing_available():
+            layer.packed_weight = pack_weight(w)
+            # The packed copy is all apply() reads: drop this layer's plain one (a
+            # tied weight stays alive through the module it is shared with).
+            del layer.weight
+
+    def apply(self, layer, x):
+        if layer.packed_weight is not None:
+            return packed_linear(x, layer.packed_weight)
+        return F.linear(x, layer.weight)
+
+
+# Config string (``EngineConfig.quantization``) -> factory of the method.
+LINEAR_METHODS: dict[str, Callable[[], LinearMethodBase]] = {
+    "none": UnquantizedLinearMethod,
+}
+
+
+def get_linear_method(name: str) -> LinearMethodBase:
+    """The linear method for a ``quantization`` config string.
+
+    Raises:
+        ValueError: unknown name (the message names the field and the known names).
+    """
+    try:
+        factory = LINEAR_METHODS[name]
+    except KeyError:
+        raise ValueError(f"quantization: unknown {name!r}, "
+                         f"expected one of {', '.join(LINEAR_METHODS)}") from None
+    return factory()
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer ``y = x W^T`` whose storage is its method's.
+
+    Args:
+        in_features: input width ``K``.
+        output_sizes: output width ``N``, or the rows of each sub-matrix fused
+            into the layer (``[q, kv, kv]``); checkpoint tensors of a fused layer
+            are loaded one sub-matrix (shard) at a time.
+        quant_method: the :class:`LinearMethodBase`; dense when None.
+        params_dtype: dtype of its floating-point parameters (None: torch's default).
+
+    Shapes: ``x`` ``[T, in_features]`` -> ``[T, out_features]``.
+    """
+
+    def __init__(self, in_features: int, output_sizes: int | Sequence[int],
+                 quant_method: LinearMethodBase | None = None,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.in_features, self.out_features = in_features, sum(self.output_sizes)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, in_features, self.output_sizes,
+                                         params_dtype or torch.get_default_dtype())
+
+    @property
+    def shard_ids(self) -> tuple[int | None, ...]:
+        """The shard ids a checkpoint fills this layer's parameters with: one per
+        fused sub-matrix, or ``(None,)`` (the whole tensor) when nothing is fused."""
+        return tuple(range(len(self.output_sizes))) if len(self.output_sizes) > 1 else (None,)
+
+    def shard_offset(self, shard_id: int) -> int:
+        """First output row of sub-matrix ``shard_id``."""
+        return sum(self.output_sizes[:shard_id])
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """See :meth:`LinearMethodBase.load_weight` (raises :class:`WeightLoadError`)."""
+        self.quant_method.load_weight(self, param_name, loaded, shard_id)
+
+    def process_weights_after_loading(self) -> None:
+        """See :meth:`LinearMethodBase.process_weights_after_loading`."""
+        self.quant_method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
+                f"quant_method={self.quant_method.name}"
+                + (", packed" if getattr(self, "packed_weight", None) is not None else ""))
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Run every :class:`Linear` layer's post-loading step (idempotent)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
