@@ -271,7 +271,7 @@ class EngineConfig:
         # The registries live with torch code: imported here, not at module level, so
         # that importing this module (the scheduler does) never loads torch.
         from tandem.engine.linear import LINEAR_METHODS
-        from tandem.kernels.attention_backend import ATTENTION_BACKENDS
+        from tandem.kernels.registry import ATTENTION_BACKENDS
 
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}, "

@@ -20,7 +20,7 @@ from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.threads import apply_thread_settings
 from tandem.engine.tokenizer import Tokenizer
-from tandem.kernels.attention_backend import get_attention_backend
+from tandem.kernels.registry import get_attention_backend
 
 logger = logging.getLogger(__name__)
 

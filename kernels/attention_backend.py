@@ -9,7 +9,8 @@ embedding and SiLU-and-mul. The model calls only this interface, so the CPU
 The interface lives beside its implementations (:class:`TorchAttentionBackend`
 here, the Triton one in :mod:`tandem.kernels.backend`, the compiled CPU one in
 :mod:`tandem.kernels.cpu.backend`) so that ``tandem.kernels`` never imports
-``tandem.engine``: the engine depends on the kernels, not the other way round.
+``tandem.engine``: the engine depends on the kernels, not the other way round. The
+registry keyed by the config string is :mod:`tandem.kernels.registry`.
 
 Batch layout (built by the model runner for every step): tokens of all scheduled
 sequences are packed along dim 0, **decode sequences first** (one query token
@@ -21,17 +22,13 @@ each), then prefill chunks::
 
 from __future__ import annotations
 
-import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from tandem.kernels import reference as ref
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -243,77 +240,3 @@ class TorchAttentionBackend(AttentionBackend):
 
     def silu_and_mul(self, x):
         return ref.silu_and_mul_ref(x)
-
-
-def _torch_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
-    return TorchAttentionBackend()
-
-
-def _cpu_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
-    from tandem.kernels.cpu.backend import CpuAttentionBackend  # builds the kernels lazily
-    return CpuAttentionBackend()
-
-
-def _triton_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
-    from tandem.kernels.backend import TritonAttentionBackend  # imports triton lazily
-    return TritonAttentionBackend()
-
-
-def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
-    """``triton`` on CUDA; on CPU the compiled ``cpu`` kernels for float32/bfloat16
-    when they build on this machine (else ``torch``, logged with the reason), and
-    ``torch`` for other dtypes (the compiled kernels have no float16)."""
-    if device.type == "cuda":
-        return _triton_backend(device, dtype)
-    if dtype in (None, torch.float32, torch.bfloat16):
-        try:
-            return _cpu_backend(device, dtype)
-        except RuntimeError as exc:     # CpuKernelsUnavailable
-            logger.warning("compiled CPU kernels unavailable, using torch ops: %s", exc)
-    return TorchAttentionBackend()
-
-
-# Config string -> factory ``(device, dtype) -> backend``. The kernel modules are
-# imported by their factory, so choosing ``torch`` never loads triton or builds C++.
-ATTENTION_BACKENDS: dict[str, Callable[[torch.device, torch.dtype | None], AttentionBackend]] = {
-    "auto": _auto_backend,
-    "torch": _torch_backend,
-    "cpu": _cpu_backend,
-    "triton": _triton_backend,
-}
-
-
-def attention_backend_names() -> list[str]:
-    """Config strings accepted by :func:`get_attention_backend`, ``auto`` first."""
-    return list(ATTENTION_BACKENDS)
-
-
-def get_attention_backend(name: str, device: torch.device,
-                          dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Build the backend named by config (see :data:`ATTENTION_BACKENDS`).
-
-    ``auto`` picks ``triton`` on CUDA; on CPU it picks the compiled ``cpu``
-    kernels for float32/bfloat16 when they build on this machine, and the
-    ``torch`` ops otherwise (logged once, with the reason).
-
-    Args:
-        name: ``auto``, ``torch``, ``cpu`` or ``triton``.
-        device: where the model runs.
-        dtype: the model's dtype (None: not known, treated like float32).
-
-    Raises:
-        ValueError: unknown name.
-        tandem.kernels.cpu.build.CpuKernelsUnavailable: ``cpu`` asked for explicitly
-            and no compiler could build it.
-    """
-    try:
-        factory = ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"attention_backend: unknown {name!r}, "
-                         f"expected one of {', '.join(ATTENTION_BACKENDS)}") from None
-    return factory(device, dtype)
-
-
-def default_scale(head_dim: int) -> float:
-    """Softmax scale ``1 / sqrt(head_dim)`` of scaled dot-product attention."""
-    return 1.0 / math.sqrt(head_dim)

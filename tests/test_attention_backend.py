@@ -12,8 +12,8 @@ import torch
 
 import tandem.kernels
 from tandem.engine.config import EngineConfig
-from tandem.kernels.attention_backend import (ATTENTION_BACKENDS, TorchAttentionBackend,
-                                              attention_backend_names, get_attention_backend)
+from tandem.kernels.attention_backend import TorchAttentionBackend
+from tandem.kernels.registry import ATTENTION_BACKENDS, attention_backend_names, get_attention_backend
 
 
 def test_registry_names_and_unknown_name():

@@ -164,7 +164,7 @@ def test_library_name_tracks_source_and_flags(monkeypatch, tmp_path):
 
 
 def test_auto_backend_falls_back_to_torch_when_the_build_fails(monkeypatch, tmp_path, caplog):
-    from tandem.kernels.attention_backend import get_attention_backend
+    from tandem.kernels.registry import get_attention_backend
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")            # a "compiler" that always fails
@@ -189,7 +189,7 @@ def test_unwritable_cache_dir_is_a_clear_build_error(monkeypatch, tmp_path):
 
 
 def test_auto_backend_is_cpu_for_float32_and_bfloat16():
-    from tandem.kernels.attention_backend import get_attention_backend
+    from tandem.kernels.registry import get_attention_backend
 
     cpu = torch.device("cpu")
     assert get_attention_backend("auto", cpu, torch.float32).name == "cpu"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tandem.kernels.attention_backend import (AttentionMetadata, TorchAttentionBackend,
-                                              get_attention_backend)
+from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
+from tandem.kernels.registry import get_attention_backend
 from tandem.kernels.backend import TritonAttentionBackend
 from tandem.kernels.reference import rope_cos_sin_cache
 
