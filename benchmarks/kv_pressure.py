@@ -91,7 +91,7 @@ def run(engine, prompts, params) -> dict:
 
 def make_engine(args, base=None, **kw):
     from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.runtime.llm_engine import LLMEngine
 
     cache = {k: kw.pop(k) for k in ("num_blocks", "enable_prefix_caching", "num_host_blocks")
              if k in kw}
@@ -116,7 +116,7 @@ def print_pressure_row(r: dict) -> None:
 
 
 def bench_prefix(args, base) -> list[dict]:
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     rng = random.Random(args.seed)
     system = random_prompt(rng, args.system_prompt_len)
@@ -140,7 +140,7 @@ def bench_prefix(args, base) -> list[dict]:
 
 
 def bench_pressure(args, base) -> list[dict]:
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     rng = random.Random(args.seed + 1)
     prompts = [random_prompt(rng, rng.randint(190, 210)) for _ in range(args.pressure_requests)]
@@ -169,7 +169,7 @@ def bench_pressure(args, base) -> list[dict]:
 
 
 def bench_cost_model(args, base) -> dict:
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     engine = make_engine(args, base, num_blocks=256, num_host_blocks=64,
                          enable_prefix_caching=False)
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the numbers as JSON")
     args = parser.parse_args()
 
-    from tandem.engine.llm_engine import LLMEngine  # noqa: F401  (import cost before timing)
+    from tandem.engine.runtime.llm_engine import LLMEngine  # noqa: F401  (import cost before timing)
 
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()

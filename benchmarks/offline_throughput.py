@@ -82,8 +82,8 @@ class Breakdown:
 
 
 def run_tandem(prompts, output_len: int, dtype: str, args) -> dict:
-    from tandem.engine.llm_engine import LLM
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -108,7 +108,7 @@ def run_tandem(prompts, output_len: int, dtype: str, args) -> dict:
 def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tandem.engine.model_files import resolve_model
+    from tandem.engine.model.model_files import resolve_model
 
     files = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(

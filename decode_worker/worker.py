@@ -4,7 +4,7 @@ Also the colocated worker (``role="colocated"``): the same engine prefills its o
 requests (chunked prefill mixed into decode batches), which is both the
 single-device deployment and the baseline disaggregation is measured against.
 
-Disaggregation lives in the engine (:mod:`tandem.engine.kv_connector`): a request
+Disaggregation lives in the engine (:mod:`tandem.engine.kv.kv_connector`): a request
 added with ``kv_transfer_params`` waits in the scheduler for its blocks, then
 for its KV (``WAITING_FOR_REMOTE_KV``); the step that reserved its blocks
 publishes the KV ticket in the request's delta, which the router hands to the
@@ -21,12 +21,12 @@ import logging
 import os
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.engine_loop import EngineLoop
-from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.outputs import StepOutput, WorkerRequest, WorkerStats
-from tandem.engine.request import TokenLogprobs
-from tandem.engine.threads import apply_thread_settings
-from tandem.engine.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.engine_loop import EngineLoop
+from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.runtime.outputs import StepOutput, WorkerRequest, WorkerStats
+from tandem.engine.scheduling.request import TokenLogprobs
+from tandem.engine.runtime.threads import apply_thread_settings
+from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.engine.model_files import ModelFiles
+from tandem.engine.model.model_files import ModelFiles
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +203,7 @@ class SchedulerConfig:
             across steps; when off, a prompt is scheduled whole or not at all
             (and the budget grows to fit one max-length prompt).
         preemption_mode: how a request preempted for lack of KV blocks gives
-            them up (see :mod:`tandem.engine.preemption`): ``swap`` (copy its
+            them up (see :mod:`tandem.engine.scheduling.preemption`): ``swap`` (copy its
             blocks to the host pool; recompute when the host pool is full),
             ``recompute`` (free its blocks, prefill it again later) or ``auto``
             (per request, the cheaper of the two by the cost model below).
@@ -249,11 +249,11 @@ class EngineConfig:
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
         quantization: the linear layers' weight format, a key of
-            :data:`tandem.engine.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``).
+            :data:`tandem.engine.model.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``).
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads of the process running this engine
             (None = leave as is); applied by the process's entry point with
-            :func:`tandem.engine.threads.apply_thread_settings`, never by the engine.
+            :func:`tandem.engine.runtime.threads.apply_thread_settings`, never by the engine.
     """
 
     model: str | None = None
@@ -270,7 +270,7 @@ class EngineConfig:
         check_dtype_name(self.dtype)
         # The registries live with torch code: imported here, not at module level, so
         # that importing this module (the scheduler does) never loads torch.
-        from tandem.engine.linear import LINEAR_METHODS
+        from tandem.engine.model.linear import LINEAR_METHODS
         from tandem.kernels.registry import ATTENTION_BACKENDS
 
         if self.attention_backend not in ATTENTION_BACKENDS:

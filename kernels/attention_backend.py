@@ -240,3 +240,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def silu_and_mul(self, x):
         return ref.silu_and_mul_ref(x)
+
+
+def default_scale(head_dim: int) -> float:
+    """Softmax scale ``1 / sqrt(head_dim)`` of scaled dot-product attention."""
+    return 1.0 / math.sqrt(head_dim)

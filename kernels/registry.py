@@ -84,8 +84,3 @@ def get_attention_backend(name: str, device: torch.device,
         raise ValueError(f"attention_backend: unknown {name!r}, "
                          f"expected one of {', '.join(ATTENTION_BACKENDS)}") from None
     return factory(device, dtype)
-
-
-def default_scale(head_dim: int) -> float:
-    """Softmax scale ``1 / sqrt(head_dim)`` of scaled dot-product attention."""
-    return 1.0 / math.sqrt(head_dim)

@@ -16,7 +16,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from tandem.engine.kv_connector import KVConnector, KVSave, KVTransferParams
+from tandem.engine.kv.kv_connector import KVConnector, KVSave, KVTransferParams
 from tandem.kvtransfer.base import KVReceiver, KVSender, KVTransferError, get_transport
 from tandem.kvtransfer.layout import KVLayout, KVTransferTicket, check_compatible
 

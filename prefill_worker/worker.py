@@ -5,7 +5,7 @@ blocks this worker already caches are not computed again. The engine's KV
 connector streams each layer's blocks (those the decode side does not already
 hold) to the decode worker from inside the forward pass of the step that
 computes a request's last prompt chunk, so the transfer of layer ``l``
-overlaps the compute of layer ``l + 1`` (:mod:`tandem.engine.kv_connector`).
+overlaps the compute of layer ``l + 1`` (:mod:`tandem.engine.kv.kv_connector`).
 The first token is sampled here (that is the TTFT) and returned. The request's
 blocks are freed once the transfer drained; its full blocks stay in the prefix
 cache.
@@ -21,11 +21,11 @@ import logging
 import os
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.engine_loop import EngineLoop
-from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
-from tandem.engine.threads import apply_thread_settings
-from tandem.engine.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.engine_loop import EngineLoop
+from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.runtime.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
+from tandem.engine.runtime.threads import apply_thread_settings
+from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args):
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
@@ -189,7 +189,7 @@ def _cmd_demo(args) -> int:
 def _cmd_generate(args) -> int:
     if args.endpoint:
         return stream_over_grpc(args.endpoint, args.prompts, args, chat=args.chat)
-    from tandem.engine.llm_engine import LLM
+    from tandem.engine.llm import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),

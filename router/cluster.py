@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Any, Callable, Sequence
 
-from tandem.engine.outputs import RequestDelta, StepOutput
+from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.router.registry import WorkerHandle, WorkerRegistry
 from tandem.router.routing import RoutingPolicy
 from tandem.router.worker_client import call_worker

@@ -192,8 +192,8 @@ class TandemServer:
         """
         from grpc_health.v1 import health_pb2
 
-        from tandem.engine.model_files import resolve_model
-        from tandem.engine.tokenizer import Tokenizer
+        from tandem.engine.model.model_files import resolve_model
+        from tandem.engine.text.tokenizer import Tokenizer
         from tandem.router.cluster import Cluster
         from tandem.router.metrics import Metrics
         from tandem.router.orchestrator import Orchestrator

@@ -27,7 +27,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 def _finish_reasons() -> tuple[str, ...]:
-    from tandem.engine.request import RequestStatus
+    from tandem.engine.scheduling.request import RequestStatus
 
     return tuple(s.finish_reason for s in RequestStatus if s.finished)
 

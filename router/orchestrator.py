@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from tandem.engine.kv_connector import KVTransferParams
-from tandem.engine.outputs import RequestDelta, WorkerRequest
+from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
 from tandem.router.cluster import Cluster, WorkerHandle

@@ -1,10 +1,10 @@
 """The router's index of which worker holds which cached block: block hash -> worker ids.
 
-Built only from the workers' KV cache events (:mod:`tandem.engine.kv_events`),
+Built only from the workers' KV cache events (:mod:`tandem.engine.kv.kv_events`),
 the way Dynamo's KV router builds its radix index from vLLM's KV events: a
 worker's events, applied in the order it recorded them, leave exactly the set of
 block hashes in its prefix cache. A block hash is chained over its parent's
-(:func:`~tandem.engine.block_pool.hash_block_tokens`), so a flat hash -> workers
+(:func:`~tandem.engine.kv.block_pool.hash_block_tokens`), so a flat hash -> workers
 map answers "how many leading blocks of this prompt does worker w hold" by
 walking the prompt's hashes until w drops out; no tree is needed.
 
@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tandem.engine.block_pool import BlockHash, hash_block_tokens
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.engine.kv.block_pool import BlockHash, hash_block_tokens
+from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Chained hashes of the prompt blocks a prefix-cache lookup can hit, first block first.
 
     Computed exactly as the engine does
-    (:meth:`~tandem.engine.prefix_cache.PrefixCacheMixin.find_cached_prefix`):
-    full blocks only, :func:`~tandem.engine.block_pool.hash_block_tokens` chained
+    (:meth:`~tandem.engine.kv.prefix_cache.PrefixCacheMixin.find_cached_prefix`):
+    full blocks only, :func:`~tandem.engine.kv.block_pool.hash_block_tokens` chained
     over the parent hash, and at most ``(len(token_ids) - 1) // block_size``
     blocks, because the last prompt token is always computed (a prompt of
     exactly k full blocks can hit at most k - 1 of them).

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import Any, Callable
 
-from tandem.engine.outputs import WorkerStats
+from tandem.engine.runtime.outputs import WorkerStats
 
 ROLES = ("prefill", "decode", "colocated")
 DECODE_ROLES = ("decode", "colocated")

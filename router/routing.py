@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.engine.kv_events import KVEvent
+from tandem.engine.kv.kv_events import KVEvent
 from tandem.router.prefix_index import PrefixIndex, prompt_block_hashes
 from tandem.router.registry import WorkerHandle
 

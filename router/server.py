@@ -16,8 +16,8 @@ import logging
 
 import grpc
 
-from tandem.engine.request import TokenLogprobs
-from tandem.engine.sampling_params import InvalidParameterError
+from tandem.engine.scheduling.request import TokenLogprobs
+from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.router.orchestrator import Orchestrator, RequestFailed
 from tandem.router.stream import SampleStream
 from tandem.router.validation import InvalidRequestError, RequestValidator

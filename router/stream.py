@@ -1,9 +1,9 @@
 """Per-request output assembly in the router: token deltas -> text deltas -> responses.
 
 One :class:`SampleStream` per sample of a request turns the worker's token
-deltas into text with :class:`~tandem.engine.detokenizer.IncrementalDetokenizer`
+deltas into text with :class:`~tandem.engine.text.detokenizer.IncrementalDetokenizer`
 (never a split UTF-8 character, spaces kept) and applies stop strings with
-:class:`~tandem.engine.detokenizer.StopStringMatcher` (text that might start a
+:class:`~tandem.engine.text.detokenizer.StopStringMatcher` (text that might start a
 stop string is held back and released exactly once).
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from tandem.engine.outputs import RequestDelta
-from tandem.engine.request import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.runtime.outputs import RequestDelta
+from tandem.engine.scheduling.request import TokenLogprobs
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 @dataclass
 class SampleUpdate:

@@ -4,7 +4,7 @@ Every refusal is an :class:`InvalidRequestError` whose ``field`` is the proto
 field path of the offending value (``sampling.top_p``, ``token_ids.ids[3]``,
 ``chat.messages[0].role``), so the server can answer ``INVALID_ARGUMENT`` with
 a message a client can act on. Range checks of sampling parameters are
-:class:`~tandem.engine.sampling_params.SamplingParams`'s own; this module adds
+:class:`~tandem.engine.sampling.sampling_params.SamplingParams`'s own; this module adds
 what needs the request, the tokenizer or the model (presence, vocabulary and
 context length, limits on sizes).
 
@@ -22,8 +22,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
 # Samples per request: each holds its own KV blocks and output state.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.engine.sampling_params import InvalidParameterError
+from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
 

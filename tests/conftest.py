@@ -13,14 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def model_files():
-    from tandem.engine.model_files import resolve_model
+    from tandem.engine.model.model_files import resolve_model
 
     return resolve_model(None)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_files):
-    from tandem.engine.tokenizer import Tokenizer
+    from tandem.engine.text.tokenizer import Tokenizer
 
     return Tokenizer(model_files)
 

@@ -112,7 +112,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_module_graph_finds_our_modules_and_their_imports():
     graph = _graph()
-    assert "tandem.engine.scheduler" in graph and "tandem.router.orchestrator" in graph
+    assert "tandem.engine.scheduling.scheduler" in graph and "tandem.router.orchestrator" in graph
     assert "tandem.router.cluster" in graph["tandem.router.orchestrator"]
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tandem.engine.block_pool import (
+from tandem.engine.kv.block_pool import (
     Block,
     BlockPool,
     FreeBlockQueue,
@@ -46,7 +46,7 @@ def test_hash_follows_documented_encoding():
 def test_hash_is_pinned_and_same_in_another_process():
     # A changed encoding would silently stop cross-worker prefix matching.
     assert hash_block_tokens(None, [1, 2, 3, 4]) == 0xf37a167bb9fda987f09561bd758576a1
-    code = ("from tandem.engine.block_pool import hash_block_tokens as h;"
+    code = ("from tandem.engine.kv.block_pool import hash_block_tokens as h;"
             "a = h(None, [1, 2, 3, 4]); print(h(a, [5, 6, 7, 8]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})

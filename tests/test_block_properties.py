@@ -19,8 +19,8 @@ import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tandem.engine.block_pool import hash_block_tokens
-from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.block_pool import hash_block_tokens
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12

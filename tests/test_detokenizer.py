@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from tandem.engine.model_files import resolve_model
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.model.model_files import resolve_model
+from tandem.engine.text.tokenizer import Tokenizer
 
 STRATEGIES = ["bytes", "window"]
 FFFD = "\ufffd"

@@ -13,10 +13,10 @@ import dataclasses
 
 import pytest
 
-from tandem.engine.kv_connector import KVTransferParams
-from tandem.engine.llm_engine import LLM, LLMEngine
-from tandem.engine.request import RequestStatus
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.llm import LLM, LLMEngine
+from tandem.engine.scheduling.request import RequestStatus
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
 
 BS = 4
 
@@ -304,15 +304,15 @@ def test_check_invariants_detects_a_reference_no_table_holds():
 
 
 def test_imports_no_torch():
-    code = ("import sys, tandem.engine.kv_cache_manager;"
+    code = ("import sys, tandem.engine.kv.kv_cache_manager;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_prefix_cache_component_works_on_a_bare_block_pool():
     """PrefixCache needs only the pool's hash index and the table it is handed."""
-    from tandem.engine.block_pool import BlockPool
-    from tandem.engine.prefix_cache import PrefixCache
+    from tandem.engine.kv.block_pool import BlockPool
+    from tandem.engine.kv.prefix_cache import PrefixCache
 
     pool = BlockPool(4)
     pc = PrefixCache(pool, 2, enable_caching=True)

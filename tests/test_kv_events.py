@@ -9,9 +9,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tandem.engine.block_pool import hash_block_tokens
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.engine.kv.block_pool import hash_block_tokens
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 
@@ -146,6 +146,6 @@ def test_swap_in_re_registers_an_evicted_block():
 
 
 def test_kv_events_import_no_torch():
-    code = ("import sys, tandem.engine.kv_events, tandem.engine.block_pool;"
+    code = ("import sys, tandem.engine.kv.kv_events, tandem.engine.kv.block_pool;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from tandem.engine.block_pool import hash_block_tokens
-from tandem.engine.llm_engine import LLM
-from tandem.engine.request import RequestStatus
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kv.block_pool import hash_block_tokens
+from tandem.engine.llm import LLM
+from tandem.engine.scheduling.request import RequestStatus
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -297,8 +297,8 @@ def test_reservations_wait_until_preempted_requests_resume(base_llm):
     and is reserved as soon as it comes first."""
     import dataclasses
 
-    from tandem.engine.kv_connector import KVTransferParams
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.kv.kv_connector import KVTransferParams
+    from tandem.engine.runtime.llm_engine import LLMEngine
 
     rng = random.Random(11)
     cfg = LLM(dtype="float32", num_blocks=8, preemption_mode="swap", num_host_blocks=8,

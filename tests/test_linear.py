@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.config import EngineConfig, ModelConfig
-from tandem.engine.linear import (LINEAR_METHODS, Linear, UnquantizedLinearMethod,
+from tandem.engine.model.linear import (LINEAR_METHODS, Linear, UnquantizedLinearMethod,
                                   get_linear_method, process_weights_after_loading)
-from tandem.engine.model import LlamaForCausalLM
-from tandem.engine.weights import WeightLoadError, load_weights
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.weights import WeightLoadError, load_weights
 from tandem.kernels.cpu.linear import packing_available
 
 CFG = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant
 
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tandem.router.prefix_index import PrefixIndex, prompt_block_hashes
 from tests.test_block_properties import KVCacheMachine, KVCacheMachineNoCaching
 from tests.test_swap_properties import SwapMachine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.outputs import WorkerStats
+from tandem.engine.runtime.outputs import WorkerStats
 from tandem.router.registry import InProcessRegistry, WorkerHandle
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.outputs import WorkerStats
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.runtime.outputs import WorkerStats
 from tandem.router.prefix_index import prompt_block_hashes
 from tandem.router.registry import InProcessRegistry, WorkerHandle
 from tandem.router.routing import (

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler
-from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.scheduling.request import Request
+from tandem.engine.sampling.sampler import Sampler
+from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -82,7 +82,7 @@ def test_greedy_and_ties_take_first_max():
 
 
 def test_penalties_exact():
-    from tandem.engine.sampler import _apply_penalties_and_masks
+    from tandem.engine.sampling.sampler import _apply_penalties_and_masks
 
     row = torch.tensor([2.0, -2.0, 1.0, 4.0, 0.5])
     r = _req(SamplingParams(repetition_penalty=2.0), prompt=(0, 1), output=(3,))
@@ -170,7 +170,7 @@ def test_skip_first_draw_continues_as_in_one_engine():
 
 @pytest.fixture(scope="module")
 def llm():
-    from tandem.engine.llm_engine import LLM
+    from tandem.engine.llm import LLM
 
     return LLM(dtype="float32", num_blocks=256)
 

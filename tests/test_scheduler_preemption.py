@@ -20,11 +20,11 @@ import pytest
 from hypothesis import event, given, settings
 
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import SampleResult
-from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduling.request import Request, RequestStatus
+from tandem.engine.sampling.sampler import SampleResult
+from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
 

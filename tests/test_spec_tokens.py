@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.llm_engine import LLM
-from tandem.engine.request import RequestStatus
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.scheduling.request import RequestStatus
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

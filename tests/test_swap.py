@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from tandem.engine.block_pool import NoFreeBlocksError
+from tandem.engine.kv.block_pool import NoFreeBlocksError
 from tandem.engine.config import CacheConfig, SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.kv_swap import HostBlockPool
-from tandem.engine.preemption import (CostModelPolicy, PreemptionMode, RecomputePolicy,
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_swap import HostBlockPool
+from tandem.engine.scheduling.preemption import (CostModelPolicy, PreemptionMode, RecomputePolicy,
                                       SwapPolicy, get_preemption_policy)
-from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduling.request import Request
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 BS = 4
 
@@ -272,7 +272,7 @@ def test_check_invariants_detects_a_host_block_no_table_holds():
 
 
 def test_swap_modules_import_no_torch():
-    code = ("import sys, tandem.engine.kv_swap, tandem.engine.kv_cache_manager;"
+    code = ("import sys, tandem.engine.kv.kv_swap, tandem.engine.kv.kv_cache_manager;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

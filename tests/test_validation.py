@@ -8,9 +8,9 @@ import struct
 import pytest
 from google.protobuf.message import DecodeError
 
-from tandem.engine.model_files import resolve_model
-from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.model.model_files import resolve_model
+from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.engine.text.tokenizer import Tokenizer
 from tandem.router.validation import (MAX_N, MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS,
                                       MAX_STOP_STRINGS, InvalidRequestError, RequestValidator,
                                       ValidatedRequest)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.weights import WeightLoadError, gguf_name_to_hf, load_weights
+from tandem.engine.model.weights import WeightLoadError, gguf_name_to_hf, load_weights
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def tiny_checkpoint(tmp_path_factory, tokenizer):
 
 
 def test_safetensors_checkpoint_greedy_matches_transformers(tiny_checkpoint):
-    from tandem.engine.llm_engine import LLM
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     path, hf = tiny_checkpoint
     llm = LLM(path, dtype="float32", num_blocks=32)
@@ -45,8 +45,8 @@ def test_safetensors_checkpoint_greedy_matches_transformers(tiny_checkpoint):
 
 def test_unknown_and_missing_tensors_raise(tiny_checkpoint):
     from tandem.engine.config import ModelConfig
-    from tandem.engine.model import LlamaForCausalLM
-    from tandem.engine.weights import iter_safetensors
+    from tandem.engine.model.llama import LlamaForCausalLM
+    from tandem.engine.model.weights import iter_safetensors
 
     path, _ = tiny_checkpoint
     cfg = ModelConfig.from_hf_config(path)

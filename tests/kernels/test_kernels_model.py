@@ -3,7 +3,7 @@
 import torch
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
 from tandem.kernels.backend import TritonAttentionBackend
 
@@ -60,8 +60,8 @@ def test_decoder_steps_match_torch_backend(device):
 def test_engine_greedy_unchanged_with_triton_backend():
     """The real default model: the engine's greedy tokens with the Triton backend
     (interpreted on CPU) equal those of the torch backend, batched prefill + decode."""
-    from tandem.engine.llm_engine import LLM
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
 
     ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch")
     tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton", weights_from=ref)

@@ -185,7 +185,7 @@ def test_one_structured_log_line_per_request_without_prompt_text(fresh, caplog):
 def test_a_restarted_worker_counts_from_zero_again():
     # Worker stats carry totals since the worker started; a restarted worker's start
     # again from 0, and its first preemption must still count.
-    from tandem.engine.outputs import StepOutput, WorkerStats
+    from tandem.engine.runtime.outputs import StepOutput, WorkerStats
     from tandem.router.metrics import Metrics
 
     metrics = Metrics(MODEL)

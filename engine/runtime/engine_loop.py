@@ -6,7 +6,7 @@ never touched by two threads at once and need no locks. Callers on other threads
 (a Ray actor's event loop) get a ``concurrent.futures.Future`` for each command.
 
 Each step's token deltas for all requests go out as one
-:class:`~tandem.engine.outputs.StepOutput` in the outbox with the stats and the
+:class:`~tandem.engine.runtime.outputs.StepOutput` in the outbox with the stats and the
 KV cache events of the step (a prefill worker's carry no deltas: it reads
 results through :meth:`EngineLoop.track`).
 """
@@ -20,9 +20,9 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.outputs import RequestDelta, StepOutput
-from tandem.engine.request import Request
+from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.runtime.outputs import RequestDelta, StepOutput
+from tandem.engine.scheduling.request import Request
 
 logger = logging.getLogger(__name__)
 

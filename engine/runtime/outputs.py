@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.kv_connector import KVTransferParams
-from tandem.engine.request import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.scheduling.request import TokenLogprobs
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class StepOutput:
         stats: the worker's stats after the step.
         step_time_s: wall time of the step (seconds).
         kv_events: prefix-cache changes since the previous message, oldest first
-            (:mod:`tandem.engine.kv_events`); empty when the engine records none.
+            (:mod:`tandem.engine.kv.kv_events`); empty when the engine records none.
     """
 
     deltas: tuple[RequestDelta, ...]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.request import Request, TokenLogprobs
+from tandem.engine.scheduling.request import Request, TokenLogprobs
 
 
 @dataclass(frozen=True)

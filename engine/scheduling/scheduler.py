@@ -20,7 +20,7 @@ Three queues, each in :attr:`Request.sort_key` order (priority, then arrival):
    tokens do not fit, the least important, latest-arrived running request is
    preempted until they do (or until it was itself the victim). How a victim
    gives up its blocks - swapped out to host memory, or freed to be recomputed -
-   is the preemption policy's choice (:mod:`tandem.engine.preemption`; Kwon et
+   is the preemption policy's choice (:mod:`tandem.engine.scheduling.preemption`; Kwon et
    al. 2023, section 4.5).
 3. Only if step 2 preempted nothing: **swapped** requests are swapped in and
    **waiting** requests admitted, merged in (priority, arrival) order, while
@@ -44,7 +44,7 @@ means an endless stream of more important requests can hold a less important
 one back indefinitely, as in vLLM's priority policy; within one priority the
 order is first come, first served. A decode worker's reservations for prompts
 prefilled elsewhere are waiting requests like any other, admitted in the same
-order (:mod:`tandem.engine.remote_kv`), so they cannot keep a preempted request
+order (:mod:`tandem.engine.scheduling.remote_kv`), so they cannot keep a preempted request
 out either; while reserved they are never preemption victims (layers are
 landing in their blocks) and count against ``max_num_seqs``.
 """
@@ -54,11 +54,11 @@ from __future__ import annotations
 import bisect
 
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.preemption import PreemptionMode, get_preemption_policy
-from tandem.engine.remote_kv import RemoteKVRequests
-from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduling.preemption import PreemptionMode, get_preemption_policy
+from tandem.engine.scheduling.remote_kv import RemoteKVRequests
+from tandem.engine.scheduling.request import Request, RequestStatus
+from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
@@ -130,7 +130,7 @@ class Scheduler:
 
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
         """The KV connector reports that a remote-prefill request's load ended
-        (``ok``: every layer landed); see :mod:`tandem.engine.remote_kv`."""
+        (``ok``: every layer landed); see :mod:`tandem.engine.scheduling.remote_kv`."""
         req = self.requests.get(request_id)
         if self.remote_kv.load_finished(req, request_id, ok):
             self._requeue(req)
@@ -397,7 +397,7 @@ class Scheduler:
 
         Args:
             out: the step's :class:`SchedulerOutput`.
-            sampled: request id -> list of :class:`~tandem.engine.sampler.SampleResult`;
+            sampled: request id -> list of :class:`~tandem.engine.sampling.sampler.SampleResult`;
                 one per sampling request, ``1 + len(pending_forks)`` for a parent
                 whose prompt just finished (the forks' first tokens follow its own).
 

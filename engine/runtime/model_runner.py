@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.kv_connector import KVConnector, KVSave
-from tandem.engine.model import LlamaForCausalLM
-from tandem.engine.request import Request
-from tandem.engine.sampler import SampleResult, Sampler
-from tandem.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tandem.engine.kv.kv_connector import KVConnector, KVSave
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.scheduling.request import Request
+from tandem.engine.sampling.sampler import SampleResult, Sampler
+from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 

@@ -19,7 +19,7 @@ import codecs
 import weakref
 from typing import Sequence
 
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
 

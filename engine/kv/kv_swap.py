@@ -12,7 +12,7 @@ device blocks freed; when it resumes they are copied back, and it continues
 from the same token with the same KV, so its output is unchanged. (The other
 mode, recompute, frees the blocks and prefills the request again.)
 
-Unlike the device :class:`~tandem.engine.block_pool.BlockPool` the host pool
+Unlike the device :class:`~tandem.engine.kv.block_pool.BlockPool` the host pool
 has no prefix cache and no sharing: a host block holds one swapped-out
 request's copy of one device block, from swap-out until swap-in or abort, so a
 free list and the set of blocks in use are all it needs (vLLM v0 kept a
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from tandem.engine.block_pool import Block, BlockHash, BlockPool, NoFreeBlocksError
-from tandem.engine.prefix_cache import PrefixCache
+from tandem.engine.kv.block_pool import Block, BlockHash, BlockPool, NoFreeBlocksError
+from tandem.engine.kv.prefix_cache import PrefixCache
 
 
 class HostBlockPool:
@@ -105,7 +105,7 @@ class HostBlockPool:
 class SwapManager:
     """Swap-out and swap-in of block tables between the device pool and the host pool.
 
-    A component of :class:`~tandem.engine.kv_cache_manager.KVCacheManager`.
+    A component of :class:`~tandem.engine.kv.kv_cache_manager.KVCacheManager`.
     It owns the host side: the :class:`HostBlockPool`, the host block table of
     every swapped request (``req_to_host_blocks``) and the step's queued swap
     copies. Its view of the device side is narrow:
@@ -115,7 +115,7 @@ class SwapManager:
       ``cache_block`` to register a swapped-in block once its copy is handed
       to the runner. It never frees device blocks: the manager releases a
       swapped-out table itself, as it releases any other.
-    * of the :class:`~tandem.engine.prefix_cache.PrefixCache`: ``find_blocks``,
+    * of the :class:`~tandem.engine.kv.prefix_cache.PrefixCache`: ``find_blocks``,
       to reuse blocks still cached on the device instead of copying them.
     * of the device block tables and hash chains: only the table or chain the
       manager passes in, never the manager's dicts.

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.weights import WeightLoadError, copy_checked
+from tandem.engine.model.weights import WeightLoadError, copy_checked
 from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
 
 

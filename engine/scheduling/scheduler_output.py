@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.request import Request
+from tandem.engine.scheduling.request import Request
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SchedulerOutput:
 
     The model runner executes the block operations in this order before the
     forward pass: ``blocks_to_swap_out``, ``blocks_to_swap_in``, ``block_copies``
-    (see :mod:`tandem.engine.kv_cache_manager` for why that order is safe).
+    (see :mod:`tandem.engine.kv.kv_cache_manager` for why that order is safe).
 
     Attributes:
         scheduled: requests and their token counts for this step.

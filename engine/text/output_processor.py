@@ -1,17 +1,17 @@
 """Turns requests' new token ids into text, applying stop strings (offline API side).
 
 The router does the same per stream with the same two pieces
-(:class:`~tandem.engine.detokenizer.IncrementalDetokenizer` and
-:class:`~tandem.engine.detokenizer.StopStringMatcher`).
+(:class:`~tandem.engine.text.detokenizer.IncrementalDetokenizer` and
+:class:`~tandem.engine.text.detokenizer.StopStringMatcher`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from tandem.engine.request import Request
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.scheduling.request import Request, TokenLogprobs
+from tandem.engine.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -22,6 +22,37 @@ class _TextState:
     pieces: list[str] = field(default_factory=list)
     stop_string: str | None = None
     done: bool = False
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt.
+
+    Attributes:
+        index: sample index (0..n-1).
+        token_ids: generated ids (a matched stop string's tokens are kept).
+        text: detokenized output, cut before a matched stop string.
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        stop_reason: the matched stop string or stop token id; None for EOS/length.
+        logprobs: per generated token, when requested.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
 
 class OutputProcessor:
@@ -61,8 +92,6 @@ class OutputProcessor:
         return "".join(self._states[request_id].pieces)
 
     def completion(self, req: Request):
-        from tandem.engine.llm_engine import CompletionOutput
-
         st = self._states[req.request_id]
         return CompletionOutput(
             index=req.sample_index, token_ids=list(req.output_token_ids), text=self.text(req.request_id),

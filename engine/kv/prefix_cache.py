@@ -6,20 +6,20 @@ idea as the radix tree of SGLang's RadixAttention, Zheng et al. 2024, section 3)
 so equal hashes mean equal whole prefixes. Lookup walks a prompt's blocks until
 the first miss; registration happens only after the forward pass that wrote a
 block's last token (:meth:`PrefixCache.cache_full_blocks`). Evicting cached
-blocks that no request holds (LRU) is the :class:`~tandem.engine.block_pool.BlockPool`'s job.
+blocks that no request holds (LRU) is the :class:`~tandem.engine.kv.block_pool.BlockPool`'s job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.engine.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tandem.engine.kv.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 
 
 class PrefixCache:
     """Lookup and registration of full blocks by chained hash, over one block pool.
 
-    A component of :class:`~tandem.engine.kv_cache_manager.KVCacheManager`,
+    A component of :class:`~tandem.engine.kv.kv_cache_manager.KVCacheManager`,
     with a narrow view of the state it works on:
 
     * of the :class:`BlockPool`, only the hash index: ``get_cached_block``,

@@ -26,8 +26,8 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.request import Request
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduling.request import Request
 
 
 class PreemptionMode(enum.Enum):

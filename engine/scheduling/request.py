@@ -7,8 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.kv_connector import KVTransferParams
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.sampling.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -60,7 +60,7 @@ class Request:
     its blocks.
 
     Plain Python, no torch: a seeded request's random generator is the
-    :class:`~tandem.engine.sampler.Sampler`'s, keyed by ``request_id`` and
+    :class:`~tandem.engine.sampling.sampler.Sampler`'s, keyed by ``request_id`` and
     seeded with ``sampling_params.seed + sample_index``.
 
     Attributes:
@@ -78,7 +78,7 @@ class Request:
         kv_load_ticket: consumer side: the KV connector's ticket (plain dict) for the
             producer, set when blocks were reserved and taken by whoever publishes it.
         spec_token_ids: draft tokens proposed to follow the request's last token,
-            verified in its next decode step (see :mod:`tandem.engine.scheduler`);
+            verified in its next decode step (see :mod:`tandem.engine.scheduling.scheduler`);
             cleared by that step.
     """
 

@@ -5,20 +5,20 @@ prefix cache can hit changes (the same scheme as vLLM's KV events, which
 Dynamo's KV router consumes):
 
 * :class:`BlockStored`: full blocks were registered under these hashes
-  (:meth:`~tandem.engine.block_pool.BlockPool.cache_block`);
+  (:meth:`~tandem.engine.kv.block_pool.BlockPool.cache_block`);
 * :class:`BlockRemoved`: cached free blocks were evicted, their hashes dropped
-  (handed out again by :meth:`~tandem.engine.block_pool.BlockPool.get_new_blocks`);
+  (handed out again by :meth:`~tandem.engine.kv.block_pool.BlockPool.get_new_blocks`);
 * :class:`AllBlocksCleared`: every hash was dropped
-  (:meth:`~tandem.engine.block_pool.BlockPool.reset_prefix_cache`).
+  (:meth:`~tandem.engine.kv.block_pool.BlockPool.reset_prefix_cache`).
 
 Replaying a worker's events in order from its start gives exactly the set of
 hashes in its prefix cache, so the router can tell which worker holds the
 longest cached prefix of a prompt without asking. A block hash is chained over
-the parent block's hash (:func:`~tandem.engine.block_pool.hash_block_tokens`),
+the parent block's hash (:func:`~tandem.engine.kv.block_pool.hash_block_tokens`),
 so holding a hash means holding the whole prefix up to that block.
 
 Plain frozen dataclasses, no torch: they travel in
-:class:`~tandem.engine.outputs.StepOutput` across Ray (pickled). The block pool
+:class:`~tandem.engine.runtime.outputs.StepOutput` across Ray (pickled). The block pool
 buffers them in a :class:`KVEventRecorder` until the engine loop takes them.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# tandem.engine.block_pool.BlockHash; not imported, because the block pool imports this module.
+# tandem.engine.kv.block_pool.BlockHash; not imported, because the block pool imports this module.
 BlockHash = int
 
 

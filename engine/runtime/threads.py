@@ -2,9 +2,9 @@
 
 torch's intra-op thread pool belongs to the process, not to an engine: two
 engines in one process (tests, ``LLM(weights_from=...)``) must not resize it
-behind each other's back. So :class:`~tandem.engine.llm_engine.LLMEngine`
+behind each other's back. So :class:`~tandem.engine.runtime.llm_engine.LLMEngine`
 never touches it; the entry points do: the worker actors' process set-up, the
-offline :class:`~tandem.engine.llm_engine.LLM` (the process's entry point in
+offline :class:`~tandem.engine.runtime.llm_engine.LLM` (the process's entry point in
 offline use) and scripts that build an engine themselves.
 """
 

@@ -4,7 +4,7 @@ Plain torch modules with shape comments (gpt-fast style). Q/K/V and gate/up
 projections are fused at load time (one matmul each); parameter names follow the
 Hugging Face checkpoint names so that loading is the declared mapping in
 :meth:`LlamaForCausalLM.weight_mapping`. The projections are
-:class:`~tandem.engine.linear.Linear` layers, whose linear method (dense, or a
+:class:`~tandem.engine.model.linear.Linear` layers, whose linear method (dense, or a
 quantized format) owns their storage and matmul. The hot per-layer operations (attention
 over the paged cache, RMSNorm, RoPE, SiLU-and-mul) go through an
 :class:`~tandem.kernels.attention_backend.AttentionBackend`.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.linear import (Linear, LinearMethodBase, UnquantizedLinearMethod,
+from tandem.engine.model.linear import (Linear, LinearMethodBase, UnquantizedLinearMethod,
                                   get_linear_method, process_weights_after_loading)
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.kernels.reference import rope_cos_sin_cache
@@ -191,7 +191,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     linear layer's method prepares its weights for its kernel.
 
     Args:
-        files: a resolved :class:`~tandem.engine.model_files.ModelFiles`.
+        files: a resolved :class:`~tandem.engine.model.model_files.ModelFiles`.
         dtype: weights and activations dtype.
         device: where the weights live.
         quantization: the linear method's config string (``EngineConfig.quantization``).
@@ -203,7 +203,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         ValueError: unknown ``quantization``.
         WeightLoadError: the checkpoint does not match the architecture.
     """
-    from tandem.engine import weights
+    from tandem.engine.model import weights
 
     if files.format == "gguf":
         fields, reader = weights.read_gguf(files.path)

@@ -1,25 +1,24 @@
-"""The engine loop (schedule -> execute -> update) and the offline ``LLM`` API."""
+"""The engine: one model, one paged KV cache, one scheduler; ``step()`` is schedule ->
+execute -> update."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.kv_connector import KVConnector, KVTransferParams, get_kv_connector
-from tandem.engine.model import load_model
-from tandem.engine.model_files import resolve_model
-from tandem.engine.model_runner import KVCache, ModelRunner
-from tandem.engine.request import Request, RequestStatus, TokenLogprobs
-from tandem.engine.sampling_params import InvalidParameterError, SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.engine.threads import apply_thread_settings
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
+from tandem.engine.model.llama import load_model
+from tandem.engine.model.model_files import resolve_model
+from tandem.engine.runtime.model_runner import KVCache, ModelRunner
+from tandem.engine.scheduling.request import Request, RequestStatus, TokenLogprobs
+from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.text.tokenizer import Tokenizer
 from tandem.kernels.registry import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class LLMEngine:
                  transfer_timeout_s: float = 60.0, enable_kv_events: bool = False):
         self.config = config
         # config.num_threads is not applied here: the thread pool is the
-        # process's (see tandem.engine.threads.apply_thread_settings).
+        # process's (see tandem.engine.runtime.threads.apply_thread_settings).
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
@@ -76,7 +75,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                num_host_blocks, enable_kv_events)
         # A lone request must always fit in the pool, or it could be preempted
-        # forever (see the no-starvation argument in tandem.engine.scheduler).
+        # forever (see the no-starvation argument in tandem.engine.scheduling.scheduler).
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len, num_blocks * cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
@@ -101,7 +100,7 @@ class LLMEngine:
         """Queue a prompt. Returns its ``params.n`` sample requests (index order).
 
         With ``kv_transfer_params`` the prompt's KV crosses engines (see
-        :mod:`tandem.engine.kv_connector`): with a ticket, this (producer) engine
+        :mod:`tandem.engine.kv.kv_connector`): with a ticket, this (producer) engine
         sends it there once computed; without, this (consumer) engine reserves
         blocks in queue order and receives it from ``peer_id``, and the
         request's :attr:`Request.kv_load_ticket` is set in the step that reserved them.
@@ -225,8 +224,8 @@ class LLMEngine:
 
     def stats(self, worker_id: str = "engine", role: str = "colocated", num_step_tokens: int = 0
               ) -> "WorkerStats":
-        """A snapshot of load and counters (see :class:`~tandem.engine.outputs.WorkerStats`)."""
-        from tandem.engine.outputs import WorkerStats
+        """A snapshot of load and counters (see :class:`~tandem.engine.runtime.outputs.WorkerStats`)."""
+        from tandem.engine.runtime.outputs import WorkerStats
 
         kv, sch = self.kv_cache_manager, self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sch.waiting
@@ -244,140 +243,3 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_step_tokens=num_step_tokens,
             queued_prefill_tokens=queued)
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a prompt.
-
-    Attributes:
-        index: sample index (0..n-1).
-        token_ids: generated ids (a matched stop string's tokens are kept).
-        text: detokenized output, cut before a matched stop string.
-        finish_reason: ``stop``, ``length`` or ``abort``.
-        stop_reason: the matched stop string or stop token id; None for EOS/length.
-        logprobs: per generated token, when requested.
-    """
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What ``LLM.generate`` returns for one prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    num_cached_tokens: int = 0
-
-
-class LLM:
-    """Offline batch generation, the vLLM way: ``LLM(model=...).generate(prompts, params)``.
-
-    Args:
-        model: None (the default model), a .gguf file or a checkpoint directory.
-        dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
-        block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
-        swap_space_bytes, num_host_blocks: see :class:`CacheConfig`.
-        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
-            see :class:`SchedulerConfig`.
-        attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
-        num_threads: torch intra-op threads. ``LLM`` is the process's entry
-            point in offline use, so it applies them to the whole process
-            (:func:`~tandem.engine.threads.apply_thread_settings`) before
-            building its engine; None leaves them as they are.
-        weights_from: an existing ``LLM`` whose loaded weights to share.
-    """
-
-    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
-                 block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None,
-                 preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
-                 num_host_blocks: int | None = None, weights_from: "LLM | None" = None):
-        self.config = EngineConfig(
-            model=model, dtype=dtype, device=device, attention_backend=attention_backend,
-            max_model_len=max_model_len, num_threads=num_threads,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              enable_prefix_caching=enable_prefix_caching,
-                              swap_space_bytes=swap_space_bytes, num_host_blocks=num_host_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      preemption_mode=preemption_mode))
-        apply_thread_settings(self.config)
-        self.engine = LLMEngine(self.config,
-                                weights_from=weights_from.engine if weights_from else None)
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 step_callback=None) -> list[RequestOutput]:
-        """Generate completions for a batch of prompts (text or token id lists).
-
-        All prompts are queued at once and run with continuous batching.
-
-        Args:
-            prompts: one prompt or a list; a prompt is a string or a list of token ids.
-            sampling_params: one for all prompts, or one per prompt (default
-                ``SamplingParams()``: temperature 1, 16 tokens, as in vLLM).
-            step_callback: called after every engine step (tests check invariants there).
-
-        Returns:
-            One :class:`RequestOutput` per prompt, in input order.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params] * len(prompts))
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params: need one per prompt")
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._run(token_lists, params_list, step_callback)
-
-    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | None = None, step_callback=None
-             ) -> list[RequestOutput]:
-        """Like :meth:`generate`, for chat conversations under the model's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        token_lists = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
-        params = sampling_params or SamplingParams()
-        return self._run(token_lists, [params] * len(token_lists), step_callback)
-
-    def _run(self, token_lists, params_list, step_callback) -> list[RequestOutput]:
-        from tandem.engine.output_processor import OutputProcessor
-
-        engine = self.engine
-        processor = OutputProcessor(self.tokenizer)
-        groups: list[tuple[str, list[Request]]] = []
-        for ids, params in zip(token_lists, params_list):
-            reqs = engine.add_request(ids, params)
-            for r in reqs:
-                processor.add(r)
-            groups.append((reqs[0].request_id, reqs))
-        while engine.has_unfinished_requests():
-            changed = engine.step()
-            for req in changed:
-                stop = processor.process(req)
-                if stop is not None:
-                    engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            if step_callback is not None:
-                step_callback(engine)
-        results = []
-        for rid, reqs in groups:
-            outs = [processor.completion(r) for r in reqs]
-            results.append(RequestOutput(rid, reqs[0].prompt_token_ids, outs,
-                                         reqs[0].num_cached_tokens))
-        return results

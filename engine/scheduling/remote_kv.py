@@ -23,8 +23,8 @@ registered by hash only once their tokens are computed (landed) here.
 
 from __future__ import annotations
 
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.scheduling.request import Request, RequestStatus
 
 
 class RemoteKVRequests:

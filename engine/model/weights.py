@@ -4,7 +4,7 @@ Both formats are first turned into Hugging Face parameter names (the names the
 model's parameters carry), then loaded through one declared mapping that is
 strict: a tensor the model does not know, or a parameter that no tensor fills,
 raises :class:`WeightLoadError`. Each tensor is copied in by the module that owns
-its parameter, so a linear layer's method (:mod:`tandem.engine.linear`) decides
+its parameter, so a linear layer's method (:mod:`tandem.engine.model.linear`) decides
 how its format's tensors are laid out.
 """
 
@@ -142,7 +142,7 @@ def load_weights(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tens
     holds in a fused layer (``q_proj`` is shard 0 of ``qkv_proj``). The module
     owning the parameter copies the tensor in: through its
     ``load_weight(leaf_name, tensor, shard_id)`` where it has one (a
-    :class:`~tandem.engine.linear.Linear`, whose method knows its format), else
+    :class:`~tandem.engine.model.linear.Linear`, whose method knows its format), else
     as one whole-tensor copy. A fused parameter is complete once each of its
     module's ``shard_ids`` is loaded. ``model.tied_parameters`` (``{name: source
     name}``) are not loaded: they become the very parameter they are tied to.

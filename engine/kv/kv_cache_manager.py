@@ -51,10 +51,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from tandem.engine.block_pool import Block, BlockHash, BlockPool
-from tandem.engine.kv_events import KVEvent
-from tandem.engine.kv_swap import SwapManager
-from tandem.engine.prefix_cache import PrefixCache
+from tandem.engine.kv.block_pool import Block, BlockHash, BlockPool
+from tandem.engine.kv.kv_events import KVEvent
+from tandem.engine.kv.kv_swap import SwapManager
+from tandem.engine.kv.prefix_cache import PrefixCache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,9 +70,9 @@ class KVCacheManager:
     chains and the copy-on-write queue, and two components it calls with
     narrow views of that state:
 
-    * ``prefix_cache`` (:class:`~tandem.engine.prefix_cache.PrefixCache`):
+    * ``prefix_cache`` (:class:`~tandem.engine.kv.prefix_cache.PrefixCache`):
       lookup and registration of full blocks by hash;
-    * ``swap_manager`` (:class:`~tandem.engine.kv_swap.SwapManager`): the host
+    * ``swap_manager`` (:class:`~tandem.engine.kv.kv_swap.SwapManager`): the host
       pool, swapped requests' host tables and the queued swap copies.
 
     Args:

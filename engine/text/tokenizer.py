@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from tandem.engine.model_files import ModelFiles
+from tandem.engine.model.model_files import ModelFiles
 
 
 class Tokenizer:

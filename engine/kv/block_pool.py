@@ -17,7 +17,7 @@ only when it reaches the head and is handed out again. A cache hit on a free
 block takes it out of the middle of the queue (:meth:`BlockPool.touch`).
 
 With ``enable_kv_events`` the pool also records every change to the set of
-cached hashes as a KV cache event (:mod:`tandem.engine.kv_events`): a hash is
+cached hashes as a KV cache event (:mod:`tandem.engine.kv.kv_events`): a hash is
 *stored* when :meth:`BlockPool.cache_block` registers it and *removed* when its
 block is evicted; :meth:`BlockPool.reset_prefix_cache` *clears* all of them.
 Freeing a cached block records nothing: it stays findable until evicted.
@@ -34,7 +34,7 @@ import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from tandem.engine.kv_events import KVEvent, KVEventRecorder
+from tandem.engine.kv.kv_events import KVEvent, KVEventRecorder
 
 BlockHash = int
 """A chained block hash: 128-bit unsigned int (see :func:`hash_block_tokens`)."""

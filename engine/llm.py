@@ -1,0 +1,120 @@
+"""The offline API, the vLLM way: ``LLM(model=...).generate(prompts, params)``.
+
+This is the process's entry point in offline use: it builds one
+:class:`~tandem.engine.runtime.llm_engine.LLMEngine` and runs it to completion.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.text.output_processor import CompletionOutput, OutputProcessor, RequestOutput
+from tandem.engine.scheduling.request import Request, RequestStatus
+from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.engine.runtime.threads import apply_thread_settings
+
+
+class LLM:
+    """Offline batch generation, the vLLM way: ``LLM(model=...).generate(prompts, params)``.
+
+    Args:
+        model: None (the default model), a .gguf file or a checkpoint directory.
+        dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
+        block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+        swap_space_bytes, num_host_blocks: see :class:`CacheConfig`.
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
+            see :class:`SchedulerConfig`.
+        attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        num_threads: torch intra-op threads. ``LLM`` is the process's entry
+            point in offline use, so it applies them to the whole process
+            (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
+            building its engine; None leaves them as they are.
+        weights_from: an existing ``LLM`` whose loaded weights to share.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, attention_backend: str = "auto",
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
+                 num_host_blocks: int | None = None, weights_from: "LLM | None" = None):
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, attention_backend=attention_backend,
+            max_model_len=max_model_len, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching,
+                              swap_space_bytes=swap_space_bytes, num_host_blocks=num_host_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      preemption_mode=preemption_mode))
+        apply_thread_settings(self.config)
+        self.engine = LLMEngine(self.config,
+                                weights_from=weights_from.engine if weights_from else None)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 step_callback=None) -> list[RequestOutput]:
+        """Generate completions for a batch of prompts (text or token id lists).
+
+        All prompts are queued at once and run with continuous batching.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt (default
+                ``SamplingParams()``: temperature 1, 16 tokens, as in vLLM).
+            step_callback: called after every engine step (tests check invariants there).
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in input order.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_lists, params_list, step_callback)
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | None = None, step_callback=None
+             ) -> list[RequestOutput]:
+        """Like :meth:`generate`, for chat conversations under the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        token_lists = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        params = sampling_params or SamplingParams()
+        return self._run(token_lists, [params] * len(token_lists), step_callback)
+
+    def _run(self, token_lists, params_list, step_callback) -> list[RequestOutput]:
+        engine = self.engine
+        processor = OutputProcessor(self.tokenizer)
+        groups: list[tuple[str, list[Request]]] = []
+        for ids, params in zip(token_lists, params_list):
+            reqs = engine.add_request(ids, params)
+            for r in reqs:
+                processor.add(r)
+            groups.append((reqs[0].request_id, reqs))
+        while engine.has_unfinished_requests():
+            changed = engine.step()
+            for req in changed:
+                stop = processor.process(req)
+                if stop is not None:
+                    engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            if step_callback is not None:
+                step_callback(engine)
+        results = []
+        for rid, reqs in groups:
+            outs = [processor.completion(r) for r in reqs]
+            results.append(RequestOutput(rid, reqs[0].prompt_token_ids, outs,
+                                         reqs[0].num_cached_tokens))
+        return results

@@ -1,0 +1,3 @@
+"""tandem.engine.text: Text: tokenizer and chat template, incremental detokenizer and stop strings, the
+offline output processor.
+"""
