@@ -28,6 +28,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument("--quantization", default="none", choices=["none"],
+                   help="linear-layer method (dense today)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +53,7 @@ def _engine_config(args):
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -72,6 +74,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (0 = any free port)")
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: embedded)")
+    p.add_argument("--routing-policy", default="prefix_aware",
+                   choices=["prefix_aware", "least_loaded"],
+                   help="how the router picks workers (see tandem.router.routing)")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
 
@@ -91,7 +96,7 @@ def _serve_config(args):
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
-                       ray_address=args.ray_address)
+                       ray_address=args.ray_address, routing_policy=args.routing_policy)
 
 
 def _cmd_serve(args) -> int:

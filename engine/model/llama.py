@@ -176,12 +176,6 @@ class LlamaForCausalLM(nn.Module):
         """``[N, H]`` -> float32 logits ``[N, V]``."""
         return self.lm_head(hidden).float()
 
-    def pack_for_cpu(self) -> None:
-        """The linear layers' post-loading step (:func:`load_model` has run it
-        already; idempotent): oneDNN packing for bfloat16 on CPU."""
-        process_weights_after_loading(self)
-
-
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none"
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.

@@ -51,14 +51,15 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
-            if (weights_from.model_files, weights_from.config.dtype, weights_from.device) != \
-                    (self.model_files, config.dtype, self.device):
-                raise ValueError("weights_from: model, dtype and device must match")
+            if (weights_from.model_files, weights_from.config.dtype, weights_from.device,
+                    weights_from.config.quantization) != \
+                    (self.model_files, config.dtype, self.device, config.quantization):
+                raise ValueError("weights_from: model, dtype, device and quantization must match")
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
         else:
             self.model, self.model_config = load_model(self.model_files, config.torch_dtype,
-                                                       self.device)
+                                                       self.device, config.quantization)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
         bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size,
@@ -82,7 +83,6 @@ class LLMEngine:
                                    bytes_per_block)
         self.backend = get_attention_backend(config.attention_backend, self.device,
                                              config.torch_dtype)
-        self.model.pack_for_cpu()     # bfloat16 on CPU only; a no-op otherwise
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
