@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.engine.model.model_files import ModelFiles
 
 if TYPE_CHECKING:
     import torch

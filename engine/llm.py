@@ -10,7 +10,7 @@ from typing import Sequence
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.text.output_processor import CompletionOutput, OutputProcessor, RequestOutput
+from tandem.engine.text.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.scheduling.request import Request, RequestStatus
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.runtime.threads import apply_thread_settings

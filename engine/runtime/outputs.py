@@ -7,7 +7,7 @@ place, the router's front end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.scheduling.request import TokenLogprobs

@@ -86,6 +86,23 @@ def start_server(config):
     return BackgroundServer(config)
 
 
+def serving(config):
+    """Fixture body: a started server's :class:`Client`, stopped afterwards."""
+    server = start_server(config)
+    client = Client(server)
+    yield client
+    client.close()
+    server.stop()
+
+
+def greedy(prompt: str, n: int):
+    """A streaming greedy request for exactly ``n`` tokens."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
 @pytest.fixture(scope="module")
 def disagg(ray_session):
     server = start_server(serve_config("disaggregated"))

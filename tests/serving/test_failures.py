@@ -10,9 +10,7 @@ import time
 import grpc
 import pytest
 
-from tandem.v1 import tandem_pb2 as pb
-
-from .conftest import Client, serve_config, start_server
+from .conftest import greedy, serve_config, serving, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +43,7 @@ def test_c09_dtype_mismatch_named(ray_session):
 
 @pytest.fixture(scope="module")
 def fragile(ray_session):
-    server = start_server(serve_config("disaggregated", num_blocks=256, transfer_timeout_s=3.0))
-    client = Client(server)
-    yield client
-    client.close()
-    server.stop()
-
-
-def _greedy(prompt: str, n: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
-        max_tokens=n, temperature=0.0, ignore_eos=True))
+    yield from serving(serve_config("disaggregated", num_blocks=256, transfer_timeout_s=3.0))
 
 
 def _ids(responses) -> list[int]:
@@ -62,7 +51,7 @@ def _ids(responses) -> list[int]:
 
 
 def test_broken_transfer_falls_back_to_decode_prefill(fragile):
-    req = _greedy("The three primary colours are", 12)
+    req = greedy("The three primary colours are", 12)
     baseline = _ids(fragile.generate(req))
     srv = fragile.server.server
     prefill = srv.cluster.prefill[0]
@@ -113,7 +102,7 @@ def test_health_flips_when_decode_dies_and_returns_when_replaced(fragile):
     assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
     assert http_health() == 503
     with pytest.raises(grpc.RpcError) as err:
-        fragile.generate(_greedy("Hello", 3))
+        fragile.generate(greedy("Hello", 3))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     fragile.server.run(srv.restart_worker("decode-0"), timeout_s=180)
     deadline = time.monotonic() + 30
@@ -121,4 +110,4 @@ def test_health_flips_when_decode_dies_and_returns_when_replaced(fragile):
         assert time.monotonic() < deadline, "health did not come back"
         time.sleep(0.2)
     assert http_health() == 200
-    assert len(_ids(fragile.generate(_greedy("Hello", 3)))) == 3
+    assert len(_ids(fragile.generate(greedy("Hello", 3)))) == 3

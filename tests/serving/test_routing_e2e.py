@@ -9,9 +9,7 @@ import threading
 
 import pytest
 
-from tandem.v1 import tandem_pb2 as pb
-
-from .conftest import Client, serve_config, start_server
+from .conftest import greedy, serve_config, serving
 
 pytestmark = pytest.mark.slow
 
@@ -21,16 +19,7 @@ PREFIX = ("You are a careful assistant. Answer in one short sentence, and never 
 
 @pytest.fixture(scope="module")
 def pair(ray_session):
-    server = start_server(serve_config("colocated", num_blocks=256, num_decode=2))
-    client = Client(server)
-    yield client
-    client.close()
-    server.stop()
-
-
-def _greedy(prompt: str, n: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
-        max_tokens=n, temperature=0.0, ignore_eos=True))
+    yield from serving(serve_config("colocated", num_blocks=256, num_decode=2))
 
 
 def test_the_worker_holding_the_prefix_gets_the_request(pair):
@@ -41,7 +30,7 @@ def test_the_worker_holding_the_prefix_gets_the_request(pair):
     long_done: list = []
 
     def run_long():
-        for resp in pair.stub.Generate(_greedy("Count slowly from one to two hundred:", 160),
+        for resp in pair.stub.Generate(greedy("Count slowly from one to two hundred:", 160),
                                        timeout=300):
             long_started.set()
             long_done.append(resp)
@@ -50,7 +39,7 @@ def test_the_worker_holding_the_prefix_gets_the_request(pair):
     t.start()
     assert long_started.wait(120)
     # ... so the prefixed request goes to the less loaded colocated-1, which caches it.
-    first = pair.generate(_greedy(PREFIX + "What is the capital of France?", 4))
+    first = pair.generate(greedy(PREFIX + "What is the capital of France?", 4))
     assert first[-1].usage.cached_tokens == 0
     t.join(300)
     assert long_done and long_done[-1].usage.completion_tokens == 160
@@ -60,7 +49,7 @@ def test_the_worker_holding_the_prefix_gets_the_request(pair):
     assert held["colocated-1"] > 0
     # Both idle and equally free now: least-loaded would pick colocated-0; the cached
     # prefix sends the next request to colocated-1, where it hits.
-    second = pair.generate(_greedy(PREFIX + "What is the capital of Spain?", 4))
+    second = pair.generate(greedy(PREFIX + "What is the capital of Spain?", 4))
     bs = srv.cluster.decode[1].block_size
     num_prefix_tokens = len(_tokenize(PREFIX))
     assert second[-1].usage.cached_tokens >= (num_prefix_tokens // bs - 1) * bs > 0
