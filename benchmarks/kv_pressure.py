@@ -56,7 +56,7 @@ def run(engine, prompts, params) -> dict:
     steps = tokens_run = blocks_swapped = 0
     while engine.has_unfinished_requests():
         out = sch.schedule()
-        changed = sch.update(out, runner.execute(out)) if not out.is_empty else []
+        changed = sch.update(out, runner.execute(out).sampled) if not out.is_empty else []
         steps += 1
         tokens_run += out.num_tokens
         blocks_swapped += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
