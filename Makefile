@@ -43,7 +43,7 @@ serve: setup
 	RAY_AUTH_MODE=disabled $(BIN)/tandem serve --metrics-port 9400
 
 test: setup
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -ra
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"

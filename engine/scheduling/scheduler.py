@@ -270,8 +270,10 @@ class Scheduler:
         budget leaves). Only greedy requests without penalties are verified here
         (accepted while each equals the argmax); other requests' drafts are dropped
         until rejection sampling (Leviathan et al. 2023, Alg. 1) is added."""
+        if not req.spec_token_ids:
+            return ()
         spec, req.spec_token_ids = req.spec_token_ids, []
-        if not spec or num_new != req.num_tokens - req.num_computed_tokens \
+        if num_new != req.num_tokens - req.num_computed_tokens \
                 or not req.sampling_params.greedy or req.sampling_params.has_penalties:
             return ()
         return tuple(spec[:budget - num_new])
