@@ -8,6 +8,7 @@ Modules:
     gloo     CPU transport (torch ProcessGroupGloo, one 2-rank group per pair)
     nccl     GPU transport (libnccl via ctypes, one 2-rank communicator per pair)
     libnccl  the ctypes bindings
+    connector  TransportKVConnector: the engine's KVConnector over these transports
 
 Only ``layout`` and ``base`` are imported here; a transport module loads when
 :func:`get_transport` first names it.
