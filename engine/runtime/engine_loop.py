@@ -115,7 +115,7 @@ class EngineLoop:
         nothing (the engine only waits for remote KV, or for room)."""
         t0 = time.perf_counter()
         changed = self.engine.step()
-        if changed or self.engine.last_step_ran:
+        if self.engine.last_step_ran:      # a step that changed requests always ran
             self.publish(changed, time.perf_counter() - t0)
         return self.engine.last_step_ran
 
