@@ -15,16 +15,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Top-level folder -> package name (pyproject.toml's package-dir).
 PACKAGES = {"engine": "tandem.engine", "router": "tandem.router", "kernels": "tandem.kernels",
             "kvtransfer": "tandem.kvtransfer", "prefill_worker": "tandem.prefill_worker",
-            "decode_worker": "tandem.decode_worker"}
+            "decode_worker": "tandem.decode_worker", "control": "tandem.control"}
 
 # package -> packages (or third-party top-level modules) it must never import.
 FORBIDDEN = {
     "tandem.kernels": {"tandem.engine", "tandem.router", "tandem.kvtransfer",
-                       "tandem.prefill_worker", "tandem.decode_worker"},
+                       "tandem.prefill_worker", "tandem.decode_worker", "tandem.control"},
     "tandem.engine": {"tandem.router", "tandem.kvtransfer", "tandem.prefill_worker",
-                      "tandem.decode_worker", "ray", "grpc", "redis"},
+                      "tandem.decode_worker", "tandem.control", "ray", "grpc", "redis"},
     "tandem.kvtransfer": {"tandem.router", "tandem.prefill_worker", "tandem.decode_worker",
                           "ray", "grpc"},
+    # The cluster state is shared by routers and workers: it may use the engine's
+    # event dataclasses, nothing of either side.
+    "tandem.control": {"tandem.router", "tandem.prefill_worker", "tandem.decode_worker",
+                       "ray", "grpc", "torch"},
 }
 
 
