@@ -79,10 +79,13 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING. A no-op when it runs.
+        """Start the server and wait until it answers as itself. A no-op when it runs.
+
+        "As itself": INFO reports the child's pid, so another server already on
+        the port is never mistaken for it.
 
         Args:
-            timeout_s: how long to wait for the first PING answer, in seconds.
+            timeout_s: how long to wait for its first answer, in seconds.
 
         Returns:
             ``self``.
@@ -134,7 +137,8 @@ class EmbeddedRedis:
                     raise RuntimeError(f"{path} exited with code {self._proc.returncode} on "
                                        f"port {self.port}:\n{tail}")
                 try:
-                    if client.ping():
+                    # Another server on the port would answer too: check it is ours.
+                    if client.info("server")["process_id"] == self._proc.pid:
                         return
                 except redis.exceptions.RedisError:
                     pass

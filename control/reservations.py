@@ -29,7 +29,11 @@ from tandem.control.state import ClusterState, ttl_ms
 
 
 class Reservations(ABC):
-    """In-flight requests per worker, shared by every router; the pick and the reservation are one atomic step."""
+    """In-flight requests per worker, shared by every router.
+
+    The pick and the reservation are one atomic step: no other reservation can
+    come between reading the counts and recording the new one.
+    """
 
     @abstractmethod
     def reserve(self, pool: str, candidates: Sequence[tuple[str, float]], request_id: str,

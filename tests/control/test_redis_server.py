@@ -83,3 +83,10 @@ def test_the_server_dies_with_its_parent(tmp_path):
                 return
         time.sleep(0.02)
     pytest.fail(f"redis-server {pid} outlived its parent")
+
+
+def test_a_named_port_in_use_fails_with_the_reason(private_redis):
+    taken = private_redis()
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        EmbeddedRedis(port=taken.port).start()
+    assert redis.Redis.from_url(taken.url).ping()          # the first server is untouched
