@@ -78,12 +78,12 @@ def test_active_per_router(journal):
 
 
 def test_redis_entries_expire_after_their_last_write(state):
-    journal = RedisJournal(state, ttl_s=0.3)
+    journal = RedisJournal(state, ttl_s=1.0)
     journal.begin("r1", "router-a", RECORD)
     journal.begin("r2", "router-a", RECORD)
-    time.sleep(0.2)
+    time.sleep(0.6)
     journal.append_tokens("r2", [1])              # a write pushes the expiry out
-    time.sleep(0.2)
+    time.sleep(0.6)
     assert journal.load("r1") is None
     assert journal.load("r2").token_ids == [1]
     assert journal.active("router-a") == ["r2"]
