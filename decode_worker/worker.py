@@ -78,12 +78,21 @@ class DecodeWorker:
         """Queue a request: computed here, or (with ``kv_transfer_params``) prefilled
         by a prefill worker, its KV ticket published once blocks are reserved.
 
+        A resumed request (``output_token_ids``, migrated from a worker that died)
+        continues after those tokens; they count as published, so its deltas
+        carry only new tokens (``num_output_tokens`` counts all).
+
         Raises:
             InvalidParameterError: the engine refuses it (field named).
         """
-        await self._call(self.engine.add_request, list(request.prompt_token_ids),
-                         request.sampling_params, request.request_id, request.priority,
-                         request.kv_transfer_params)
+        def add() -> None:
+            self.engine.add_request(list(request.prompt_token_ids), request.sampling_params,
+                                    request.request_id, request.priority,
+                                    request.kv_transfer_params, request.output_token_ids,
+                                    request.output_logprobs)
+            if request.output_token_ids:      # the client has them already
+                self.loop.mark_published(request.request_id, len(request.output_token_ids))
+        await self._call(add)
 
     async def start_decode(self, request_id: str, first_token_id: int | None,
                            first_logprobs: TokenLogprobs | None = None) -> None:

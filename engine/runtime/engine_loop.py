@@ -177,7 +177,11 @@ class EngineLoop:
         """The request's output tokens not yet published."""
         sent = self._published.get(r.request_id, 0)
         new = tuple(r.output_token_ids[sent:])
-        lps = tuple(r.output_logprobs[sent:]) if r.sampling_params.logprobs is not None else ()
+        lps = ()
+        if new and r.sampling_params.logprobs is not None:
+            # The last ones: tokens that reached the client another way (a resumed
+            # request's) may have come without their logprobs.
+            lps = tuple(r.output_logprobs[-len(new):])
         if r.is_finished:
             self._published.pop(r.request_id, None)
         else:
