@@ -78,7 +78,7 @@ class DecodeWorker:
         """Queue a request: computed here, or (with ``kv_transfer_params``) prefilled
         by a prefill worker, its KV ticket published once blocks are reserved.
 
-        A resumed request (``output_token_ids``, migrated from a worker that died)
+        Its deltas go to the poll of ``request.router_id`` only. A resumed request (``output_token_ids``, migrated from a worker that died)
         continues after those tokens; they count as published, so its deltas
         carry only new tokens (``num_output_tokens`` counts all).
 
@@ -90,6 +90,7 @@ class DecodeWorker:
                                     request.request_id, request.priority,
                                     request.kv_transfer_params, request.output_token_ids,
                                     request.output_logprobs)
+            self.loop.assign(request.request_id, request.router_id)
             if request.output_token_ids:      # the client has them already
                 self.loop.mark_published(request.request_id, len(request.output_token_ids))
         await self._call(add)
@@ -113,9 +114,12 @@ class DecodeWorker:
         return await self._call(self.engine.abort_request, request_id)
 
     # -- outputs and stats ---------------------------------------------------------------------
-    async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
-        """Step outputs since the last poll (waits up to ``timeout_s`` for the first)."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s)
+    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
+        """Step outputs since ``subscriber``'s (a router id's) last poll: the deltas of
+        its requests, every step's stats and KV events; waits up to ``timeout_s`` for
+        the first. A router that stops polling for the loop's subscriber timeout has
+        its requests aborted (see :meth:`EngineLoop.poll`)."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, self.role)

@@ -95,6 +95,7 @@ class PrefillWorker:
         def add():
             self.engine.add_request(list(request.prompt_token_ids), first, request.request_id,
                                     request.priority, request.kv_transfer_params)
+            self.loop.assign(request.request_id, request.router_id)   # aborted if it dies
             return self.loop.track(request.request_id)
 
         delta: RequestDelta = await asyncio.wrap_future(await self._call(add))
@@ -108,10 +109,12 @@ class PrefillWorker:
             return self.engine.abort_request(request_id)
         return await self._call(abort)
 
-    async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
-        """Stats and KV cache events since the last poll (no token deltas: the first
-        token returns from :meth:`prefill`); waits up to ``timeout_s`` for the first."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s)
+    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
+        """Stats and KV cache events since ``subscriber``'s (a router id's) last poll
+        (no token deltas: the first token returns from :meth:`prefill`); waits up to
+        ``timeout_s`` for the first. A router that stops polling has its prefills
+        aborted."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, "prefill")
