@@ -67,11 +67,13 @@ class DecodeWorker:
                 "node_ip": node_ip_address(),
                 "kv_layout": connector.layout() if connector is not None else None}
 
-    async def open_kv_channel(self, peer_id: str) -> dict:
-        """Listen (on this node's address) for prefill worker ``peer_id``'s KV; returns
-        the rendezvous to hand it."""
+    async def open_kv_channel(self, peer_id: str, peer_generation: int = 0) -> dict:
+        """Listen (on this node's address) for prefill worker ``peer_id``'s KV, from its
+        incarnation ``peer_generation`` (the cluster registry's); returns the
+        rendezvous to hand it. A request whose ``kv_transfer_params.peer_generation``
+        differs fails its load at once (and is prefilled here if the router says so)."""
         return await self._call(self.engine.kv_connector.open_channel, peer_id,
-                                node_ip_address())
+                                node_ip_address(), peer_generation)
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request: WorkerRequest) -> None:

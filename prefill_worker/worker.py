@@ -59,15 +59,18 @@ class PrefillWorker:
                 "role": "prefill", "pid": os.getpid(), "cpus": self.cpus,
                 "node_ip": node_ip_address()}
 
-    async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict) -> None:
-        """Join decode worker ``peer_id``'s KV channel.
+    async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict,
+                         generation: int = 0) -> None:
+        """Join decode worker ``peer_id``'s KV channel as incarnation ``generation`` of
+        this worker (the cluster registry's): a ticket for another generation is
+        refused, so a zombie of this worker never writes into reassigned blocks.
 
         Raises:
             KVLayoutMismatchError: the two caches disagree (block size, dtype, heads,
                 ...); the message names each field with both values.
         """
         await asyncio.to_thread(self.engine.kv_connector.connect, peer_id, rendezvous,
-                                decode_layout, node_ip_address())
+                                decode_layout, node_ip_address(), generation)
 
     async def close_kv_channel(self, peer_id: str) -> bool:
         """Close the pair to decode worker ``peer_id`` (e.g. before re-creating a broken
