@@ -26,7 +26,8 @@ from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
+                                                  node_ip_address, pin_cpus)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class DecodeWorker:
         self.engine = LLMEngine(config, kv_transport=kv_transport if role == "decode" else None,
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
+        self._fence = Fence(worker_id)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
@@ -75,6 +77,16 @@ class DecodeWorker:
         return await self._call(self.engine.kv_connector.open_channel, peer_id,
                                 node_ip_address(), peer_generation)
 
+    async def fence(self, reason: str) -> None:
+        """Take no new requests (e.g. this worker lost its lease): :meth:`add_request`
+        raises :class:`WorkerFencedError` until :meth:`unfence`. Requests it already
+        has keep running (the router migrates them)."""
+        self._fence.fence(reason)
+
+    async def unfence(self) -> None:
+        """Take new requests again."""
+        self._fence.unfence()
+
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request: WorkerRequest) -> None:
         """Queue a request: computed here, or (with ``kv_transfer_params``) prefilled
@@ -86,7 +98,10 @@ class DecodeWorker:
 
         Raises:
             InvalidParameterError: the engine refuses it (field named).
+            WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
+        self._fence.check()
+
         def add() -> None:
             self.engine.add_request(list(request.prompt_token_ids), request.sampling_params,
                                     request.request_id, request.priority,

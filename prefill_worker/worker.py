@@ -25,7 +25,8 @@ from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
+                                                  node_ip_address, pin_cpus)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class PrefillWorker:
         self.engine = LLMEngine(config, kv_transport=kv_transport,
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()
+        self._fence = Fence(worker_id)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
@@ -78,6 +80,16 @@ class PrefillWorker:
         :meth:`connect_kv` runs again. Returns whether there was a pair."""
         return await self._call(self.engine.kv_connector.close_channel, peer_id)
 
+    async def fence(self, reason: str) -> None:
+        """Take no new prefills (e.g. this worker lost its lease): :meth:`prefill` raises
+        :class:`WorkerFencedError` until :meth:`unfence`. Prefills already running
+        finish."""
+        self._fence.fence(reason)
+
+    async def unfence(self) -> None:
+        """Take new prefills again."""
+        self._fence.unfence()
+
     async def prefill(self, request: WorkerRequest) -> RequestDelta:
         """Run the prompt, stream its KV to the ticket's decode worker, sample the
         first token.
@@ -88,9 +100,11 @@ class PrefillWorker:
 
         Raises:
             KVTransferError: the transfer failed or timed out (blocks are freed).
+            WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
         from tandem.kvtransfer.base import KVTransferError
 
+        self._fence.check()
         params = request.sampling_params
         first = dataclasses.replace(params, n=1, max_tokens=1,
                                     min_tokens=min(params.min_tokens, 1), stop=())
