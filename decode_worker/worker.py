@@ -26,7 +26,8 @@ from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
+                                                  node_ip_address, pin_cpus)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class DecodeWorker:
         self.engine = LLMEngine(config, kv_transport=kv_transport if role == "decode" else None,
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
+        self._fence = Fence(worker_id)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
@@ -67,23 +69,48 @@ class DecodeWorker:
                 "node_ip": node_ip_address(),
                 "kv_layout": connector.layout() if connector is not None else None}
 
-    async def open_kv_channel(self, peer_id: str) -> dict:
-        """Listen (on this node's address) for prefill worker ``peer_id``'s KV; returns
-        the rendezvous to hand it."""
+    async def open_kv_channel(self, peer_id: str, peer_generation: int = 0) -> dict:
+        """Listen (on this node's address) for prefill worker ``peer_id``'s KV, from its
+        incarnation ``peer_generation`` (the cluster registry's); returns the
+        rendezvous to hand it. A request whose ``kv_transfer_params.peer_generation``
+        differs fails its load at once (and is prefilled here if the router says so)."""
         return await self._call(self.engine.kv_connector.open_channel, peer_id,
-                                node_ip_address())
+                                node_ip_address(), peer_generation)
+
+    async def fence(self, reason: str) -> None:
+        """Take no new requests (e.g. this worker lost its lease): :meth:`add_request`
+        raises :class:`WorkerFencedError` until :meth:`unfence`. Requests it already
+        has keep running (the router migrates them)."""
+        self._fence.fence(reason)
+
+    async def unfence(self) -> None:
+        """Take new requests again."""
+        self._fence.unfence()
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request: WorkerRequest) -> None:
         """Queue a request: computed here, or (with ``kv_transfer_params``) prefilled
         by a prefill worker, its KV ticket published once blocks are reserved.
 
+        Its deltas go to the poll of ``request.router_id`` only. A resumed request (``output_token_ids``, migrated from a worker that died)
+        continues after those tokens; they count as published, so its deltas
+        carry only new tokens (``num_output_tokens`` counts all).
+
         Raises:
             InvalidParameterError: the engine refuses it (field named).
+            WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
-        await self._call(self.engine.add_request, list(request.prompt_token_ids),
-                         request.sampling_params, request.request_id, request.priority,
-                         request.kv_transfer_params)
+        self._fence.check()
+
+        def add() -> None:
+            self.engine.add_request(list(request.prompt_token_ids), request.sampling_params,
+                                    request.request_id, request.priority,
+                                    request.kv_transfer_params, request.output_token_ids,
+                                    request.output_logprobs)
+            self.loop.assign(request.request_id, request.router_id)
+            if request.output_token_ids:      # the client has them already
+                self.loop.mark_published(request.request_id, len(request.output_token_ids))
+        await self._call(add)
 
     async def start_decode(self, request_id: str, first_token_id: int | None,
                            first_logprobs: TokenLogprobs | None = None) -> None:
@@ -104,9 +131,12 @@ class DecodeWorker:
         return await self._call(self.engine.abort_request, request_id)
 
     # -- outputs and stats ---------------------------------------------------------------------
-    async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
-        """Step outputs since the last poll (waits up to ``timeout_s`` for the first)."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s)
+    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
+        """Step outputs since ``subscriber``'s (a router id's) last poll: the deltas of
+        its requests, every step's stats and KV events; waits up to ``timeout_s`` for
+        the first. A router that stops polling for the loop's subscriber timeout has
+        its requests aborted (see :meth:`EngineLoop.poll`)."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, self.role)

@@ -44,6 +44,10 @@ class TransportKVConnector(KVConnector):
         self._layout = KVLayout.from_cache(kv_cache)
         self._senders: dict[str, KVSender] = {}
         self._receivers: dict[str, KVReceiver] = {}
+        # peer id -> the producer generation its channel is for: consumer side the
+        # peer's (open_channel), producer side this engine's own (connect).
+        self._peer_generations: dict[str, int] = {}
+        self._own_generations: dict[str, int] = {}
         # Producer state of the current step: (request id, ticket, sender, source block ids).
         self._saving: list[tuple[str, KVTransferTicket, KVSender, list[int]]] = []
         self._failed: dict[str, str] = {}
@@ -57,24 +61,28 @@ class TransportKVConnector(KVConnector):
     def layout(self) -> dict:
         return self._layout.to_dict()
 
-    def open_channel(self, peer_id: str, host: str) -> dict:
+    def open_channel(self, peer_id: str, host: str, peer_generation: int = 0) -> dict:
         receiver = self.transport.receiver.listen(host)
         old = self._receivers.pop(peer_id, None)
         if old is not None:
             old.close()
         self._receivers[peer_id] = receiver
+        self._peer_generations[peer_id] = peer_generation
         return receiver.rendezvous
 
     def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
-                local_host: str | None = None) -> None:
+                local_host: str | None = None, generation: int = 0) -> None:
         check_compatible(self._layout, KVLayout.from_dict(peer_layout))
         sender = self.transport.sender.connect(rendezvous, local_host=local_host)
         old = self._senders.pop(peer_id, None)
         if old is not None:
             old.close()
         self._senders[peer_id] = sender
+        self._own_generations[peer_id] = generation
 
     def close_channel(self, peer_id: str) -> bool:
+        self._peer_generations.pop(peer_id, None)
+        self._own_generations.pop(peer_id, None)
         end = self._senders.pop(peer_id, None) or self._receivers.pop(peer_id, None)
         if end is not None:
             end.close()
@@ -93,6 +101,14 @@ class TransportKVConnector(KVConnector):
             sender = self._senders.get(s.params.peer_id)
             if sender is None:
                 self._failed[s.request_id] = f"no KV channel to {s.params.peer_id}"
+                continue
+            own = self._own_generations[s.params.peer_id]
+            if ticket.producer_generation != own:
+                # A zombie: the blocks behind this ticket were reserved for another
+                # incarnation of this worker, and may belong to another request now.
+                self._failed[s.request_id] = (
+                    f"ticket for producer generation {ticket.producer_generation}, this "
+                    f"producer is generation {own}: refused")
                 continue
             src = [s.block_ids[i] for i in ticket.sent_block_indices()]
             self._saving.append((s.request_id, ticket, sender, src))
@@ -122,12 +138,20 @@ class TransportKVConnector(KVConnector):
     # -- consumer --------------------------------------------------------------------------
     def start_load(self, request_id: str, block_ids: Sequence[int], num_cached_tokens: int,
                    num_tokens: int, params: KVTransferParams) -> dict:
-        ticket = KVTransferTicket(request_id, next(self._transfer_ids), tuple(block_ids),
-                                  num_cached_tokens, num_tokens, self._layout)
         receiver = self._receivers.get(params.peer_id)
+        generation = self._peer_generations.get(params.peer_id, params.peer_generation)
+        ticket = KVTransferTicket(request_id, next(self._transfer_ids), tuple(block_ids),
+                                  num_cached_tokens, num_tokens, self._layout,
+                                  params.attempt, generation)
+        fut: Future = Future()
         if receiver is None:
-            fut: Future = Future()
             fut.set_exception(KVTransferError(f"no KV channel to {params.peer_id}"))
+        elif params.peer_generation != generation:
+            # The router chose an incarnation of the producer this channel is not for.
+            receiver.discard(ticket.transfer_id)     # whatever arrives for it is dropped
+            fut.set_exception(KVTransferError(
+                f"request {request_id!r} expects producer {params.peer_id} generation "
+                f"{params.peer_generation}, the KV channel is for generation {generation}"))
         else:
             fut = self._pool.submit(receiver.receive, ticket, self.kv_cache,
                                     self.transfer_timeout_s)

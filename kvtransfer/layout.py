@@ -24,7 +24,7 @@ This module imports only torch (for dtype names) and is plain data otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
@@ -150,9 +150,16 @@ class KVTransferTicket:
             (prefix cache); blocks wholly inside that prefix are not sent.
         num_tokens: tokens of the sequence whose KV exists after prefill.
         layout: the destination cache's layout.
+        attempt: the router's attempt number for the request (0 first), for logs
+            and for a control plane telling a late attempt from the current one.
+        producer_generation: the incarnation (cluster registry generation) of the
+            producer the decode side's channel was opened for; a producer of any
+            other generation refuses the ticket, so a zombie never writes into
+            blocks reserved for its successor.
 
     Raises:
-        ValueError: inconsistent counts, negative or duplicate block ids.
+        ValueError: inconsistent counts, negative or duplicate block ids, a
+            negative attempt or generation.
     """
 
     request_id: str
@@ -161,6 +168,8 @@ class KVTransferTicket:
     num_cached_tokens: int
     num_tokens: int
     layout: KVLayout
+    attempt: int = 0
+    producer_generation: int = 0
 
     def __post_init__(self) -> None:
         # Accept a list for convenience but store a tuple: the dataclass is frozen and
@@ -168,6 +177,9 @@ class KVTransferTicket:
         object.__setattr__(self, "dst_block_ids", tuple(int(b) for b in self.dst_block_ids))
         if self.transfer_id < 0:
             raise ValueError(f"transfer_id must be >= 0, got {self.transfer_id}")
+        for name in ("attempt", "producer_generation"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
         if not 0 <= self.num_cached_tokens <= self.num_tokens:
@@ -214,11 +226,14 @@ class KVTransferTicket:
             "num_cached_tokens": self.num_cached_tokens,
             "num_tokens": self.num_tokens,
             "layout": self.layout.to_dict(),
+            "attempt": self.attempt,
+            "producer_generation": self.producer_generation,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVTransferTicket:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`. A dict from before ``attempt`` and
+        ``producer_generation`` existed loads with both 0.
 
         Raises:
             ValueError: missing or unknown keys, or invalid values.
@@ -230,13 +245,15 @@ class KVTransferTicket:
 
 
 def _exact_keys(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """Copy of ``data`` after checking its keys are exactly ``cls``'s fields.
+    """Copy of ``data`` after checking its keys are ``cls``'s fields: all of them,
+    except that fields with a default (added later) may be missing.
 
     Strict so that a peer running a different version fails loudly instead of
     silently dropping a field it does not know.
     """
     names = {f.name for f in fields(cls)}
-    missing, unknown = names - data.keys(), data.keys() - names
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    missing, unknown = required - data.keys(), data.keys() - names
     if missing or unknown:
         raise ValueError(f"{cls.__name__}.from_dict: missing keys {sorted(missing)}, "
                          f"unknown keys {sorted(unknown)}")

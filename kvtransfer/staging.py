@@ -139,11 +139,13 @@ class Arrivals:
         self._staged: dict[int, dict[int, Any]] = {}
         self._done: OrderedDict[int, None] = OrderedDict()
         self._error: KVTransferError | None = None
+        self._num_dropped = 0
 
     def put(self, transfer_id: int, layer: int, payload: Any) -> bool:
         """File a landed layer; returns False (payload dropped) if the transfer is finished or discarded."""
         with self._cond:
             if transfer_id in self._done:
+                self._num_dropped += 1
                 return False
             self._staged.setdefault(transfer_id, {})[layer] = payload
             self._cond.notify_all()
@@ -196,6 +198,12 @@ class Arrivals:
     def error(self) -> KVTransferError | None:
         with self._cond:
             return self._error
+
+    @property
+    def num_dropped(self) -> int:
+        """Layers dropped on arrival because their transfer was finished or discarded."""
+        with self._cond:
+            return self._num_dropped
 
     def staged_transfer_ids(self) -> list[int]:
         """Transfers with layers waiting for ``receive`` (for leak checks)."""
@@ -279,6 +287,12 @@ class StagedReceiver(KVReceiver):
     def staged_transfer_ids(self) -> list[int]:
         """Transfers with layers that arrived but were not yet received (should be empty when idle)."""
         return self._arrivals.staged_transfer_ids()
+
+    @property
+    def num_dropped_layers(self) -> int:
+        """Layers that arrived for a transfer already received or discarded (a late or
+        zombie sender's) and were dropped without touching the cache."""
+        return self._arrivals.num_dropped
 
     @property
     def error(self) -> KVTransferError | None:

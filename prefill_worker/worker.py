@@ -25,7 +25,8 @@ from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import block_counts, model_info, node_ip_address, pin_cpus
+from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
+                                                  node_ip_address, pin_cpus)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class PrefillWorker:
         self.engine = LLMEngine(config, kv_transport=kv_transport,
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()
+        self._fence = Fence(worker_id)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
@@ -59,21 +61,34 @@ class PrefillWorker:
                 "role": "prefill", "pid": os.getpid(), "cpus": self.cpus,
                 "node_ip": node_ip_address()}
 
-    async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict) -> None:
-        """Join decode worker ``peer_id``'s KV channel.
+    async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict,
+                         generation: int = 0) -> None:
+        """Join decode worker ``peer_id``'s KV channel as incarnation ``generation`` of
+        this worker (the cluster registry's): a ticket for another generation is
+        refused, so a zombie of this worker never writes into reassigned blocks.
 
         Raises:
             KVLayoutMismatchError: the two caches disagree (block size, dtype, heads,
                 ...); the message names each field with both values.
         """
         await asyncio.to_thread(self.engine.kv_connector.connect, peer_id, rendezvous,
-                                decode_layout, node_ip_address())
+                                decode_layout, node_ip_address(), generation)
 
     async def close_kv_channel(self, peer_id: str) -> bool:
         """Close the pair to decode worker ``peer_id`` (e.g. before re-creating a broken
         one). Requests for that peer then fail with ``KVTransferError`` until
         :meth:`connect_kv` runs again. Returns whether there was a pair."""
         return await self._call(self.engine.kv_connector.close_channel, peer_id)
+
+    async def fence(self, reason: str) -> None:
+        """Take no new prefills (e.g. this worker lost its lease): :meth:`prefill` raises
+        :class:`WorkerFencedError` until :meth:`unfence`. Prefills already running
+        finish."""
+        self._fence.fence(reason)
+
+    async def unfence(self) -> None:
+        """Take new prefills again."""
+        self._fence.unfence()
 
     async def prefill(self, request: WorkerRequest) -> RequestDelta:
         """Run the prompt, stream its KV to the ticket's decode worker, sample the
@@ -85,9 +100,11 @@ class PrefillWorker:
 
         Raises:
             KVTransferError: the transfer failed or timed out (blocks are freed).
+            WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
         from tandem.kvtransfer.base import KVTransferError
 
+        self._fence.check()
         params = request.sampling_params
         first = dataclasses.replace(params, n=1, max_tokens=1,
                                     min_tokens=min(params.min_tokens, 1), stop=())
@@ -95,6 +112,7 @@ class PrefillWorker:
         def add():
             self.engine.add_request(list(request.prompt_token_ids), first, request.request_id,
                                     request.priority, request.kv_transfer_params)
+            self.loop.assign(request.request_id, request.router_id)   # aborted if it dies
             return self.loop.track(request.request_id)
 
         delta: RequestDelta = await asyncio.wrap_future(await self._call(add))
@@ -108,10 +126,12 @@ class PrefillWorker:
             return self.engine.abort_request(request_id)
         return await self._call(abort)
 
-    async def poll(self, timeout_s: float = 1.0) -> list[StepOutput]:
-        """Stats and KV cache events since the last poll (no token deltas: the first
-        token returns from :meth:`prefill`); waits up to ``timeout_s`` for the first."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s)
+    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
+        """Stats and KV cache events since ``subscriber``'s (a router id's) last poll
+        (no token deltas: the first token returns from :meth:`prefill`); waits up to
+        ``timeout_s`` for the first. A router that stops polling has its prefills
+        aborted."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, "prefill")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.engine.runtime.worker_common import WorkerFencedError
 from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
@@ -35,7 +36,7 @@ class WorkerDiedError(WorkerError):
 
 # Exceptions a worker may raise that reach the router as themselves.
 TYPED_ERRORS: tuple[type[BaseException], ...] = (
-    KVLayoutMismatchError, KVTransferError, InvalidParameterError, KeyError)
+    KVLayoutMismatchError, KVTransferError, InvalidParameterError, KeyError, WorkerFencedError)
 
 
 def _ray_exceptions():

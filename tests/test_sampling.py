@@ -148,9 +148,9 @@ def test_seeded_samples_of_one_prompt_are_seeded_by_sample_index():
     assert t0 != t1
 
 
-def test_skip_first_draw_continues_as_in_one_engine():
+def test_skip_draws_continues_as_in_one_engine():
     gen = torch.Generator().manual_seed(9)
-    steps = [torch.randn(1, 64, generator=gen) for _ in range(4)]
+    steps = [torch.randn(1, 64, generator=gen) for _ in range(6)]
     p = SamplingParams(temperature=0.9, seed=3)
     one = Sampler()
     r = _req(p, rid="r")
@@ -158,12 +158,20 @@ def test_skip_first_draw_continues_as_in_one_engine():
     # A decode worker: the first token came from the prefill worker's sampler.
     decode = Sampler()
     r2 = _req(p, rid="r")
-    decode.skip_first_draw(r2, 64)
+    decode.skip_draws(r2, 64, 1)
     assert [decode(x, [r2])[0].token_id for x in steps[1:]] == expected[1:]
     # Greedy and unseeded requests hold no generator to advance.
-    decode.skip_first_draw(_req(SamplingParams(temperature=0, seed=3), rid="g"), 64)
-    decode.skip_first_draw(_req(SamplingParams(temperature=0.9), rid="u"), 64)
+    # A resumed request: three tokens were sampled by an earlier attempt.
+    resumed = Sampler()
+    r3 = _req(p, rid="r")
+    resumed.skip_draws(r3, 64, 3)
+    assert [resumed(x, [r3])[0].token_id for x in steps[3:]] == expected[3:]
+    # Greedy and unseeded requests hold no generator to advance.
+    decode.skip_draws(_req(SamplingParams(temperature=0, seed=3), rid="g"), 64, 1)
+    decode.skip_draws(_req(SamplingParams(temperature=0.9), rid="u"), 64, 1)
     assert decode.num_seeded_requests == 1
+    with pytest.raises(ValueError, match="num_draws"):
+        decode.skip_draws(r2, 64, -1)
 
 
 # -- on the real model ----------------------------------------------------------------------

@@ -22,6 +22,15 @@ blocks for its whole prompt (prefix-cache hits reused); it then waits in state
             ... each step: connector.get_finished_loads() -> [(request id, error or None)]
     scheduler: all layers landed and the first token known -> RUNNING
 
+Fencing: every channel is for one incarnation of the producer (its cluster
+registry generation, given to :meth:`KVConnector.open_channel` and
+:meth:`KVConnector.connect`). A consumer fails a load at once when the router
+chose another generation (``KVTransferParams.peer_generation``), and tickets
+carry the channel's generation, which a producer of any other generation
+refuses. Layers that arrive for a load the consumer ended (cancelled, failed)
+are dropped on arrival, so a late producer never writes into blocks that were
+freed and reserved for another request.
+
 Everything that crosses between engines (tickets, rendezvous) is plain data
 (dicts of str/int/bytes), so it may travel over Ray or gRPC.
 """
@@ -43,10 +52,17 @@ class KVTransferParams:
         ticket: producer side: the consumer's reservation (``KVTransferTicket.to_dict()``,
             destination blocks and cached prefix); None on the consumer side, where
             the connector makes the ticket once blocks are reserved.
+        attempt: the router's attempt number for the request (0 first); the
+            consumer copies it into the ticket.
+        peer_generation: consumer side: the incarnation (cluster registry
+            generation) of the producer the router chose; a load fails at once if
+            the channel to ``peer_id`` was opened for another one.
     """
 
     peer_id: str
     ticket: dict | None = None
+    attempt: int = 0
+    peer_generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,15 +100,18 @@ class KVConnector(ABC):
 
     # -- channels (control plane) ----------------------------------------------------------
     @abstractmethod
-    def open_channel(self, peer_id: str, host: str) -> dict:
-        """Consumer: listen on ``host`` for producer ``peer_id``; returns the rendezvous
-        (plain values) to hand to that producer's :meth:`connect`."""
+    def open_channel(self, peer_id: str, host: str, peer_generation: int = 0) -> dict:
+        """Consumer: listen on ``host`` for producer ``peer_id``, incarnation
+        ``peer_generation``; returns the rendezvous (plain values) to hand to that
+        producer's :meth:`connect`. A load whose ``KVTransferParams.peer_generation``
+        differs fails at once; tickets carry the channel's generation."""
 
     @abstractmethod
     def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
-                local_host: str | None = None) -> None:
+                local_host: str | None = None, generation: int = 0) -> None:
         """Producer: join consumer ``peer_id``'s channel, from this node's address
-        ``local_host`` (None: the address on the route to the peer).
+        ``local_host`` (None: the address on the route to the peer). ``generation``
+        is this producer's own incarnation: a ticket for another one is refused.
 
         Raises:
             KVLayoutMismatchError: the two caches disagree (the message names each
@@ -111,7 +130,11 @@ class KVConnector(ABC):
     # -- producer --------------------------------------------------------------------------
     @abstractmethod
     def start_save(self, saves: Sequence[KVSave]) -> None:
-        """Before the forward pass: these requests' prompts complete in this step."""
+        """Before the forward pass: these requests' prompts complete in this step.
+
+        A save whose ticket does not fit (layout, no channel, a
+        ``producer_generation`` other than this producer's) sends nothing and is
+        reported failed by :meth:`wait_for_save`."""
 
     @abstractmethod
     def save_kv_layer(self, layer: int) -> None:
@@ -136,9 +159,13 @@ class KVConnector(ABC):
         Args:
             block_ids: the request's blocks covering ``num_tokens`` prompt tokens.
             num_cached_tokens: leading tokens already in this cache (not sent).
+            params: the producer, the router's attempt and the producer generation
+                it expects; a generation other than the channel's fails the load
+                at once (reported by :meth:`get_finished_loads`).
 
         Returns:
-            The ticket (plain dict) the producer needs.
+            The ticket (plain dict) the producer needs, with ``params.attempt`` and
+            the channel's producer generation.
         """
 
     @abstractmethod

@@ -5,10 +5,12 @@ on the loop thread between steps, so the scheduler and the KV cache manager are
 never touched by two threads at once and need no locks. Callers on other threads
 (a Ray actor's event loop) get a ``concurrent.futures.Future`` for each command.
 
-Each step's token deltas for all requests go out as one
-:class:`~tandem.engine.runtime.outputs.StepOutput` in the outbox with the stats and the
-KV cache events of the step (a prefill worker's carry no deltas: it reads
-results through :meth:`EngineLoop.track`).
+Each step's token deltas go out as one
+:class:`~tandem.engine.runtime.outputs.StepOutput` per subscriber (router), with the
+stats and the KV cache events of the step: a request's deltas only to the router
+that added it, stats and events to all (:mod:`tandem.engine.runtime.subscribers`;
+a prefill worker's carry no deltas: it reads results through
+:meth:`EngineLoop.track`). A router that stops polling has its requests aborted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable
 
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
+from tandem.engine.runtime.subscribers import DEFAULT, Subscribers
 from tandem.engine.scheduling.request import Request
 
 logger = logging.getLogger(__name__)
@@ -36,16 +39,18 @@ class EngineLoop:
         idle_wait_s: how long an idle loop sleeps before looking again (seconds;
             any command, and any KV load that ends, wakes it at once).
         publish_deltas: put the requests' token deltas in the :class:`StepOutput` s
-            of :attr:`outbox` (False: they carry only stats and KV events, and
-            results go to :meth:`track` futures, as on a prefill worker).
+            that :meth:`poll` returns (False: they carry only stats and KV events,
+            and results go to :meth:`track` futures, as on a prefill worker).
+        subscriber_timeout_s: seconds a subscriber may go without polling before it
+            is dropped and its requests aborted (local monotonic clock).
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,
-                 publish_deltas: bool = True):
+                 publish_deltas: bool = True, subscriber_timeout_s: float = 15.0):
         self.engine = engine
         self.worker_id, self.role = worker_id, role
         self.idle_wait_s = idle_wait_s
-        self.outbox: queue.Queue[StepOutput] = queue.Queue()
+        self.subscribers = Subscribers(subscriber_timeout_s)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -83,6 +88,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                self._drop_silent_subscribers()
                 if self.engine.has_unfinished_requests():
                     if not self.step():
                         # Only remote KV loads pending: wait for one to end (or a command).
@@ -110,6 +116,19 @@ class EngineLoop:
             except BaseException as exc:
                 fut.set_exception(exc)
 
+    def _drop_silent_subscribers(self) -> None:
+        """A router that stopped polling is gone: abort its requests (frees their blocks)."""
+        subs, requests = self.subscribers, self.engine.scheduler.requests
+        if subs.num_owned > len(requests):
+            subs.prune(requests.__contains__)
+        for name, request_ids in subs.drop_silent().items():
+            if request_ids:
+                logger.warning("%s: subscriber %r stopped polling; aborting its %d requests",
+                               self.worker_id, name, len(request_ids))
+            for rid in request_ids:
+                self.untrack(rid)
+                self.engine.abort_request(rid)
+
     def step(self) -> bool:
         """One engine step, then publish its deltas. Returns False if the step ran
         nothing (the engine only waits for remote KV, or for room)."""
@@ -119,24 +138,26 @@ class EngineLoop:
             self.publish(changed, time.perf_counter() - t0)
         return self.engine.last_step_ran
 
-    def poll(self, timeout_s: float) -> list[StepOutput]:
-        """Step outputs since the last poll; waits up to ``timeout_s`` seconds for the
-        first (call from any thread but the loop's).
+    def poll(self, timeout_s: float, subscriber: str = DEFAULT) -> list[StepOutput]:
+        """``subscriber``'s step outputs since its last poll: one per step, with the
+        deltas of its own requests and everyone's stats and KV events; waits up to
+        ``timeout_s`` seconds for the first (call from any thread but the loop's).
+        A first poll makes ``subscriber`` known (it starts with the latest stats).
 
         Raises:
             RuntimeError: the loop failed (its requests were finished with ``error``).
         """
         if self.error is not None:
             raise RuntimeError(f"{self.worker_id} engine failed: {self.error}")
-        try:
-            out = [self.outbox.get(True, timeout_s)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self.outbox.get_nowait())
-            except queue.Empty:
-                return out
+        return self.subscribers.poll(subscriber, timeout_s)
+
+    def assign(self, request_id: str, subscriber: str) -> None:
+        """``request_id`` (and its samples, for ``n > 1``) belongs to ``subscriber``:
+        its deltas go only there, and it is aborted if that subscriber stops polling.
+        Call on the loop thread, in the same command that adds the request."""
+        req = self.engine.scheduler.requests.get(request_id)
+        forks = [f.request_id for f in req.pending_forks] if req is not None else []
+        self.subscribers.assign([request_id, *forks], subscriber)
 
     def track(self, request_id: str) -> Future:
         """A future of ``request_id``'s final :class:`RequestDelta` (call on the loop
@@ -159,9 +180,9 @@ class EngineLoop:
                     fut.set_result(d)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
-        self.outbox.put(StepOutput(deltas if self.publish_deltas else (), self._last_stats,
-                                   step_time_s,
-                                   tuple(self.engine.kv_cache_manager.take_kv_events())))
+        self.subscribers.publish(StepOutput(
+            deltas if self.publish_deltas else (), self._last_stats, step_time_s,
+            tuple(self.engine.kv_cache_manager.take_kv_events())))
 
     def _publish_idle_stats(self) -> None:
         """Gauges must settle when the engine goes idle (e.g. after an abort, which
@@ -171,13 +192,17 @@ class EngineLoop:
         kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
         if stats != self._last_stats or kv_events:
             self._last_stats = stats
-            self.outbox.put(StepOutput((), stats, kv_events=kv_events))
+            self.subscribers.publish(StepOutput((), stats, kv_events=kv_events))
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published."""
         sent = self._published.get(r.request_id, 0)
         new = tuple(r.output_token_ids[sent:])
-        lps = tuple(r.output_logprobs[sent:]) if r.sampling_params.logprobs is not None else ()
+        lps = ()
+        if new and r.sampling_params.logprobs is not None:
+            # The last ones: tokens that reached the client another way (a resumed
+            # request's) may have come without their logprobs.
+            lps = tuple(r.output_logprobs[-len(new):])
         if r.is_finished:
             self._published.pop(r.request_id, None)
         else:
@@ -199,7 +224,8 @@ class EngineLoop:
             deltas.append(RequestDelta(r.request_id, (), (), "error", str(exc)[:200],
                                        r.num_prompt_tokens, r.num_cached_tokens,
                                        r.num_output_tokens))
-        self.outbox.put(StepOutput(tuple(deltas), self.engine.stats(self.worker_id, self.role)))
+        self.subscribers.publish(StepOutput(tuple(deltas),
+                                            self.engine.stats(self.worker_id, self.role)))
         for fut in self._tracked.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {exc}"))

@@ -96,7 +96,9 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    kv_transfer_params: KVTransferParams | None = None) -> list[Request]:
+                    kv_transfer_params: KVTransferParams | None = None,
+                    output_token_ids: Sequence[int] = (),
+                    output_logprobs: Sequence[TokenLogprobs] = ()) -> list[Request]:
         """Queue a prompt. Returns its ``params.n`` sample requests (index order).
 
         With ``kv_transfer_params`` the prompt's KV crosses engines (see
@@ -105,13 +107,29 @@ class LLMEngine:
         blocks in queue order and receives it from ``peer_id``, and the
         request's :attr:`Request.kv_load_ticket` is set in the step that reserved them.
 
+        With ``output_token_ids`` the request resumes after tokens an earlier
+        attempt already emitted (e.g. on a decode worker that died): it starts in
+        the state of a recompute preemption, so the KV of prompt + those tokens
+        is computed here (prefix-cache hits reused) and generation goes on as if
+        never interrupted: ``max_tokens`` and ``min_tokens`` count them, the
+        penalties see them as output, a seeded request's random stream skips one
+        draw per token, and stop tokens are checked on new tokens only.
+
+        Args:
+            output_token_ids: tokens already generated for this request (n == 1).
+            output_logprobs: their :class:`TokenLogprobs` (empty, or one per token).
+
         Raises:
             InvalidParameterError: empty prompt, unknown token ids, or prompt +
                 max_tokens over the context limit (``field`` names the culprit);
                 ``kv_transfer_params`` on an engine without a KV connector, or
-                with ``n > 1``.
+                with ``n > 1``; ``output_token_ids`` with ``n > 1``, with
+                ``kv_transfer_params``, with ids out of the vocabulary or as many
+                as ``max_tokens``; ``output_logprobs`` of another length.
+            ValueError: ``request_id`` is already in use.
         """
         ids = [int(t) for t in prompt_token_ids]
+        outputs = [int(t) for t in output_token_ids]
         if not ids:
             raise InvalidParameterError("prompt_token_ids", "must not be empty")
         vocab = self.model_config.vocab_size
@@ -126,10 +144,15 @@ class LLMEngine:
         if kv_transfer_params is not None and (self.kv_connector is None or params.n > 1):
             raise InvalidParameterError("kv_transfer_params",
                                         "needs an engine with a KV connector and n == 1")
+        if outputs:
+            self._check_resumed(outputs, output_logprobs, params, kv_transfer_params)
+        elif output_logprobs:
+            raise InvalidParameterError("output_logprobs", "given without output_token_ids")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_id
         first = Request(rid, ids, params, eos_token_id=eos, priority=priority,
-                        kv_transfer_params=kv_transfer_params)
+                        kv_transfer_params=kv_transfer_params, output_token_ids=outputs,
+                        output_logprobs=list(output_logprobs))
         first.pending_forks = [
             Request(f"{rid}#{i}", ids, params, eos_token_id=eos, priority=priority,
                     arrival_time=first.arrival_time, sample_index=i, parent_id=rid,
@@ -137,7 +160,33 @@ class LLMEngine:
             for i in range(1, params.n)]
         requests = [first, *first.pending_forks]
         self.scheduler.add_request(first)
+        # Only once the id is known to be free: the generator is keyed by it.
+        self.runner.sampler.skip_draws(first, vocab, len(outputs))
         return requests
+
+    def _check_resumed(self, outputs: list[int], output_logprobs: Sequence[TokenLogprobs],
+                       params: SamplingParams, kv_transfer_params: KVTransferParams | None,
+                       ) -> None:
+        """Raise InvalidParameterError unless a resumed request's tokens can continue here."""
+        if params.n > 1:
+            raise InvalidParameterError("output_token_ids", "a resumed request needs n == 1")
+        if kv_transfer_params is not None:
+            raise InvalidParameterError("output_token_ids",
+                                        "a resumed request is computed here, "
+                                        "without kv_transfer_params")
+        if len(outputs) >= params.max_tokens:
+            raise InvalidParameterError(
+                "output_token_ids", f"{len(outputs)} tokens already reach max_tokens "
+                                    f"({params.max_tokens}): nothing is left to generate")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in outputs if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError("output_token_ids",
+                                        f"ids out of range [0, {vocab}): {bad[:5]}")
+        if output_logprobs and len(output_logprobs) != len(outputs):
+            raise InvalidParameterError(
+                "output_logprobs", f"{len(output_logprobs)} entries for {len(outputs)} "
+                                   "output_token_ids (give none or one per token)")
 
     def start_decode(self, request_id: str, first_token_id: int | None,
                      first_logprobs: TokenLogprobs | None = None) -> None:
@@ -157,7 +206,7 @@ class LLMEngine:
                 self.kv_connector.cancel_load(request_id)
             return
         req = self.scheduler.set_remote_first_token(request_id, first_token_id, first_logprobs)
-        self.runner.sampler.skip_first_draw(req, self.model_config.vocab_size)
+        self.runner.sampler.skip_draws(req, self.model_config.vocab_size, 1)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks (those a remote KV

@@ -26,6 +26,15 @@ class WorkerRequest:
         kv_transfer_params: for a disaggregated request: on the decode worker the
             prefill worker its KV comes from, on the prefill worker the decode
             worker's ticket; None when the worker computes the prompt itself.
+        output_token_ids: a resumed request (migrated after its decode worker
+            died): the tokens an earlier attempt already emitted to the client;
+            the worker computes their KV and continues after them.
+        output_logprobs: their :class:`TokenLogprobs` when logprobs were asked
+            (empty, or one per token).
+        router_id: the router that added it: its deltas go only to that router's
+            :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.poll`, and it is
+            aborted if that router stops polling. ``""``: the default subscriber.
+        attempt: how many times the router started this request before (0 first).
     """
 
     request_id: str
@@ -33,6 +42,10 @@ class WorkerRequest:
     sampling_params: SamplingParams
     priority: int = 0
     kv_transfer_params: KVTransferParams | None = None
+    output_token_ids: tuple[int, ...] = ()
+    output_logprobs: tuple[TokenLogprobs, ...] = ()
+    router_id: str = ""
+    attempt: int = 0
 
 
 @dataclass(frozen=True)

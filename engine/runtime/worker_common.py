@@ -1,4 +1,5 @@
-"""What both worker kinds do the same way: CPU pinning, engine construction, KV layout."""
+"""What both worker kinds do the same way: CPU pinning, engine construction, KV layout,
+fencing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,52 @@ import torch
 from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerFencedError(RuntimeError):
+    """The worker fenced itself off (e.g. it lost its lease in the cluster registry) and
+    takes no new work; the router sends the request elsewhere.
+
+    Attributes:
+        worker_id: the fenced worker; reason: why it fenced itself.
+    """
+
+    def __init__(self, worker_id: str, reason: str):
+        super().__init__(f"worker {worker_id} is fenced: {reason}")
+        self.worker_id, self.reason = worker_id, reason
+
+    def __reduce__(self):
+        # Rebuilt from its own arguments when it crosses Ray (pickled), not from the message.
+        return type(self), (self.worker_id, self.reason)
+
+
+class Fence:
+    """A worker's self-fencing switch: while fenced it refuses new work.
+
+    Args:
+        worker_id: the worker (named in the error).
+    """
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.reason: str | None = None
+
+    def fence(self, reason: str) -> None:
+        if self.reason is None:
+            logger.warning("%s fenced: %s", self.worker_id, reason)
+        self.reason = reason
+
+    def unfence(self) -> None:
+        if self.reason is not None:
+            logger.warning("%s unfenced", self.worker_id)
+        self.reason = None
+
+    def check(self) -> None:
+        """Raises:
+            WorkerFencedError: while fenced.
+        """
+        if self.reason is not None:
+            raise WorkerFencedError(self.worker_id, self.reason)
 
 
 def pin_cpus(cpus: list[int] | None) -> list[int]:

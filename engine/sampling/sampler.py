@@ -68,16 +68,28 @@ class Sampler:
         (False for unseeded, greedy or never-sampled requests)."""
         return self._generators.pop(request_id, None) is not None
 
-    def skip_first_draw(self, request: Request, vocab_size: int) -> None:
-        """Advance ``request``'s generator past one sampled token.
+    def skip_draws(self, request: Request, vocab_size: int, num_draws: int) -> None:
+        """Advance ``request``'s generator past ``num_draws`` sampled tokens.
 
-        Used when another worker sampled the first token (disaggregated
-        prefill), so the rest of a seeded request continues exactly as it would
-        in one engine: a draw takes ``vocab_size`` exponentials (see
-        :func:`_sample_row`). No-op for greedy and unseeded requests.
+        Used when tokens of the request were sampled elsewhere: the first token by
+        a prefill worker (disaggregated prefill), or the tokens an earlier attempt
+        already emitted (a resumed request), so the rest of a seeded request
+        continues exactly as it would in one engine. One draw takes
+        ``vocab_size`` exponentials (see :func:`_sample_row`); they are drawn one
+        token at a time, as sampling does, so the stream stays the same. No-op
+        for greedy and unseeded requests.
+
+        Raises:
+            ValueError: ``num_draws`` is negative.
         """
-        if request.sampling_params.seed is not None and not request.sampling_params.greedy:
-            torch.empty(vocab_size).exponential_(generator=self.generator_for(request))
+        if num_draws < 0:
+            raise ValueError(f"num_draws must be >= 0, got {num_draws}")
+        if request.sampling_params.seed is None or request.sampling_params.greedy:
+            return
+        gen = self.generator_for(request)
+        buf = torch.empty(vocab_size)
+        for _ in range(num_draws):
+            buf.exponential_(generator=gen)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
         """Sample.

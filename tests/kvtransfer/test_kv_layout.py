@@ -123,9 +123,24 @@ def test_ticket_round_trip_through_plain_types():
     assert data == {"request_id": "req-1", "transfer_id": 5, "dst_block_ids": [9, 4, 17, 2, 30],
                     "num_cached_tokens": 32, "num_tokens": 80,
                     "layout": {"num_layers": 30, "block_size": 16, "num_kv_heads": 3,
-                               "head_dim": 64, "dtype": "float32"}}
+                               "head_dim": 64, "dtype": "float32"},
+                    "attempt": 0, "producer_generation": 0}
     # JSON is the strictest of the boundaries it crosses (Ray pickles, gRPC Struct is JSON-like).
     assert KVTransferTicket.from_dict(json.loads(json.dumps(data))) == ticket
+
+
+def test_ticket_carries_attempt_and_producer_generation():
+    ticket = _ticket(attempt=2, producer_generation=7)
+    data = json.loads(json.dumps(ticket.to_dict()))
+    assert (data["attempt"], data["producer_generation"]) == (2, 7)
+    assert KVTransferTicket.from_dict(data) == ticket
+    # A ticket from a peer that predates them loads with both 0.
+    del data["attempt"], data["producer_generation"]
+    old = KVTransferTicket.from_dict(data)
+    assert (old.attempt, old.producer_generation) == (0, 0)
+    for name in ("attempt", "producer_generation"):
+        with pytest.raises(ValueError, match=name):
+            _ticket(**{name: -1})
 
 
 def test_from_dict_is_strict_about_keys():
