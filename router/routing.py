@@ -20,7 +20,7 @@ the caller accounts for the pick (e.g. adds the prompt to the prefill worker's
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.engine.kv.kv_events import KVEvent
@@ -52,14 +52,25 @@ def _alive(workers: Sequence[WorkerHandle], kind: str) -> list[WorkerHandle]:
 
 class RoutingPolicy(ABC):
     """Picks workers for a request. Picking mutates nothing; only
-    :meth:`on_kv_events` and :meth:`forget_worker` change the policy's state."""
+    :meth:`on_kv_events` and :meth:`forget_worker` change the policy's state.
+
+    Decode side, as a score: a policy ranks the decode-side workers
+    (:meth:`decode_candidates`), each with a *cost* in requests; the worker
+    picked is the one with the smallest ``in-flight requests + cost``, the first
+    in rank order on ties. In-flight requests are those every router has sent
+    to the worker and not seen finish; with several routers the pick and the
+    reservation are one atomic step in the cluster state
+    (:class:`tandem.control.reservations.Reservations`), so routers do not all
+    pick the same worker from the same stale stats. :meth:`pick_decode` is the
+    same rule on a local count.
+    """
 
     name: str = ""
 
     @abstractmethod
-    def pick_decode(self, workers: Sequence[WorkerHandle],
-                    prompt_token_ids: Sequence[int]) -> WorkerHandle:
-        """The decode (or colocated) worker that runs the request's decode steps.
+    def decode_candidates(self, workers: Sequence[WorkerHandle],
+                          prompt_token_ids: Sequence[int]) -> list[tuple[WorkerHandle, float]]:
+        """The alive decode-side workers with their costs (requests), in tie-break order.
 
         Args:
             workers: the decode-side workers; dead ones are skipped.
@@ -68,6 +79,24 @@ class RoutingPolicy(ABC):
         Raises:
             RuntimeError: none of ``workers`` is alive.
         """
+
+    def pick_decode(self, workers: Sequence[WorkerHandle], prompt_token_ids: Sequence[int],
+                    inflight: Mapping[str, int] | None = None) -> WorkerHandle:
+        """The decode (or colocated) worker that runs the request's decode steps: the
+        smallest ``inflight[worker] + cost`` (:meth:`decode_candidates`), first on ties.
+
+        Args:
+            workers: the decode-side workers; dead ones are skipped.
+            prompt_token_ids: the request's prompt.
+            inflight: requests in flight per worker id (missing = 0).
+
+        Raises:
+            RuntimeError: none of ``workers`` is alive.
+        """
+        inflight = inflight or {}
+        ranked = self.decode_candidates(workers, prompt_token_ids)
+        return min(enumerate(ranked),
+                   key=lambda ic: (inflight.get(ic[1][0].worker_id, 0) + ic[1][1], ic[0]))[1][0]
 
     @abstractmethod
     def pick_prefill(self, workers: Sequence[WorkerHandle],
@@ -90,13 +119,14 @@ class RoutingPolicy(ABC):
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """Decode: :func:`decode_load_key`; prefill: :func:`prefill_load_key`. Ignores the prompt."""
+    """Decode: fewest in-flight requests, ties in :func:`decode_load_key` order (all
+    costs 0); prefill: :func:`prefill_load_key`. Ignores the prompt."""
 
     name = "least_loaded"
 
-    def pick_decode(self, workers: Sequence[WorkerHandle],
-                    prompt_token_ids: Sequence[int]) -> WorkerHandle:
-        return min(_alive(workers, "decode"), key=decode_load_key)
+    def decode_candidates(self, workers: Sequence[WorkerHandle],
+                          prompt_token_ids: Sequence[int]) -> list[tuple[WorkerHandle, float]]:
+        return [(w, 0.0) for w in sorted(_alive(workers, "decode"), key=decode_load_key)]
 
     def pick_prefill(self, workers: Sequence[WorkerHandle],
                      prompt_token_ids: Sequence[int]) -> WorkerHandle:
@@ -110,12 +140,15 @@ class PrefixAwarePolicy(RoutingPolicy):
     (hashed at that worker's block size, :func:`prompt_block_hashes`) whose hashes
     its KV cache events say it holds, counted in tokens.
 
-    Decode side. Let ``L`` be the least-loaded alive worker (:func:`decode_load_key`).
-    A worker is *overloaded* when its ``kv_cache_usage`` exceeds ``max_kv_usage``
-    or its running + waiting requests exceed ``L``'s by more than
-    ``max_extra_requests``. Among the alive workers with a cached prefix that are
-    not overloaded, the longest prefix wins, ties going to the least loaded; if
-    there is none, ``L``.
+    Decode side (the score of :class:`RoutingPolicy`). A worker holding a cached
+    prefix of ``h`` of the prompt's ``n`` tokens gets the credit
+    ``max_extra_requests * h / n`` requests (cost = minus the credit), unless
+    its ``kv_cache_usage`` exceeds ``max_kv_usage`` (no credit: its cache is
+    about to be evicted anyway). So a worker holding the whole prompt wins
+    unless it has more than ``max_extra_requests`` in-flight requests beyond
+    another worker's; among equal scores the longer prefix wins, then the least
+    loaded (:func:`decode_load_key`). With no hits anywhere this is exactly
+    least-loaded. (The overlap-plus-load score of Dynamo's KV-aware router.)
 
     Prefill side. A prefill worker's cost for the prompt is its in-flight prefill
     tokens plus the prompt tokens it would compute (prompt length minus its
@@ -127,8 +160,9 @@ class PrefixAwarePolicy(RoutingPolicy):
     Args:
         max_kv_usage: fraction of KV blocks in use (0..1] above which a decode
             worker takes no request for its cache.
-        max_extra_requests: running + waiting requests (>= 0) a decode worker may
-            have beyond the least-loaded one and still win on its cache.
+        max_extra_requests: the credit (in-flight requests, >= 0) of a decode
+            worker that holds the whole prompt: it may have this many requests
+            more than another worker and still win on its cache.
 
     Raises:
         ValueError: a parameter out of range.
@@ -169,24 +203,18 @@ class PrefixAwarePolicy(RoutingPolicy):
                 hits[worker_id] = num_blocks * block_size
         return hits
 
-    def _overloaded(self, w: WorkerHandle, least: WorkerHandle) -> bool:
-        s, base = w.stats, least.stats
-        if s is None:
-            return False
-        num_base = 0 if base is None else base.num_running + base.num_waiting
-        return (s.kv_cache_usage > self.max_kv_usage
-                or s.num_running + s.num_waiting - num_base > self.max_extra_requests)
-
-    def pick_decode(self, workers: Sequence[WorkerHandle],
-                    prompt_token_ids: Sequence[int]) -> WorkerHandle:
+    def decode_candidates(self, workers: Sequence[WorkerHandle],
+                          prompt_token_ids: Sequence[int]) -> list[tuple[WorkerHandle, float]]:
         alive = _alive(workers, "decode")
-        least = min(alive, key=decode_load_key)
         hits = self.cached_prefix_tokens(alive, prompt_token_ids)
-        eligible = [w for w in alive
-                    if hits[w.worker_id] > 0 and not self._overloaded(w, least)]
-        if not eligible:
-            return least
-        return min(eligible, key=lambda w: (-hits[w.worker_id], decode_load_key(w)))
+        n = max(1, len(prompt_token_ids))
+
+        def credit(w: WorkerHandle) -> float:
+            if w.stats is not None and w.stats.kv_cache_usage > self.max_kv_usage:
+                return 0.0
+            return self.max_extra_requests * hits[w.worker_id] / n
+        ranked = sorted(alive, key=lambda w: (-credit(w), decode_load_key(w)))
+        return [(w, -credit(w)) for w in ranked]
 
     def pick_prefill(self, workers: Sequence[WorkerHandle],
                      prompt_token_ids: Sequence[int]) -> WorkerHandle:

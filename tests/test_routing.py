@@ -57,6 +57,9 @@ def test_least_loaded_decode_most_free_blocks_then_fewest_requests_then_id():
     assert pol.pick_decode(ws, P(9)).worker_id == "d2"      # 12 free; 8 < 9 requests
     ws = [D("d1", free=12, running=8), D("d0", free=12, running=8)]
     assert pol.pick_decode(ws, P(9)).worker_id == "d0"      # full tie: smallest id
+    # In-flight requests (every router's) come first; the stats break ties.
+    assert pol.pick_decode(ws, P(9), {"d0": 2, "d1": 1}).worker_id == "d1"
+    assert pol.pick_decode(ws, P(9), {"d0": 1, "d1": 1}).worker_id == "d0"
 
 
 def test_least_loaded_decode_no_stats_sorts_as_zero_free_blocks():
@@ -148,11 +151,20 @@ def test_prefix_aware_decode_falls_back_when_the_holder_is_overloaded():
     assert pol.pick_decode(ws, P(17)).worker_id == "d1"
     ws = [D("d0", free=5, usage=0.9), D("d1", free=50), least]     # at the threshold: fine
     assert pol.pick_decode(ws, P(17)).worker_id == "d0"
-    # Queue: 3 + 8 requests is the most allowed.
-    ws = [D("d0", free=40, running=10, waiting=1), D("d1", free=40, running=12), least]
-    assert pol.pick_decode(ws, P(17)).worker_id == "d0"
-    ws = [D("d0", free=40, running=10, waiting=2), D("d1", free=40, running=12), least]
-    assert pol.pick_decode(ws, P(17)).worker_id == "d2"       # both holders overloaded
+    # In-flight requests: d0 holds 12 of 17 tokens, a credit of 8 * 12 / 17 = 5.6
+    # requests; d1 holds 8 (3.8).
+    ws = [D("d0", free=40), D("d1", free=40), least]
+    assert pol.decode_candidates(ws, P(17)) == [
+        (ws[0], pytest.approx(-8 * 12 / 17)), (ws[1], pytest.approx(-8 * 8 / 17)), (least, 0.0)]
+    assert pol.pick_decode(ws, P(17), {"d0": 1}).worker_id == "d0"     # -4.6 < -3.8
+    assert pol.pick_decode(ws, P(17), {"d0": 2}).worker_id == "d1"     # -3.6 > -3.8
+    assert pol.pick_decode(ws, P(17), {"d0": 6, "d1": 4, "d2": 0}).worker_id == "d2"
+    # A hit of every hittable block of a prompt (16 of P(17)'s 17 tokens) is worth
+    # 8 * 16 / 17 = 7.5 requests: 7 more in flight still win, 8 do not.
+    cached(pol, "d0", P(17))
+    two = [D("d0", free=40), least]
+    assert pol.pick_decode(two, P(17), {"d0": 7}).worker_id == "d0"
+    assert pol.pick_decode(two, P(17), {"d0": 8}).worker_id == "d2"
 
 
 def test_prefix_aware_decode_ignores_a_dead_worker_and_forgets_it_via_the_registry():
