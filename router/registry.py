@@ -39,6 +39,8 @@ class WorkerHandle:
         stats: the latest :class:`WorkerStats` it reported.
         inflight_prefill_tokens: prompt tokens sent to it and not yet back (prefill).
         alive: False once a call to it failed because it is gone.
+        generation: its incarnation number in the cluster state (0 without one):
+            a restarted worker has a larger one; KV transfers carry it (fencing).
     """
 
     worker_id: str
@@ -48,6 +50,7 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     inflight_prefill_tokens: int = 0
     alive: bool = True
+    generation: int = 0
 
     @property
     def block_size(self) -> int | None:
@@ -67,6 +70,7 @@ class WorkerRegistry(ABC):
     def __init__(self) -> None:
         self._health_listeners: list[Callable[[bool], None]] = []
         self._down_listeners: list[Callable[[str], None]] = []
+        self._up_listeners: list[Callable[[WorkerHandle], None]] = []
         self._last_healthy = False
 
     # -- membership (implementations) ---------------------------------------------------------
@@ -75,7 +79,8 @@ class WorkerRegistry(ABC):
         """Put ``worker`` in service; it replaces a registered worker with the same id.
 
         A replaced worker counts as down (its cache and requests are gone with
-        it): worker-down listeners are called with its id.
+        it): worker-down listeners are called with its id, then worker-up
+        listeners with ``worker``.
 
         Returns:
             The replaced handle, or ``None`` for a new id.
@@ -152,11 +157,17 @@ class WorkerRegistry(ABC):
 
     @property
     def healthy(self) -> bool:
-        """The cluster can serve: a decode-side worker is alive and, when
-        disaggregated, a prefill worker too."""
+        """Every pool has a live worker: a decode-side worker is alive and, when
+        disaggregated, a prefill worker too (health says SERVING)."""
         if not self.alive("decode"):
             return False
         return not self.disaggregated or bool(self.alive("prefill"))
+
+    @property
+    def can_serve(self) -> bool:
+        """Requests can run: a decode-side worker is alive. With the prefill pool
+        empty the decode workers prefill for themselves (degraded, not refused)."""
+        return bool(self.alive("decode"))
 
     # -- listeners ----------------------------------------------------------------------------
     def add_health_listener(self, callback: Callable[[bool], None]) -> None:
@@ -167,6 +178,15 @@ class WorkerRegistry(ABC):
         """Call ``callback(worker_id)`` when a worker dies, is replaced or removed
         (e.g. to drop its entries from a prefix index)."""
         self._down_listeners.append(callback)
+
+    def add_worker_up_listener(self, callback: Callable[[WorkerHandle], None]) -> None:
+        """Call ``callback(handle)`` when a worker is put in service (added or replacing
+        one), e.g. to start polling its outputs."""
+        self._up_listeners.append(callback)
+
+    def _worker_up(self, worker: WorkerHandle) -> None:
+        for cb in self._up_listeners:
+            cb(worker)
 
     def _worker_down(self, worker_id: str) -> None:
         for cb in self._down_listeners:
@@ -208,6 +228,7 @@ class InProcessRegistry(WorkerRegistry):
         self._workers[worker.worker_id] = worker
         if old is not None:
             self._worker_down(old.worker_id)
+        self._worker_up(worker)
         self._check_health()
         return old
 

@@ -1,0 +1,160 @@
+"""The worker registry shared by every router: worker records and leases in Redis.
+
+Each worker registers itself (:class:`tandem.control.lease.LeaseKeeper`) with a
+generation number and keeps a liveness key alive with a TTL. A router's
+:class:`RedisRegistry` is a local :class:`InProcessRegistry` view of those
+records, refreshed in the background (:meth:`RedisRegistry.refresh`, about once
+a second), so routing a request never waits on Redis:
+
+* a record with a larger generation than the handle's is a restarted worker:
+  the handle is replaced (its prefix-index entries and requests go with it);
+* a record whose lease lapsed marks the worker dead;
+* a router that sees a worker's actor die (a failed call) marks it dead at once
+  and deletes its lease (:meth:`~tandem.control.state.ClusterState.mark_suspect`),
+  so every other router sees it on its next refresh, without waiting for the TTL;
+* the view never drops every worker at once because none heartbeats: that is
+  Redis flushed or restarted, not the whole cluster dying, and the workers
+  re-assert their records within a renewal interval. From the moment every
+  lease is seen gone, no worker is marked dead by its lease for
+  ``flush_grace_s``; one still silent after that is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from tandem.control.state import LEASE_TTL_S, ClusterState, WorkerRecord
+from tandem.router.registry import InProcessRegistry, WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+
+class RedisRegistry(InProcessRegistry):
+    """:class:`InProcessRegistry` kept in step with the cluster state in Redis.
+
+    Use it from the router's event loop; the Redis and actor lookups of
+    :meth:`refresh` run on a thread.
+
+    Args:
+        state: the cluster state connection.
+        resolve_actor: the actor handle of a record (e.g. ``ray.get_actor`` of its
+            ``actor_name``); may raise when the actor is gone (the record is skipped).
+        flush_grace_s: seconds every registered worker may be silent at once before
+            they are believed dead (default: two lease TTLs).
+    """
+
+    def __init__(self, state: ClusterState, resolve_actor: Callable[[WorkerRecord], Any],
+                 flush_grace_s: float = 2 * LEASE_TTL_S) -> None:
+        super().__init__()
+        self.state = state
+        self.resolve_actor = resolve_actor
+        self.flush_grace_s = flush_grace_s
+        self._all_silent_since: float | None = None
+        self._task: asyncio.Task | None = None
+        self.starting: set[str] = set()
+        """Ids whose new incarnation this process is still wiring (its supervisor puts
+        it in service itself; a refresh must not do it before its KV channels exist)."""
+
+    # -- refreshing ------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the records once and apply them (new, restarted and lapsed workers).
+
+        Raises:
+            redis.exceptions.ConnectionError: Redis is unreachable (the view is kept).
+        """
+        records = await asyncio.to_thread(self.state.workers)
+        fresh: dict[str, tuple[WorkerRecord, Any]] = {}
+        for rec in records:
+            known = self._workers.get(rec.worker_id)
+            if rec.worker_id in self.starting:
+                continue
+            if rec.alive and (known is None or rec.generation > known.generation):
+                try:
+                    actor = await asyncio.to_thread(self.resolve_actor, rec)
+                except Exception as exc:      # registered but already gone
+                    logger.debug("worker %s g%d: no actor (%s)", rec.worker_id, rec.generation, exc)
+                    continue
+                fresh[rec.worker_id] = (rec, actor)
+        self.apply(records, fresh)
+
+    def apply(self, records: list[WorkerRecord],
+              actors: dict[str, tuple[WorkerRecord, Any]]) -> None:
+        """Apply one read of the records (:meth:`refresh` without the I/O).
+
+        Args:
+            records: every worker record in the cluster state.
+            actors: for records to put in service: their record and actor handle.
+        """
+        for rec, actor in actors.values():
+            self.add(WorkerHandle(rec.worker_id, rec.role, actor, dict(rec.info),
+                                  generation=rec.generation))
+        live = {r.worker_id: r for r in records if r.alive}
+        lapsed = [w for w in self._workers.values()
+                  if w.alive and (w.worker_id not in live
+                                  or live[w.worker_id].generation != w.generation)]
+        alive_now = [w for w in self._workers.values() if w.alive]
+        now = time.monotonic()
+        if lapsed and len(lapsed) == len(alive_now) and not live:
+            # Nobody heartbeats: Redis lost its state; the workers will re-assert.
+            if self._all_silent_since is None:
+                self._all_silent_since = now
+                logger.warning("no worker lease in the cluster state (Redis flushed or "
+                               "restarted?); keeping %d workers for %.0f s",
+                               len(lapsed), self.flush_grace_s)
+        if self._all_silent_since is not None:
+            # After such a loss every worker gets the grace to re-assert, not only
+            # until the first one does.
+            if now - self._all_silent_since < self.flush_grace_s:
+                return
+            self._all_silent_since = None
+        for w in lapsed:
+            rec = live.get(w.worker_id)
+            if rec is not None and rec.generation > w.generation:
+                continue            # its successor is being put in service (next refresh)
+            logger.warning("worker %s g%d: lease lapsed", w.worker_id, w.generation)
+            super().mark_dead(w.worker_id)
+
+    def start(self, interval_s: float = 1.0) -> None:
+        """Refresh every ``interval_s`` seconds on the running loop until :meth:`stop`."""
+        async def run() -> None:
+            while True:
+                try:
+                    await self.refresh()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:   # Redis down: keep the last view, try again
+                    logger.warning("cluster state refresh failed: %s", exc)
+                await asyncio.sleep(interval_s)
+        self._task = asyncio.ensure_future(run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # -- liveness --------------------------------------------------------------------------
+    def mark_dead(self, worker_id: str) -> bool:
+        """Mark the worker dead here at once, and (in the background) delete its
+        lease so every router sees it (see the module docstring)."""
+        w = self.get(worker_id)
+        changed = super().mark_dead(worker_id)
+        if changed:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                loop.run_in_executor(None, self._suspect, worker_id, w.generation)
+            else:
+                self._suspect(worker_id, w.generation)
+        return changed
+
+    def _suspect(self, worker_id: str, generation: int) -> None:
+        try:
+            self.state.mark_suspect(worker_id, generation)
+        except Exception as exc:
+            logger.warning("marking %s suspect in the cluster state failed: %s", worker_id, exc)
