@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 
+from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
@@ -43,11 +44,13 @@ class DecodeWorker:
         kv_transport: transport config string (``gloo``, ``nccl``); None for a
             colocated worker.
         transfer_timeout_s: how long a reserved request may wait for its KV (seconds).
+        control: the cluster state to register in (lease, KV event stream); None
+            for a worker no control plane knows (tests, GPU checks).
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, role: str = "decode",
                  cpus: list[int] | None = None, kv_transport: str | None = "gloo",
-                 transfer_timeout_s: float = 60.0):
+                 transfer_timeout_s: float = 60.0, control: ControlConfig | None = None):
         self.worker_id, self.role, self.config = worker_id, role, config
         self.cpus = pin_cpus(cpus)
         apply_thread_settings(config)     # this actor is its process's entry point
@@ -55,6 +58,8 @@ class DecodeWorker:
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
         self._fence = Fence(worker_id)
+        self.control = start_worker_control(control, worker_id, role, self._static_info(),
+                                            self._fence, self.loop)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
@@ -62,7 +67,12 @@ class DecodeWorker:
     # -- control plane ------------------------------------------------------------------------
     async def info(self) -> dict:
         """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
-        plus this worker's KV layout, node address, pid and cores."""
+        plus this worker's KV layout, node address, pid, cores and generation (its
+        incarnation in the cluster state; 0 without one)."""
+        return {**self._static_info(),
+                "generation": self.control.generation if self.control is not None else 0}
+
+    def _static_info(self) -> dict:
         connector = self.engine.kv_connector
         return {**model_info(self.engine, self.config), "worker_id": self.worker_id,
                 "role": self.role, "pid": os.getpid(), "cpus": self.cpus,
@@ -142,10 +152,17 @@ class DecodeWorker:
         return await self._call(self.engine.stats, self.worker_id, self.role)
 
     async def check_invariants(self) -> dict:
-        """Run the engine's invariant checks; return block and queue counts (tests)."""
-        return await self._call(block_counts, self.engine)
+        """Run the engine's invariant checks; return block and queue counts and the
+        late KV layers dropped so far (``kv_layers_dropped``; tests)."""
+        def check() -> dict:
+            connector = self.engine.kv_connector
+            return {**block_counts(self.engine), "kv_layers_dropped":
+                    connector.num_dropped_layers if connector is not None else 0}
+        return await self._call(check)
 
     async def shutdown(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self.loop.shutdown()
         if self.engine.kv_connector is not None:
             self.engine.kv_connector.close()

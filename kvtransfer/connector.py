@@ -176,6 +176,13 @@ class TransportKVConnector(KVConnector):
         return done
 
     @property
+    def num_dropped_layers(self) -> int:
+        """Layers that reached this (consumer) engine for a transfer it had already
+        received, cancelled or failed (a late or zombie producer's), dropped without
+        touching the cache; summed over the current channels."""
+        return sum(r.num_dropped_layers for r in self._receivers.values())
+
+    @property
     def num_loads_in_flight(self) -> int:
         return len(self._loads)
 

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 
+from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
@@ -40,10 +41,13 @@ class PrefillWorker:
         cpus: cores to pin this process to (None: leave as is).
         kv_transport: transport config string (``gloo``, ``nccl``).
         transfer_timeout_s: seconds to wait for a transfer to drain.
+        control: the cluster state to register in (lease, KV event stream); None
+            for a worker no control plane knows (tests, GPU checks).
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, cpus: list[int] | None = None,
-                 kv_transport: str = "gloo", transfer_timeout_s: float = 60.0):
+                 kv_transport: str = "gloo", transfer_timeout_s: float = 60.0,
+                 control: ControlConfig | None = None):
         self.worker_id, self.config = worker_id, config
         self.cpus = pin_cpus(cpus)
         apply_thread_settings(config)     # this actor is its process's entry point
@@ -51,11 +55,19 @@ class PrefillWorker:
                                 transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
         self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()
         self._fence = Fence(worker_id)
+        self.control = start_worker_control(control, worker_id, "prefill", self._static_info(),
+                                            self._fence, self.loop)
 
     async def _call(self, fn, *args):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
 
     async def info(self) -> dict:
+        """Model and cache facts plus KV layout, node address, pid, cores and generation
+        (its incarnation in the cluster state; 0 without one)."""
+        return {**self._static_info(),
+                "generation": self.control.generation if self.control is not None else 0}
+
+    def _static_info(self) -> dict:
         return {**model_info(self.engine, self.config),
                 "kv_layout": self.engine.kv_connector.layout(), "worker_id": self.worker_id,
                 "role": "prefill", "pid": os.getpid(), "cpus": self.cpus,
@@ -145,5 +157,7 @@ class PrefillWorker:
         return await self._call(check)
 
     async def shutdown(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self.loop.shutdown()
         self.engine.kv_connector.close()

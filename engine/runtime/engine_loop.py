@@ -62,6 +62,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self.error: BaseException | None = None
         self._last_stats = None
+        self.kv_event_sink: Callable[[tuple], None] | None = None
+        """Also called with each step's KV cache events, on the loop thread (e.g. to
+        append them to the cluster state's stream); must not raise."""
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -180,16 +183,22 @@ class EngineLoop:
                     fut.set_result(d)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
+        kv_events = self._take_kv_events()
         self.subscribers.publish(StepOutput(
-            deltas if self.publish_deltas else (), self._last_stats, step_time_s,
-            tuple(self.engine.kv_cache_manager.take_kv_events())))
+            deltas if self.publish_deltas else (), self._last_stats, step_time_s, kv_events))
+
+    def _take_kv_events(self) -> tuple:
+        kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
+        if kv_events and self.kv_event_sink is not None:
+            self.kv_event_sink(kv_events)
+        return kv_events
 
     def _publish_idle_stats(self) -> None:
         """Gauges must settle when the engine goes idle (e.g. after an abort, which
         runs no step): send the stats once more if they changed."""
         stats = self.engine.stats(self.worker_id, self.role)
         # Commands run between steps (a reserve evicts) record KV events too.
-        kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
+        kv_events = self._take_kv_events()
         if stats != self._last_stats or kv_events:
             self._last_stats = stats
             self.subscribers.publish(StepOutput((), stats, kv_events=kv_events))

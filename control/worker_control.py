@@ -1,0 +1,104 @@
+"""A worker's side of the cluster state: its lease and its KV event stream.
+
+A worker started with a :class:`ControlConfig` registers itself in Redis under a
+new generation, renews its lease on a thread and fences itself when it cannot
+(:class:`~tandem.control.lease.LeaseKeeper`), and appends its KV cache events to
+its Redis stream (:class:`~tandem.control.kv_events.KVEventPublisher`) for the
+routers' prefix indexes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tandem.control.kv_events import KVEventPublisher
+from tandem.control.lease import LeaseKeeper
+from tandem.control.state import LEASE_TTL_S, RENEW_INTERVAL_S, ClusterState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Where a worker finds the cluster state.
+
+    Attributes:
+        redis_url: e.g. ``redis://127.0.0.1:6379/0``.
+        namespace: key prefix shared by the cluster's processes.
+        actor_name: the worker's Ray actor name (routers look it up by it).
+        lease_ttl_s, renew_interval_s: lease length and renewal period (seconds).
+    """
+
+    redis_url: str
+    namespace: str = "tandem"
+    actor_name: str = ""
+    lease_ttl_s: float = LEASE_TTL_S
+    renew_interval_s: float = RENEW_INTERVAL_S
+
+
+class WorkerControl:
+    """Registers the worker and keeps its lease; publishes its KV events.
+
+    Args:
+        config: the cluster state's address and the lease timing.
+        worker_id, role: the worker.
+        info: its model and cache facts (stored in its record).
+        on_fenced: called with a reason when the lease is lost (stop taking work).
+        on_unfenced: called when a lapsed lease is renewed again.
+
+    Raises:
+        redis.exceptions.ConnectionError: Redis is unreachable at start-up.
+    """
+
+    def __init__(self, config: ControlConfig, worker_id: str, role: str, info: dict,
+                 on_fenced: Callable[[str], None], on_unfenced: Callable[[], None]) -> None:
+        self.config = config
+        self.state = ClusterState(config.redis_url, config.namespace)
+        self.lease = LeaseKeeper(self.state, worker_id, role, config.actor_name, info,
+                                 ttl_s=config.lease_ttl_s, interval_s=config.renew_interval_s,
+                                 on_fenced=on_fenced, on_unfenced=on_unfenced).start()
+        self.kv_events = KVEventPublisher(self.state, worker_id, self.lease.generation)
+        self._publish_failed = False
+
+    @property
+    def generation(self) -> int:
+        """This incarnation's generation number (>= 1)."""
+        return self.lease.generation
+
+    def publish_kv_events(self, events: Sequence) -> None:
+        """Append a step's KV events to the stream (on the engine loop thread). A
+        failed append is logged once per outage; the readers see the sequence gap
+        and drop this worker's entries, which it re-earns as it caches again."""
+        if not events:
+            return
+        try:
+            self.kv_events.publish(events)
+            self._publish_failed = False
+        except Exception as exc:
+            if not self._publish_failed:
+                logger.warning("publishing KV events failed: %s", exc)
+            self._publish_failed = True
+
+    def close(self, deregister: bool = True) -> None:
+        self.lease.stop(deregister=deregister)
+        self.state.close()
+
+
+def start_worker_control(config: ControlConfig | None, worker_id: str, role: str, info: dict,
+                         fence, loop) -> WorkerControl | None:
+    """Register a worker in the cluster state and hook it up: lease loss fences it
+    (``fence.fence(reason)`` / ``fence.unfence()``), and its engine loop's KV events
+    go to its stream (``loop.kv_event_sink``). None (and nothing done) without a
+    ``config``.
+
+    Raises:
+        redis.exceptions.ConnectionError: Redis is unreachable.
+    """
+    if config is None:
+        return None
+    control = WorkerControl(config, worker_id, role, info, on_fenced=fence.fence,
+                            on_unfenced=fence.unfence)
+    loop.kv_event_sink = control.publish_kv_events
+    return control
