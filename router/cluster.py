@@ -1,17 +1,24 @@
 """The router's view of the cluster: the worker registry, the routing policy, the
-output pumps and the per-request queues they feed.
+reservations, the output pumps and the per-request queues they feed.
 
-One pump task per worker long-polls its step outputs: stats go to the
-registry, KV cache events to the routing policy (which blocks each worker
-caches, for prefix-aware routing), and a decode (or colocated) worker's token
-deltas to the queue of the request they belong to.
+One pump task per worker long-polls its step outputs (as subscriber
+``router_id``: with several routers each gets its own requests' deltas):
+stats go to the registry, KV cache events to the routing policy (which blocks
+each worker caches, for prefix-aware routing) unless they come from Redis
+streams (:meth:`Cluster.feed_kv_events`), and a decode (or colocated) worker's
+token deltas to the queue of the request they belong to. When a worker dies,
+each of its requests' queues gets a :class:`WorkerLost` (the orchestrator
+migrates the request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from tandem.control.reservations import InProcessReservations, Reservations
 
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.router.registry import WorkerHandle, WorkerRegistry
@@ -19,6 +26,21 @@ from tandem.router.routing import RoutingPolicy
 from tandem.router.worker_client import call_worker
 
 logger = logging.getLogger(__name__)
+
+RESERVATION_TTL_S = 60.0
+"""Seconds a decode reservation lives unless refreshed (a dead router's expire)."""
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Put in a request's queue when its decode worker died (or was replaced).
+
+    Attributes:
+        worker_id: the worker; reason: why it counts as gone (for logs).
+    """
+
+    worker_id: str
+    reason: str
 
 
 class Cluster:
@@ -29,20 +51,36 @@ class Cluster:
         policy: picks the workers of each request
             (:class:`~tandem.router.routing.RoutingPolicy`).
         on_step: called with each :class:`StepOutput` (metrics).
-        on_health: called with True/False when the cluster becomes able / unable to serve.
+        on_health: called with True/False when every pool has / lacks a live worker.
+        reservations: in-flight requests per decode worker, shared by every router
+            (:class:`~tandem.control.reservations.RedisReservations`); default: this
+            router's own count.
+        router_id: this router's subscriber id on the workers ("" for the only router).
+        kv_events_from_steps: apply the KV events of step outputs to the policy
+            (False when they come from Redis streams).
     """
 
     def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy,
                  on_step: Callable[[WorkerHandle, StepOutput], None] | None = None,
-                 on_health: Callable[[bool], None] | None = None):
+                 on_health: Callable[[bool], None] | None = None,
+                 reservations: Reservations | None = None, router_id: str = "",
+                 kv_events_from_steps: bool = True):
         self.registry, self.policy = registry, policy
         self.on_step = on_step
+        self.reservations = reservations if reservations is not None else InProcessReservations()
+        self.router_id = router_id
+        self.kv_events_from_steps = kv_events_from_steps
         registry.add_worker_down_listener(policy.forget_worker)
+        registry.add_worker_down_listener(self._worker_down)
+        registry.add_worker_up_listener(self._worker_up)
         if on_health is not None:
             registry.add_health_listener(on_health)
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}            # request id -> decode worker id
-        self._pumps: list[asyncio.Task] = []
+        self._pumps: dict[str, asyncio.Task] = {}   # worker id -> pump of its current handle
+        self._started = False
+        self._refresher: asyncio.Task | None = None
+        self._down_waiters: dict[str, list[asyncio.Future]] = {}
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -59,16 +97,47 @@ class Cluster:
 
     @property
     def healthy(self) -> bool:
+        """Every pool has a live worker (health SERVING)."""
         return self.registry.healthy
 
+    @property
+    def can_serve(self) -> bool:
+        """A decode-side worker is alive (requests are served, maybe degraded)."""
+        return self.registry.can_serve
+
     # -- routing ------------------------------------------------------------------------------
-    def pick_decode(self, prompt_token_ids: Sequence[int]) -> WorkerHandle:
-        """The policy's decode worker for this prompt.
+    def reserve_decode(self, request_id: str, prompt_token_ids: Sequence[int],
+                       exclude: Sequence[str] = ()) -> WorkerHandle:
+        """Pick the request's decode worker and reserve it, in one atomic step shared
+        by every router (the policy's costs plus every router's in-flight requests,
+        see :class:`~tandem.router.routing.RoutingPolicy`). The reservation ends
+        with :meth:`unregister` (or expires if this router dies).
+
+        Args:
+            exclude: worker ids not to pick (e.g. the one a migrated request left).
 
         Raises:
-            RuntimeError: no decode worker is alive.
+            RuntimeError: no (other) decode worker is alive.
         """
-        return self.policy.pick_decode(self.registry.alive("decode"), prompt_token_ids)
+        alive = [w for w in self.registry.alive("decode") if w.worker_id not in exclude]
+        ranked = self.policy.decode_candidates(alive, prompt_token_ids)
+        try:
+            wid = self.reservations.reserve("decode", [(w.worker_id, c) for w, c in ranked],
+                                            request_id, RESERVATION_TTL_S)
+        except ValueError:
+            raise
+        except Exception as exc:     # the cluster state is unreachable: this router's own count
+            logger.warning("reserving a decode worker failed (%s); picking locally", exc)
+            mine: dict[str, int] = {}
+            for owner in self._owner.values():
+                mine[owner] = mine.get(owner, 0) + 1
+            wid = self.policy.pick_decode(alive, prompt_token_ids, mine).worker_id
+        old = self._owner.get(request_id)
+        if old is not None and old != wid:
+            self.reservations.release("decode", old, request_id)
+        if request_id in self._queues:
+            self._owner[request_id] = wid
+        return next(w for w, _ in ranked if w.worker_id == wid)
 
     def pick_prefill(self, prompt_token_ids: Sequence[int]) -> WorkerHandle:
         """The policy's prefill worker for this prompt.
@@ -85,14 +154,24 @@ class Cluster:
 
     # -- request queues -----------------------------------------------------------------------
     def register(self, request_id: str, worker: WorkerHandle) -> asyncio.Queue:
+        """The queue of ``request_id``'s deltas from ``worker`` (its reserved decode worker)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._owner[request_id] = worker.worker_id
         return q
 
     def unregister(self, request_id: str) -> None:
+        """The request is over here: drop its queue and release its reservation."""
         self._queues.pop(request_id, None)
-        self._owner.pop(request_id, None)
+        owner = self._owner.pop(request_id, None)
+        if owner is not None:
+            self._release(owner, request_id)
+
+    def _release(self, worker_id: str, request_id: str) -> None:
+        try:
+            self.reservations.release("decode", worker_id, request_id)
+        except Exception as exc:     # Redis down: the reservation expires by itself
+            logger.warning("releasing %s on %s failed: %s", request_id, worker_id, exc)
 
     @property
     def num_active(self) -> int:
@@ -100,20 +179,49 @@ class Cluster:
 
     # -- pumps --------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start a pump per registered worker (and one for each worker added later),
+        and the refresh of this router's reservations."""
+        self._started = True
         for w in self.registry.workers():
-            self._pumps.append(asyncio.ensure_future(self._pump(w)))
+            self._start_pump(w)
+        self._refresher = asyncio.ensure_future(self._refresh_reservations())
 
     async def stop(self) -> None:
-        for t in self._pumps:
+        self._started = False
+        tasks = [*self._pumps.values(), *([self._refresher] if self._refresher else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._pumps.clear()
+        self._refresher = None
+
+    def _start_pump(self, w: WorkerHandle) -> None:
+        old = self._pumps.pop(w.worker_id, None)
+        if old is not None:
+            old.cancel()
+        if w.alive:
+            self._pumps[w.worker_id] = asyncio.ensure_future(self._pump(w))
+
+    def _worker_up(self, w: WorkerHandle) -> None:
+        if self._started:
+            self._start_pump(w)
+
+    async def _refresh_reservations(self) -> None:
+        while True:
+            await asyncio.sleep(RESERVATION_TTL_S / 3)
+            entries = [(owner, rid) for rid, owner in self._owner.items()]
+            if entries:
+                try:
+                    await asyncio.to_thread(self.reservations.refresh, "decode", entries,
+                                            RESERVATION_TTL_S)
+                except Exception as exc:
+                    logger.warning("refreshing reservations failed: %s", exc)
 
     async def _pump(self, w: WorkerHandle) -> None:
         routes_deltas = w.role != "prefill"     # a prefill worker's results return by call
         while True:
             try:
-                steps = await self.call(w, "poll", 1.0)
+                steps = await self.call(w, "poll", 1.0, self.router_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -124,30 +232,68 @@ class Cluster:
                 if not current:
                     break
                 self.registry.update_stats(w.worker_id, step.stats)
-                if step.kv_events:
+                if step.kv_events and self.kv_events_from_steps:
                     self.policy.on_kv_events(w.worker_id, step.kv_events)
                 if self.on_step is not None:
                     self.on_step(w, step)
                 if not routes_deltas:
                     continue
                 for d in step.deltas:
-                    q = self._queues.get(d.request_id.split("#", 1)[0])
-                    if q is not None:
+                    rid = d.request_id.split("#", 1)[0]
+                    q = self._queues.get(rid)
+                    if q is not None and self._owner.get(rid) == w.worker_id:
                         q.put_nowait(d)
-            if not current:
+            if not current or not w.alive:
                 return
 
+    def feed_kv_events(self, worker_id: str, events: Sequence) -> None:
+        """KV cache events of ``worker_id`` read from the cluster state (Redis streams)."""
+        try:
+            w = self.registry.get(worker_id)
+        except KeyError:
+            return
+        if w.alive:
+            self.policy.on_kv_events(worker_id, events)
+
     def mark_dead(self, w: WorkerHandle, exc: BaseException) -> None:
-        """A worker is gone: fail its requests (their streams end with ``error``)."""
-        if self.registry.get(w.worker_id) is not w or not self.registry.mark_dead(w.worker_id):
+        """A call to worker ``w`` failed because it is gone: mark it dead (its
+        requests' queues get a :class:`WorkerLost`)."""
+        if self.registry.get(w.worker_id) is not w or not w.alive:
             return
         logger.error("worker %s is gone: %s", w.worker_id, exc)
+        self.registry.mark_dead(w.worker_id)
+
+    def watch_down(self, w: WorkerHandle) -> asyncio.Future:
+        """A future that completes when worker ``w`` (this incarnation) is marked dead,
+        replaced or removed; done at once if it already is. Cancel it when done with it."""
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            current = self.registry.get(w.worker_id) is w
+        except KeyError:
+            current = False
+        if not current or not w.alive:
+            fut.set_result(w.worker_id)
+        else:
+            waiters = self._down_waiters.setdefault(w.worker_id, [])
+            waiters[:] = [f for f in waiters if not f.done()]
+            waiters.append(fut)
+        return fut
+
+    def _worker_down(self, worker_id: str) -> None:
+        """Registry listener: tell every request on that worker (and every
+        :meth:`watch_down` waiter), and drop its reservations."""
+        for fut in self._down_waiters.pop(worker_id, []):
+            if not fut.done():
+                fut.set_result(worker_id)
         for rid, owner in list(self._owner.items()):
-            if owner == w.worker_id:
-                self._queues[rid].put_nowait(RequestDelta(rid, (), (), "error",
-                                                          f"worker {w.worker_id} failed"))
+            if owner == worker_id:
+                self._queues[rid].put_nowait(WorkerLost(worker_id, "worker died or was replaced"))
+        try:
+            self.reservations.drop_worker("decode", worker_id)
+        except Exception as exc:
+            logger.warning("dropping reservations of %s failed: %s", worker_id, exc)
 
     def replace(self, w: WorkerHandle) -> None:
-        """Put a (new) worker in service in place of the one with the same id."""
+        """Put a (new) worker in service in place of the one with the same id (its
+        pump starts by the registry's worker-up event)."""
         self.registry.add(w)
-        self._pumps.append(asyncio.ensure_future(self._pump(w)))

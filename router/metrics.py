@@ -108,6 +108,13 @@ class Metrics:
         self.request_aborts = Counter("tandem:request_aborts",
                                       "Requests aborted (client cancel or disconnect).", m,
                                       registry=r)
+        self.request_migrations = Counter(
+            "tandem:request_migrations",
+            "Requests moved to another decode worker after theirs failed, by the failed worker.",
+            m + ["worker"], registry=r)
+        self.worker_restarts = Counter("tandem:worker_restarts",
+                                       "Workers replaced after they died or were fenced.",
+                                       m + ["worker"], registry=r)
         self.invalid_requests = Counter("tandem:invalid_requests",
                                         "Requests refused with INVALID_ARGUMENT.",
                                         m + ["field"], registry=r)
@@ -171,10 +178,13 @@ class Metrics:
             self.num_preemptions.labels(*labels, kind)
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens):
             metric.labels(*labels)
+        self.worker_restarts.labels(self.model_name, worker_id)
         if role == "prefill":
             for metric in (self.kv_transfer_bytes, self.kv_transfer_failures,
                            self.kv_transfer_seconds):
                 metric.labels(self.model_name, worker_id)
+        else:
+            self.request_migrations.labels(self.model_name, worker_id)
         self._worker_totals[worker_id] = {}
 
     # -- request hooks (router event loop) -----------------------------------------------------
@@ -212,6 +222,12 @@ class Metrics:
             trace.last_token = now
         trace.num_output_tokens += n
         self.generation_tokens.labels(self.model_name).inc(n)
+
+    def request_migrated(self, worker_id: str) -> None:
+        self.request_migrations.labels(self.model_name, worker_id).inc()
+
+    def worker_restarted(self, worker_id: str) -> None:
+        self.worker_restarts.labels(self.model_name, worker_id).inc()
 
     def request_aborted(self) -> None:
         self.request_aborts.labels(self.model_name).inc()

@@ -30,11 +30,13 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from tandem.control.journal import InProcessJournal, RequestJournal
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
-from tandem.router.cluster import Cluster, WorkerHandle
+from tandem.engine.runtime.worker_common import WorkerFencedError
+from tandem.router.cluster import Cluster, WorkerHandle, WorkerLost
 from tandem.router.stream import SampleStream, SampleUpdate, new_sample_streams
 from tandem.router.validation import ValidatedRequest
 from tandem.router.worker_client import WorkerDiedError, WorkerError
@@ -47,6 +49,29 @@ class RequestFailed(Exception):
     disagree); front ends answer FAILED_PRECONDITION."""
 
 
+class ServiceUnavailable(Exception):
+    """No worker can take the request now (none alive, or every attempt lost its
+    worker); front ends answer UNAVAILABLE. The message names no internals."""
+
+
+class _WorkerLost(Exception):
+    """The attempt's decode worker is gone: migrate the request."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.worker_id = worker_id
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    """Done callback of an abandoned call: retrieve its outcome (no "never retrieved")."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+MAX_MIGRATIONS = 3
+"""Times a request may move to another decode worker after losing its own."""
+
+
 @dataclass(frozen=True)
 class SampleEvent:
     """One change to one sample: ``update`` is what was added, ``sample`` the sample's
@@ -56,6 +81,16 @@ class SampleEvent:
     update: SampleUpdate
 
 
+@dataclass
+class _Attempt:
+    """One try at running a request: its workers and the call that added it."""
+
+    number: int
+    decode: WorkerHandle
+    prefill: WorkerHandle | None
+    added: asyncio.Future | None = None
+
+
 class Orchestrator:
     """Runs requests on a :class:`Cluster`.
 
@@ -63,78 +98,209 @@ class Orchestrator:
         cluster: the workers, their output pumps and the routing.
         tokenizer: the served model's tokenizer (detokenization).
         metrics: optional :class:`~tandem.router.metrics.Metrics`.
+        journal: where each request's parameters and emitted tokens are recorded
+            (:class:`~tandem.control.journal.RequestJournal`; default in-process);
+            a migrated request resumes from it.
+        prefill_timeout_s: seconds a remote prefill may take before the decode
+            worker computes the prompt itself (the KV transfer timeout: by then the
+            decode side's load timed out and freed its blocks).
     """
 
-    def __init__(self, cluster: Cluster, tokenizer, metrics=None):
+    def __init__(self, cluster: Cluster, tokenizer, metrics=None,
+                 journal: RequestJournal | None = None, prefill_timeout_s: float = 60.0):
         self.cluster = cluster
+        self.prefill_timeout_s = prefill_timeout_s
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.journal = journal if journal is not None else InProcessJournal()
+        self._journaled: dict[str, tuple[dict, list[SampleStream]]] = {}
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, v: ValidatedRequest) -> AsyncIterator[SampleEvent]:
         """Serve ``v``; yields a :class:`SampleEvent` whenever a sample changes.
 
+        If the decode worker dies mid-request, an ``n == 1`` request moves to
+        another decode worker (request migration, as in Dynamo): it is added
+        there with the tokens it emitted so far (read back from the journal),
+        whose KV that worker recomputes, and continues; the client sees no gap
+        and no duplicate, and a greedy or seeded stream equals the no-failure run.
+
         Raises:
             RequestFailed: the request cannot be served as configured.
             InvalidParameterError: a worker refused it (field named).
-            WorkerError: a worker call failed outright.
+            ServiceUnavailable: no decode worker is alive, or the request lost
+                its worker more than :data:`MAX_MIGRATIONS` times.
         """
         rid = uuid.uuid4().hex                # internal id: never collides with a client's
         params = v.sampling_params
         samples = new_sample_streams(self.tokenizer, list(v.prompt_token_ids), params,
                                      v.skip_special_tokens)
         cluster = self.cluster
-        decode = cluster.pick_decode(v.prompt_token_ids)
-        prefill = (cluster.pick_prefill(v.prompt_token_ids)
-                   if cluster.disaggregated and params.n == 1 else None)
-        queue = cluster.register(rid, decode)
-        trace = self.metrics.request_started(v, decode.worker_id) if self.metrics else None
-        req = WorkerRequest(rid, v.prompt_token_ids, params, v.priority,
-                            KVTransferParams(prefill.worker_id) if prefill else None)
-        added = asyncio.ensure_future(cluster.call(decode, "add_request", req))
         try:
-            await asyncio.shield(added)
-            if prefill is None and trace is not None:
-                trace.dispatched = time.monotonic()
-            if prefill is not None:
-                async for ev in self._remote_prefill(req, decode, prefill, samples, queue, trace):
-                    yield ev
-            while not all(s.finished for s in samples):
-                delta: RequestDelta = await queue.get()
-                for ev in self._consume(v, samples, delta, trace):
-                    yield ev
+            decode = cluster.reserve_decode(rid, v.prompt_token_ids)
+        except RuntimeError:
+            raise ServiceUnavailable("no decode worker is alive") from None
+        queue = cluster.register(rid, decode)
+        att = _Attempt(0, decode, self._pick_prefill(v))
+        trace = self.metrics.request_started(v, decode.worker_id) if self.metrics else None
+        record = {"prompt_token_ids": list(v.prompt_token_ids), "priority": v.priority,
+                  "sampling_params": dataclasses.asdict(params)}
+        self._journaled[rid] = (record, samples)
+        self._journal("begin", rid, cluster.router_id, record)
+        try:
+            while True:
+                try:
+                    async for ev in self._run(v, rid, att, samples, queue, trace):
+                        yield ev
+                    break
+                except _WorkerLost as lost:
+                    att = self._migrate(v, rid, att, lost.worker_id, samples)
         finally:
             cluster.unregister(rid)
+            self._journal("finish", rid)
+            self._journaled.pop(rid, None)
             unfinished = [s for s in samples if not s.finished]
             if unfinished:
                 # Client went away (or we failed): stop it on the workers, in the background
                 # because this task may be cancelled.
-                self._spawn(self._abort(rid, added, decode, prefill, unfinished))
+                self._spawn(self._abort(rid, att, unfinished))
             if self.metrics and trace is not None:
                 self.metrics.request_finished(trace, samples, aborted=bool(unfinished))
 
-    async def _remote_prefill(self, req: WorkerRequest, decode: WorkerHandle,
-                              prefill: WorkerHandle, samples: list[SampleStream],
-                              queue: asyncio.Queue, trace) -> AsyncIterator[SampleEvent]:
+    def _pick_prefill(self, v: ValidatedRequest) -> WorkerHandle | None:
+        """The prefill worker of a disaggregated ``n == 1`` request; None when the
+        decode worker computes the prompt itself (colocated, ``n > 1``, or no
+        prefill worker alive: degraded, not refused)."""
+        cluster = self.cluster
+        if not cluster.disaggregated or v.sampling_params.n != 1:
+            return None
+        try:
+            return cluster.pick_prefill(v.prompt_token_ids)
+        except RuntimeError:
+            return None
+
+    def _migrate(self, v: ValidatedRequest, rid: str, att: _Attempt, lost_id: str,
+                 samples: list[SampleStream]) -> _Attempt:
+        """The next attempt after ``lost_id`` went away.
+
+        Raises:
+            ServiceUnavailable: ``n > 1``, too many migrations, or no other worker.
+        """
+        if v.sampling_params.n != 1 or att.number >= MAX_MIGRATIONS:
+            raise ServiceUnavailable(f"the request's decode worker {lost_id} failed")
+        if att.prefill is not None and att.prefill.alive:
+            self._spawn(self._try(att.prefill, "abort", rid))   # never prefill for the dead
+        try:
+            decode = self.cluster.reserve_decode(rid, v.prompt_token_ids, exclude=(lost_id,))
+        except RuntimeError:
+            raise ServiceUnavailable(f"the request's decode worker {lost_id} failed and no "
+                                     "other decode worker is alive") from None
+        logger.warning("request %s: decode worker %s lost after %d tokens; migrating to %s",
+                       rid, lost_id, len(samples[0].token_ids), decode.worker_id)
+        if self.metrics:
+            self.metrics.request_migrated(lost_id)
+        return _Attempt(att.number + 1, decode, None)
+
+    async def _run(self, v: ValidatedRequest, rid: str, att: _Attempt,
+                   samples: list[SampleStream], queue: asyncio.Queue,
+                   trace) -> AsyncIterator[SampleEvent]:
+        """One attempt: add the request to ``att.decode`` (resuming after the tokens
+        emitted so far), prefill remotely if ``att.prefill``, relay deltas.
+
+        Raises:
+            _WorkerLost: the decode worker died (or was replaced) meanwhile.
+        """
+        cluster, params = self.cluster, v.sampling_params
+        output_ids, output_lps = (), ()
+        if att.number:
+            output_ids = tuple(samples[0].token_ids)
+            entry = self._journal("load", rid)
+            if entry is not None and tuple(entry.token_ids) != output_ids:
+                raise RuntimeError(f"request {rid}: the journal's tokens disagree with the stream")
+            output_lps = tuple(samples[0].logprobs) if params.logprobs is not None else ()
+        kv = (KVTransferParams(att.prefill.worker_id, attempt=att.number,
+                               peer_generation=att.prefill.generation)
+              if att.prefill is not None else None)
+        req = WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
+                            output_token_ids=output_ids, output_logprobs=output_lps,
+                            router_id=cluster.router_id, attempt=att.number)
+        self._journal("assign", rid, att.decode.worker_id, att.number)
+        att.added = asyncio.ensure_future(cluster.call(att.decode, "add_request", req))
+        try:
+            await asyncio.shield(att.added)
+        except (WorkerDiedError, WorkerFencedError) as exc:
+            self._lost(att.decode, exc)
+        if att.prefill is None and trace is not None and trace.dispatched is None:
+            trace.dispatched = time.monotonic()
+        if att.prefill is not None:
+            async for ev in self._remote_prefill(req, att, samples, queue, trace):
+                yield ev
+        while not all(s.finished for s in samples):
+            item = await queue.get()
+            if isinstance(item, WorkerLost):
+                raise _WorkerLost(item.worker_id)
+            for ev in self._consume(v, rid, samples, item, trace):
+                yield ev
+
+    def _lost(self, w: WorkerHandle, exc: BaseException):
+        """A call to the attempt's decode worker found it gone: raise :class:`_WorkerLost`."""
+        if isinstance(exc, WorkerDiedError):
+            self.cluster.mark_dead(w, exc)
+        raise _WorkerLost(w.worker_id) from exc
+
+    async def _remote_prefill(self, req: WorkerRequest, att: _Attempt,
+                              samples: list[SampleStream], queue: asyncio.Queue,
+                              trace) -> AsyncIterator[SampleEvent]:
         """Steps 2-3 of a disaggregated request: wait for the decode worker's ticket,
-        prefill remotely, emit the first token, start decoding."""
-        rid, cluster = req.request_id, self.cluster
+        prefill remotely, emit the first token, start decoding.
+
+        Raises:
+            _WorkerLost: the decode worker died meanwhile.
+        """
+        rid, cluster, decode, prefill = req.request_id, self.cluster, att.decode, att.prefill
         while True:
-            delta: RequestDelta = await queue.get()
-            if delta.kv_transfer_ticket is not None:
+            item = await queue.get()
+            if isinstance(item, WorkerLost):
+                raise _WorkerLost(item.worker_id)
+            if item.kv_transfer_ticket is not None:
                 break
-            if delta.finish_reason is not None:        # the decode worker failed
-                for ev in self._consume(None, samples, delta, trace):
+            if item.finish_reason is not None:        # the decode worker failed
+                for ev in self._consume(None, rid, samples, item, trace):
                     yield ev
                 return
         if trace is not None:
             trace.dispatched = time.monotonic()
-        ticket = delta.kv_transfer_ticket
+        ticket = item.kv_transfer_ticket
         prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
         t0 = time.perf_counter()
+        call = asyncio.ensure_future(cluster.call(prefill, "prefill", dataclasses.replace(
+            req, kv_transfer_params=KVTransferParams(decode.worker_id, ticket, att.number))))
         try:
-            first: RequestDelta = await cluster.call(prefill, "prefill", dataclasses.replace(
-                req, kv_transfer_params=KVTransferParams(decode.worker_id, ticket)))
+            # The decode worker may die while the prompt is prefilled for it; the prefill
+            # worker may die or stall (its KV is useless once the decode side's load
+            # timed out).
+            lost = asyncio.ensure_future(queue.get())
+            prefill_down = cluster.watch_down(prefill)
+            try:
+                await asyncio.wait([call, lost, prefill_down], timeout=self.prefill_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                prefill_down.cancel()
+                if not lost.done():
+                    lost.cancel()
+            if lost.done() and not lost.cancelled():
+                item = lost.result()
+                if isinstance(item, WorkerLost):
+                    call.add_done_callback(_ignore_result)
+                    raise _WorkerLost(item.worker_id)
+                queue.put_nowait(item)    # the decode worker's own delta: handled below
+            if not call.done():
+                call.add_done_callback(_ignore_result)
+                self._spawn(self._try(prefill, "abort", rid))
+                raise WorkerError(prefill.worker_id, "prefill",
+                                  "worker gone" if prefill_down.done() and
+                                  not prefill_down.cancelled() else "stalled past the KV transfer timeout")
+            first: RequestDelta = await call
         except KVLayoutMismatchError as exc:
             raise RequestFailed(str(exc)) from exc
         except (KVTransferError, WorkerError) as exc:
@@ -144,7 +310,7 @@ class Orchestrator:
                 self.metrics.kv_transfer_failed(prefill.worker_id)
             if isinstance(exc, WorkerDiedError):
                 cluster.mark_dead(prefill, exc)
-            await cluster.call(decode, "start_decode", rid, None)
+            await self._call_decode(att, "start_decode", rid, None)
             return
         finally:
             prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)
@@ -153,17 +319,24 @@ class Orchestrator:
         if first.finish_reason == "length" and req.sampling_params.max_tokens > 1:
             # The prefill worker always stops after one token; the request goes on.
             first = dataclasses.replace(first, finish_reason=None, stop_reason=None)
-        for ev in self._consume(None, samples, first, trace):
+        for ev in self._consume(None, rid, samples, first, trace):
             yield ev
         if samples[0].finished:      # the first token ended it (EOS, stop string, max_tokens 1)
-            await cluster.call(decode, "abort", rid)
+            await self._call_decode(att, "abort", rid)
             return
-        await cluster.call(decode, "start_decode", rid, first.new_token_ids[0],
-                           first.new_logprobs[0] if first.new_logprobs else None)
+        await self._call_decode(att, "start_decode", rid, first.new_token_ids[0],
+                                first.new_logprobs[0] if first.new_logprobs else None)
 
-    def _consume(self, v: ValidatedRequest | None, samples: list[SampleStream],
+    async def _call_decode(self, att: _Attempt, method: str, *args):
+        """A call to the attempt's decode worker; a gone worker raises :class:`_WorkerLost`."""
+        try:
+            return await self.cluster.call(att.decode, method, *args)
+        except (WorkerDiedError, WorkerFencedError) as exc:
+            self._lost(att.decode, exc)
+
+    def _consume(self, v: ValidatedRequest | None, rid: str, samples: list[SampleStream],
                  delta: RequestDelta, trace) -> list[SampleEvent]:
-        """Apply one worker delta to its sample; the events it makes."""
+        """Apply one worker delta to its sample (and the journal); the events it makes."""
         if delta.finish_reason == "error" and "#" not in delta.request_id:
             # The worker failed: every sample of the request ends with ``error``.
             return [SampleEvent(s, upd) for s in samples
@@ -173,11 +346,32 @@ class Orchestrator:
         upd = s.add(delta)
         if upd is None:
             return []
+        if len(samples) == 1 and upd.token_ids:
+            self._journal("append_tokens", rid, upd.token_ids)
         if self.metrics and trace is not None:
             self.metrics.tokens(trace, index, len(upd.token_ids))
         if upd.needs_abort:
             self._spawn(self._abort_sample(delta.request_id))
         return [SampleEvent(s, upd)]
+
+    def _journal(self, method: str, rid: str, *args):
+        """Call the journal; when the cluster state is unreachable (Redis restarting)
+        the request goes on without it (a migration then resumes from the stream),
+        and an entry the cluster state lost is written again whole."""
+        try:
+            return getattr(self.journal, method)(rid, *args)
+        except KeyError:
+            if rid in self._journaled and method in ("assign", "append_tokens"):
+                record, samples = self._journaled[rid]
+                try:
+                    self.journal.begin(rid, self.cluster.router_id, record)
+                    if len(samples) == 1 and samples[0].token_ids:
+                        self.journal.append_tokens(rid, samples[0].token_ids)
+                except Exception as exc:
+                    logger.warning("request journal: rewriting %s failed: %s", rid, exc)
+        except Exception as exc:
+            logger.warning("request journal %s failed: %s", method, exc)
+        return None
 
     # -- aborts --------------------------------------------------------------------------------
     def _spawn(self, coro) -> None:
@@ -185,20 +379,23 @@ class Orchestrator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, rid: str, added: asyncio.Future, decode: WorkerHandle,
-                     prefill: WorkerHandle | None, unfinished: list[SampleStream]) -> None:
+    async def _abort(self, rid: str, att: _Attempt, unfinished: list[SampleStream]) -> None:
+        if att.added is None:
+            return
         try:                  # an abort must not overtake the call that adds the request
-            await added
+            await att.added
         except Exception:     # never added: nothing to abort
             return
         if self.metrics:
             self.metrics.request_aborted()
-        if prefill is not None:
-            await self._try(prefill, "abort", rid)
-        await self._try(decode, "abort", rid)
+        if att.prefill is not None and att.prefill.alive:
+            await self._try(att.prefill, "abort", rid)
+        if not att.decode.alive:
+            return
+        await self._try(att.decode, "abort", rid)
         for s in unfinished:
             if s.index:
-                await self._try(decode, "abort", f"{rid}#{s.index}")
+                await self._try(att.decode, "abort", f"{rid}#{s.index}")
 
     async def _abort_sample(self, sample_rid: str) -> None:
         for w in self.cluster.decode:

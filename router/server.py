@@ -18,9 +18,10 @@ import grpc
 
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError
-from tandem.router.orchestrator import Orchestrator, RequestFailed
+from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
 from tandem.router.stream import SampleStream
 from tandem.router.validation import InvalidRequestError, RequestValidator
+from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -85,8 +86,8 @@ class TandemService(pb_grpc.TandemServicer):
                 self.metrics.invalid_request(exc.field)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        if not self.orchestrator.cluster.healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode worker is alive")
+        if not self.orchestrator.cluster.can_serve:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is alive")
             return
         num_prompt = len(v.prompt_token_ids)
         try:
@@ -103,6 +104,8 @@ class TandemService(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RequestFailed as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (ServiceUnavailable, WorkerError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 async def start_grpc_server(service: TandemService, host: str, port: int):
