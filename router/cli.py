@@ -1,6 +1,7 @@
 """The ``tandem`` command line.
 
     tandem serve [--mode disaggregated|colocated]   start a cluster and the gRPC router
+    tandem router --redis-url URL                    one more router over a running cluster
     tandem demo "question" ...                       start a cluster, stream answers, stop
     tandem generate --endpoint HOST:PORT "prompt"    gRPC client, streaming
     tandem chat --endpoint HOST:PORT "message"       gRPC client, chat template, streaming
@@ -77,6 +78,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
                    help="how the router picks workers (see tandem.router.routing)")
+    p.add_argument("--redis-url", default=None,
+                   help="the cluster state (default: start an embedded redis-server)")
+    p.add_argument("--lease-ttl", type=float, default=10.0,
+                   help="seconds a worker may miss its heartbeat before it counts as dead")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
 
@@ -96,21 +101,43 @@ def _serve_config(args):
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
-                       ray_address=args.ray_address, routing_policy=args.routing_policy)
+                       ray_address=args.ray_address, routing_policy=args.routing_policy,
+                       redis_url=args.redis_url, lease_ttl_s=args.lease_ttl)
 
 
 def _cmd_serve(args) -> int:
+    from tandem.router.launcher import TandemServer
+
+    def banner(server) -> str:
+        redis = server.redis.url if server.redis is not None else server.config.redis_url
+        return f"tandem: serving {server.config.mode} on {args.host}:{server.port} (cluster " \
+               f"state {redis})"
+    return _run_until_signal(TandemServer(_serve_config(args)), banner, args)
+
+
+def _cmd_router(args) -> int:
+    from tandem.engine.config import EngineConfig
+    from tandem.router.launcher import RouterServer, ServeConfig
+
+    cfg = ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                      ray_address=args.ray_address, routing_policy=args.routing_policy,
+                      redis_url=args.redis_url, engine=EngineConfig(model=args.model))
+
+    def banner(server) -> str:
+        return f"tandem: router {server.router_id} on {args.host}:{server.port}"
+    return _run_until_signal(RouterServer(cfg), banner, args)
+
+
+def _run_until_signal(server, banner, args) -> int:
+    """Start ``server``, print ``banner(server)``, serve until SIGINT/SIGTERM, stop."""
     import asyncio
     import signal
 
-    from tandem.router.launcher import TandemServer
-
     async def run() -> None:
-        server = await TandemServer(_serve_config(args)).start()
+        await server.start()
         extra = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
             if server.metrics_port else ""
-        print(f"tandem: serving {server.config.mode} on {args.host}:{server.port}{extra}",
-              flush=True)
+        print(banner(server) + extra, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -228,6 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve_args(s)
     _add_engine_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    r = sub.add_parser("router", help="run one more router over a running cluster's workers")
+    r.add_argument("--redis-url", required=True, help="the cluster state of `tandem serve`")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50052, help="gRPC port (0 = any free port)")
+    r.add_argument("--metrics-port", type=int, default=None)
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster (default: the one the cluster state names)")
+    r.add_argument("--routing-policy", default="prefix_aware",
+                   choices=["prefix_aware", "least_loaded"])
+    r.add_argument("--model", default=None, help="the served model (for its tokenizer)")
+    r.set_defaults(func=_cmd_router)
 
     d = sub.add_parser("demo", help="start a cluster, stream answers to prompts over gRPC, stop")
     d.add_argument("prompts", nargs="+")

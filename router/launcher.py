@@ -1,8 +1,12 @@
-"""Starts a Tandem cluster: Ray actors for the workers, KV channels between them, the router.
+"""Starts a Tandem cluster: the cluster state (Redis), Ray actors for the workers, KV
+channels between them, supervision, the router; and extra routers over it.
 
 ``tandem serve`` and the tests use :class:`TandemServer`. With no Ray address an
-embedded cluster is started on this machine (``ray.init()``); the default is one
-prefill and one decode actor and the router on 127.0.0.1:50051.
+embedded Ray cluster is started on this machine (``ray.init()``); with no Redis
+URL an embedded ``redis-server`` (:class:`~tandem.control.redis_server.EmbeddedRedis`).
+The default is one prefill and one decode actor and the router on
+127.0.0.1:50051. ``tandem router`` runs a :class:`RouterServer`: one more router
+over the same workers, found in Redis.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig
@@ -40,6 +46,10 @@ class ServeConfig:
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
         routing_policy: ``prefix_aware`` (longest cached prefix unless overloaded) or
             ``least_loaded`` (see :mod:`tandem.router.routing`).
+        redis_url: the cluster state; None starts an embedded ``redis-server``.
+        namespace: the cluster's key prefix in Redis (and its Ray actor names).
+        lease_ttl_s: a worker's lease (seconds): a worker silent this long is dead.
+        supervise: replace workers that die (pools keep their size).
     """
 
     mode: str = "disaggregated"
@@ -55,6 +65,10 @@ class ServeConfig:
     ray_address: str | None = None
     transfer_timeout_s: float = 60.0
     routing_policy: str = "prefix_aware"
+    redis_url: str | None = None
+    namespace: str = "tandem"
+    lease_ttl_s: float = 10.0
+    supervise: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -125,147 +139,140 @@ def actor_options(role: str, engine: EngineConfig) -> dict:
     return opts
 
 
-class TandemServer:
-    """A running cluster: workers, KV channels, router and (optionally) metrics.
+def _resolve_actor(record) -> object:
+    """The Ray actor of a worker record (raises ValueError when it is gone)."""
+    import ray
 
-    Use ``await start()`` / ``await stop()`` inside an event loop, or
-    :class:`BackgroundServer` to run it on a thread.
+    return ray.get_actor(record.actor_name, namespace="tandem")
+
+
+class RouterServer:
+    """One router over the workers registered in the cluster state: the gRPC front
+    end, the orchestrator, output pumps (as subscriber :attr:`router_id`), the
+    Redis-backed registry, reservations and request journal, and the KV event
+    reader feeding prefix-aware routing. Starts no worker.
+
+    Args:
+        config: ``host``, ``port``, ``metrics_port``, ``routing_policy``,
+            ``redis_url`` (required here), ``namespace``, ``ray_address`` and
+            ``engine.model`` (the tokenizer) are used.
     """
 
     def __init__(self, config: ServeConfig):
         self.config = config
-        self.actors: dict[str, object] = {}
+        self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.state = None
+        self.registry = None
         self.cluster = None
         self.server = None
         self.port: int | None = None
         self.metrics = None
         self.metrics_port: int | None = None
         self.health = None
+        self._kv_reader_stop = threading.Event()
+        self._kv_reader: threading.Thread | None = None
 
-    def _spawn(self, worker_id: str):
-        """Start the Ray actor of ``worker_id`` (``prefill-i``, ``decode-i``, ``colocated-i``)
-        with its cores, threads, engine config and placement."""
-        import ray
+    def _connect_state(self, url: str) -> None:
+        from tandem.control.state import ClusterState
+        from tandem.router.redis_registry import RedisRegistry
 
-        from tandem.decode_worker.worker import DecodeWorker
-        from tandem.prefill_worker.worker import PrefillWorker
+        self.state = ClusterState(url, self.config.namespace)
+        self.registry = RedisRegistry(self.state, _resolve_actor,
+                                      flush_grace_s=2 * self.config.lease_ttl_s)
 
-        cfg = self.config
-        role, index = worker_id.rsplit("-", 1)
-        pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
-        cpus = (pre_cpus if role == "prefill" else dec_cpus)[int(index)]
-        engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
-        engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
-        opts = actor_options(role, engine)
-        if role == "prefill":
-            return ray.remote(PrefillWorker).options(**opts).remote(
-                worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s)
-        return ray.remote(DecodeWorker).options(**opts).remote(
-            worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s)
-
-    def _worker_ids(self) -> list[str]:
-        cfg = self.config
-        if cfg.mode == "colocated":
-            return [f"colocated-{i}" for i in range(cfg.num_decode)]
-        return ([f"decode-{i}" for i in range(cfg.num_decode)]
-                + [f"prefill-{i}" for i in range(cfg.num_prefill)])
-
-    @staticmethod
-    async def _wire_kv(prefill: WorkerHandle, decode: WorkerHandle) -> None:
-        """Open ``decode``'s KV channel for ``prefill`` and connect ``prefill`` to it
-        (the layouts are checked first: KVLayoutMismatchError names the fields)."""
-        rdv = await decode.actor.open_kv_channel.remote(prefill.worker_id)
-        await prefill.actor.connect_kv.remote(decode.worker_id, rdv, decode.info["kv_layout"])
-
-    async def _start_worker(self, worker_id: str) -> WorkerHandle:
-        actor = self._spawn(worker_id)
-        self.actors[worker_id] = actor
-        info = await actor.info.remote()
-        return WorkerHandle(worker_id, info["role"], actor, info)
-
-    async def start(self) -> "TandemServer":
-        """Start everything; returns once the router answers and health is SERVING.
+    async def start(self) -> "RouterServer":
+        """Join the cluster state and the Ray cluster, find the workers, serve.
 
         Raises:
-            KVLayoutMismatchError: prefill and decode caches disagree (message names
-                each differing field with both values).
+            ValueError: no ``redis_url``.
+            RuntimeError: no decode worker is registered within 60 s.
         """
+        if not self.config.redis_url:
+            raise ValueError("redis_url: a router joins an existing cluster state")
+        self._connect_state(self.config.redis_url)
+        address = self.config.ray_address or await asyncio.to_thread(self._ray_address)
+        if not address:
+            raise RuntimeError("ray_address: the cluster state names no Ray cluster (is "
+                               "`tandem serve` running on it?); pass --ray-address")
+        init_ray(address)
+        deadline = time.monotonic() + 60
+        while True:
+            await self.registry.refresh()
+            if self.registry.alive("decode"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("no decode worker is registered in the cluster state")
+            await asyncio.sleep(0.5)
+        await self._start_router()
+        return self
+
+    def _ray_address(self) -> str | None:
+        return self.state.redis.get(self.state.key("ray_address"))
+
+    async def _start_router(self) -> None:
         from grpc_health.v1 import health_pb2
 
+        from tandem.control.journal import RedisJournal
+        from tandem.control.reservations import RedisReservations
         from tandem.engine.model.model_files import resolve_model
         from tandem.engine.text.tokenizer import Tokenizer
         from tandem.router.cluster import Cluster
         from tandem.router.metrics import Metrics
         from tandem.router.orchestrator import Orchestrator
-        from tandem.router.registry import InProcessRegistry
         from tandem.router.routing import make_routing_policy
         from tandem.router.server import TandemService, start_grpc_server
 
-        init_ray(self.config.ray_address)
-        try:
-            handles = await asyncio.gather(*(self._start_worker(w) for w in self._worker_ids()))
-            prefill = [h for h in handles if h.role == "prefill"]
-            decode = [h for h in handles if h.role != "prefill"]
-            # KV channels: every prefill worker to every decode worker.
-            for d in decode:
-                for p in prefill:
-                    await self._wire_kv(p, d)
-        except BaseException:
-            await self._kill_actors()
-            raise
         tokenizer = await asyncio.to_thread(Tokenizer, resolve_model(self.config.engine.model))
-        first = decode[0].info
+        first = self.registry.alive("decode")[0].info
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
-        for h in handles:
+        for h in self.registry.workers():
             self.metrics.register_worker(h.worker_id, h.role)
-        self.cluster = Cluster(InProcessRegistry(decode + prefill),
-                               make_routing_policy(self.config.routing_policy),
-                               on_step=self.metrics.worker_step, on_health=self._set_health)
+        self.registry.add_worker_up_listener(
+            lambda h: self.metrics.register_worker(h.worker_id, h.role))
+        self.cluster = Cluster(self.registry, make_routing_policy(self.config.routing_policy),
+                               on_step=self.metrics.worker_step, on_health=self._set_health,
+                               reservations=RedisReservations(self.state),
+                               router_id=self.router_id, kv_events_from_steps=False)
         self.cluster.start()
-        service = TandemService(Orchestrator(self.cluster, tokenizer, self.metrics), tokenizer,
-                                model_info, self.metrics)
+        self.registry.start()
+        self._start_kv_reader()
+        service = TandemService(Orchestrator(self.cluster, tokenizer, self.metrics,
+                                             journal=RedisJournal(self.state),
+                                             prefill_timeout_s=self.config.transfer_timeout_s + 1),
+                                tokenizer, model_info, self.metrics)
         self.server, self.port, self.health = await start_grpc_server(
             service, self.config.host, self.config.port)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port,
                                                        lambda: self.cluster.healthy)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("tandem.v1.Tandem", health_pb2.HealthCheckResponse.SERVING)
-        logger.info("tandem serving on %s:%d (%s, %d prefill, %d decode)", self.config.host,
-                    self.port, self.config.mode, len(prefill), len(decode))
-        return self
+        self._set_health(self.cluster.healthy)
+        logger.info("router %s serving on %s:%d", self.router_id, self.config.host, self.port)
 
-    async def restart_worker(self, worker_id: str) -> None:
-        """Start a fresh worker in place of ``worker_id`` (e.g. after it died), wire its
-        KV channels and put it back in service; health returns to SERVING when both
-        kinds are alive again."""
-        import ray
+    def _start_kv_reader(self) -> None:
+        """A thread reading the workers' KV event streams into the routing policy
+        (on the router's loop)."""
+        from tandem.control.kv_events import KVEventReader
 
-        old = self.actors.pop(worker_id, None)
-        if old is not None:
-            try:
-                ray.kill(old)
-            except Exception as exc:   # already gone: that is why we restart it
-                logger.debug("kill %s: %s", worker_id, exc)
-        handle = await self._start_worker(worker_id)
-        self.metrics.register_worker(worker_id, handle.role)
-        if handle.role == "prefill":
-            for d in self.cluster.decode:
-                if d.alive:
-                    await self._wire_kv(handle, d)
-        else:
-            for p in self.cluster.prefill:
-                if p.alive:
-                    await self._wire_kv(p, handle)
-        self.cluster.replace(handle)
+        loop = asyncio.get_running_loop()
+        cluster = self.cluster
+        reader = KVEventReader(
+            self.state,
+            on_events=lambda wid, evs: loop.call_soon_threadsafe(cluster.feed_kv_events, wid, evs),
+            on_reset=lambda wid: loop.call_soon_threadsafe(cluster.policy.forget_worker, wid))
 
-    async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:
-        """(Re-)create the KV pair between two live workers."""
-        p = next(w for w in self.cluster.prefill if w.worker_id == prefill_id)
-        d = next(w for w in self.cluster.decode if w.worker_id == decode_id)
-        await self._wire_kv(p, d)
+        def run() -> None:
+            while not self._kv_reader_stop.is_set():
+                ids = [w.worker_id for w in list(self.registry.workers())]
+                try:
+                    if not ids or not reader.read(ids, block_ms=500):
+                        self._kv_reader_stop.wait(0.05)
+                except Exception as exc:   # Redis down: try again
+                    logger.debug("KV event read failed: %s", exc)
+                    self._kv_reader_stop.wait(1.0)
+        self._kv_reader = threading.Thread(target=run, name="kv-events", daemon=True)
+        self._kv_reader.start()
 
     def _set_health(self, ok: bool) -> None:
         from grpc_health.v1 import health_pb2
@@ -282,9 +289,186 @@ class TandemServer:
             await self.server.stop(grace_s)
         if self.cluster is not None:
             await self.cluster.stop()
+        if self.registry is not None:
+            await self.registry.stop()
+        self._kv_reader_stop.set()
+        if self._kv_reader is not None:
+            await asyncio.to_thread(self._kv_reader.join, 5)
         if self.metrics is not None:
             self.metrics.close()
+        if self.state is not None:
+            self.state.close()
+
+
+class TandemServer(RouterServer):
+    """A running cluster: cluster state, workers, KV channels, supervision, the router
+    and (optionally) metrics.
+
+    Use ``await start()`` / ``await stop()`` inside an event loop, or
+    :class:`BackgroundServer` to run it on a thread.
+    """
+
+    def __init__(self, config: ServeConfig):
+        super().__init__(config)
+        self.actors: dict[str, object] = {}
+        self.redis = None              # the embedded redis-server, if any
+        self.supervisor = None
+        self._spawned = 0
+        self._announcer: asyncio.Task | None = None
+
+    def _spawn(self, worker_id: str):
+        """Start the Ray actor of ``worker_id`` (``prefill-i``, ``decode-i``, ``colocated-i``)
+        with its cores, threads, engine config, placement and control-plane config."""
+        import ray
+
+        from tandem.control.worker_control import ControlConfig
+        from tandem.decode_worker.worker import DecodeWorker
+        from tandem.prefill_worker.worker import PrefillWorker
+
+        cfg = self.config
+        role, index = worker_id.rsplit("-", 1)
+        pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
+        cpus = (pre_cpus if role == "prefill" else dec_cpus)[int(index)]
+        engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
+        engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
+        self._spawned += 1
+        name = f"{cfg.namespace}:{worker_id}:{self._spawned}"
+        control = ControlConfig(self.state_url, cfg.namespace, name, cfg.lease_ttl_s,
+                                max(0.1, cfg.lease_ttl_s / 3.3))
+        opts = {**actor_options(role, engine), "name": name, "namespace": "tandem"}
+        if role == "prefill":
+            return ray.remote(PrefillWorker).options(**opts).remote(
+                worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control)
+        return ray.remote(DecodeWorker).options(**opts).remote(
+            worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control)
+    def _worker_ids(self) -> list[str]:
+        cfg = self.config
+        if cfg.mode == "colocated":
+            return [f"colocated-{i}" for i in range(cfg.num_decode)]
+        return ([f"decode-{i}" for i in range(cfg.num_decode)]
+                + [f"prefill-{i}" for i in range(cfg.num_prefill)])
+
+    @staticmethod
+    async def _wire_kv(prefill: WorkerHandle, decode: WorkerHandle) -> None:
+        """Open ``decode``'s KV channel for this incarnation of ``prefill`` and connect
+        ``prefill`` to it (the layouts are checked first: KVLayoutMismatchError names
+        the fields). The channel accepts only transfers carrying ``prefill``'s
+        generation (KV fencing)."""
+        rdv = await decode.actor.open_kv_channel.remote(prefill.worker_id, prefill.generation)
+        await prefill.actor.connect_kv.remote(decode.worker_id, rdv, decode.info["kv_layout"],
+                                              prefill.generation)
+
+    async def _start_worker(self, worker_id: str) -> WorkerHandle:
+        actor = self._spawn(worker_id)
+        self.actors[worker_id] = actor
+        info = await actor.info.remote()
+        return WorkerHandle(worker_id, info["role"], actor, info,
+                            generation=info.get("generation", 0))
+
+    async def start(self) -> "TandemServer":
+        """Start everything; returns once the router answers and health is SERVING.
+
+        Raises:
+            KVLayoutMismatchError: prefill and decode caches disagree (message names
+                each differing field with both values).
+            RuntimeError: redis-server cannot be started.
+        """
+        from tandem.control.redis_server import EmbeddedRedis
+        from tandem.router.supervisor import Supervisor
+
+        url = self.config.redis_url
+        if not url:
+            self.redis = await asyncio.to_thread(EmbeddedRedis().start)
+            url = self.redis.url
+        self.state_url = url
+        self._connect_state(url)
+        init_ray(self.config.ray_address)
+        try:
+            handles = await asyncio.gather(*(self._start_worker(w) for w in self._worker_ids()))
+            prefill = [h for h in handles if h.role == "prefill"]
+            decode = [h for h in handles if h.role != "prefill"]
+            # KV channels: every prefill worker to every decode worker.
+            for d in decode:
+                for p in prefill:
+                    await self._wire_kv(p, d)
+        except BaseException:
+            await self._kill_actors()
+            self._stop_redis()
+            raise
+        import ray
+
+        self._ray_gcs = ray.get_runtime_context().gcs_address
+        self.state.redis.set(self.state.key("ray_address"), self._ray_gcs)
+        self._announcer = asyncio.ensure_future(self._announce())
+        for h in decode + prefill:
+            self.registry.add(h)
+        await self._start_router()
+        if self.config.supervise:
+            self.supervisor = Supervisor(self.registry, self.restart_worker,
+                                         on_restarted=lambda r: self.metrics.worker_restarted(
+                                             r.worker_id))
+            self.supervisor.start()
+        logger.info("tandem serving on %s:%d (%s, %d prefill, %d decode)", self.config.host,
+                    self.port, self.config.mode, len(prefill), len(decode))
+        return self
+
+    async def restart_worker(self, worker_id: str) -> None:
+        """Start a fresh worker in place of ``worker_id`` (e.g. after it died), wire its
+        KV channels and put it back in service; health returns to SERVING when both
+        kinds are alive again."""
+        import ray
+
+        old = self.actors.pop(worker_id, None)
+        if old is not None:
+            try:
+                ray.kill(old)
+            except Exception as exc:   # already gone: that is why we restart it
+                logger.debug("kill %s: %s", worker_id, exc)
+        self.registry.starting.add(worker_id)
+        try:
+            handle = await self._start_worker(worker_id)
+            if handle.role == "prefill":
+                for d in self.cluster.decode:
+                    if d.alive:
+                        await self._wire_kv(handle, d)
+            else:
+                for p in self.cluster.prefill:
+                    if p.alive:
+                        await self._wire_kv(p, handle)
+            self.cluster.replace(handle)
+        finally:
+            self.registry.starting.discard(worker_id)
+
+    async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:
+        """(Re-)create the KV pair between two live workers."""
+        p = next(w for w in self.cluster.prefill if w.worker_id == prefill_id)
+        d = next(w for w in self.cluster.decode if w.worker_id == decode_id)
+        await self._wire_kv(p, d)
+
+    async def _announce(self, interval_s: float = 2.0) -> None:
+        """Keep the Ray address in the cluster state (Redis may restart empty), so
+        `tandem router` can always join."""
+        key = self.state.key("ray_address")
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(self.state.redis.set, key, self._ray_gcs)
+            except Exception as exc:
+                logger.debug("announcing the Ray address failed: %s", exc)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        await super().stop(grace_s)
         await self._kill_actors()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
 
     async def _kill_actors(self) -> None:
         import ray
