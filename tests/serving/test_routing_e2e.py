@@ -1,11 +1,12 @@
 """Prefix-aware routing on a real cluster: two colocated workers report the blocks they
-cache as KV events through their step outputs; the router sends a prompt to the
+cache as KV events on their Redis streams; the router sends a prompt to the
 worker holding its longest cached prefix, where least-loaded routing would not.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -45,8 +46,11 @@ def test_the_worker_holding_the_prefix_gets_the_request(pair):
     assert long_done and long_done[-1].usage.completion_tokens == 160
     pair.wait_idle()
     policy = srv.cluster.policy
-    held = {w: len(policy.index.hashes_of(w)) for w in ("colocated-0", "colocated-1")}
-    assert held["colocated-1"] > 0
+    # The router learns what each worker caches from the workers' Redis streams.
+    deadline = time.monotonic() + 10
+    while not policy.index.hashes_of("colocated-1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(policy.index.hashes_of("colocated-1")) > 0
     # Both idle and equally free now: least-loaded would pick colocated-0; the cached
     # prefix sends the next request to colocated-1, where it hits.
     second = pair.generate(greedy(PREFIX + "What is the capital of Spain?", 4))
