@@ -131,6 +131,7 @@ class EngineLoop:
             for rid in request_ids:
                 self.untrack(rid)
                 self.engine.abort_request(rid)
+                self._published.pop(rid, None)
 
     def step(self) -> bool:
         """One engine step, then publish its deltas. Returns False if the step ran

@@ -5,7 +5,8 @@ added it (``WorkerRequest.router_id``), and its deltas go only to that router's
 outbox; every step's stats and KV cache events go to all of them. A router
 that stops polling is taken for dead: after ``timeout_s`` seconds without a
 poll its outbox is deleted and the loop aborts its requests, so no block stays
-held for a client nobody streams to.
+held for a client nobody streams to. A new subscriber starts with the latest
+stats; KV cache events from before it joined are not replayed.
 
 The default subscriber ``""`` is the single router of a deployment that names
 none. It exists from the start (outputs published before its first poll wait
