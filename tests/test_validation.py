@@ -284,3 +284,14 @@ def test_protobuf_refuses_text_that_is_not_utf8():
 def test_validator_needs_room_for_a_prompt(tok):
     with pytest.raises(ValueError, match="max_model_len"):
         RequestValidator(tok, 1)
+
+
+def test_invalid_parameter_error_survives_pickling():
+    # Worker errors cross Ray pickled; the router answers INVALID_ARGUMENT from ``field``.
+    import pickle
+
+    from tandem.engine.sampling.sampling_params import InvalidParameterError
+
+    err = pickle.loads(pickle.dumps(InvalidParameterError("top_p", "must be in (0, 1]")))
+    assert type(err) is InvalidParameterError
+    assert err.field == "top_p" and str(err) == "top_p: must be in (0, 1]"

@@ -17,6 +17,12 @@ class InvalidParameterError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):
+        # Rebuilt from its own arguments when it crosses Ray (pickled): the default
+        # would call __init__ with the formatted text alone.
+        return type(self), (self.field, self.message)
 
 
 @dataclass(frozen=True)
