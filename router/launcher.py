@@ -376,13 +376,18 @@ class TandemServer(RouterServer):
         from tandem.control.redis_server import EmbeddedRedis
         from tandem.router.supervisor import Supervisor
 
+        init_ray(self.config.ray_address)
         url = self.config.redis_url
         if not url:
-            self.redis = await asyncio.to_thread(EmbeddedRedis().start)
+            # On an existing Ray cluster the workers may run on other machines: listen on
+            # this node's address (no auth: use --redis-url for a managed Redis).
+            import ray
+
+            host = ray.util.get_node_ip_address() if self.config.ray_address else "127.0.0.1"
+            self.redis = await asyncio.to_thread(EmbeddedRedis(host=host).start)
             url = self.redis.url
         self.state_url = url
         self._connect_state(url)
-        init_ray(self.config.ray_address)
         try:
             handles = await asyncio.gather(*(self._start_worker(w) for w in self._worker_ids()))
             prefill = [h for h in handles if h.role == "prefill"]
