@@ -46,16 +46,20 @@ class DecodeWorker:
         transfer_timeout_s: how long a reserved request may wait for its KV (seconds).
         control: the cluster state to register in (lease, KV event stream); None
             for a worker no control plane knows (tests, GPU checks).
+        weights_from: an engine in this process whose loaded weights to share (a
+            worker driven in-process: tests, GPU checks); None loads them.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, role: str = "decode",
                  cpus: list[int] | None = None, kv_transport: str | None = "gloo",
-                 transfer_timeout_s: float = 60.0, control: ControlConfig | None = None):
+                 transfer_timeout_s: float = 60.0, control: ControlConfig | None = None,
+                 weights_from: LLMEngine | None = None):
         self.worker_id, self.role, self.config = worker_id, role, config
         self.cpus = pin_cpus(cpus)
         apply_thread_settings(config)     # this actor is its process's entry point
         self.engine = LLMEngine(config, kv_transport=kv_transport if role == "decode" else None,
-                                transfer_timeout_s=transfer_timeout_s, enable_kv_events=True)
+                                transfer_timeout_s=transfer_timeout_s, enable_kv_events=True,
+                                weights_from=weights_from)
         self.loop = EngineLoop(self.engine, worker_id, role).start()
         self._fence = Fence(worker_id)
         self.control = start_worker_control(control, worker_id, role, self._static_info(),

@@ -19,6 +19,16 @@ def model_files():
 
 
 @pytest.fixture(scope="session")
+def f32_weights():
+    """The default model loaded once in float32 (a small cache): test modules build
+    their engines on its weights (``LLM(..., weights_from=f32_weights)``) instead of
+    loading the file again."""
+    from tandem.engine.llm import LLM
+
+    return LLM(dtype="float32", num_blocks=16)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_files):
     from tandem.engine.text.tokenizer import Tokenizer
 

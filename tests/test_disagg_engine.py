@@ -25,8 +25,8 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 
 @pytest.fixture(scope="module")
-def pair():
-    base = LLM(dtype="float32", num_blocks=64)
+def pair(f32_weights):
+    base = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
     producer = LLMEngine(base.config, weights_from=base.engine, kv_transport="gloo",
                          transfer_timeout_s=10.0)
     consumer = LLMEngine(base.config, weights_from=base.engine, kv_transport="gloo",

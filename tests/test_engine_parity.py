@@ -54,8 +54,8 @@ def reference(prompts, hf_greedy):
 
 
 @pytest.fixture(scope="module")
-def base_llm():
-    return LLM(dtype="float32", num_blocks=512)
+def base_llm(f32_weights):
+    return LLM(dtype="float32", num_blocks=512, weights_from=f32_weights)
 
 
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -143,10 +143,11 @@ def test_bfloat16_kernels_track_the_float32_reference(prompts, reference):
     kernels; the compiled CPU kernels (decode + chunked prefill mixed, budget 256)
     must stay about as close to the float32 reference as the torch ops do (with
     the default budget: 185 of 384 tokens vs 150). A wiring error gives ~0."""
-    runs = {}
+    runs, first = {}, None
     for backend in ("cpu", "torch"):
         llm = LLM(dtype="bfloat16", num_blocks=512, max_num_batched_tokens=256,
-                  attention_backend=backend)
+                  attention_backend=backend, weights_from=first)   # one bf16 load for both
+        first = first or llm
         assert llm.engine.backend.name == backend
         runs[backend] = _agreement(llm.generate(prompts, GREEDY), reference)
     assert runs["cpu"] >= 0.8 * runs["torch"] and runs["torch"] > NUM_TOKENS, runs

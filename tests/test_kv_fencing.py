@@ -40,8 +40,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pair():
-    base = LLM(dtype="float32", num_blocks=64)
+def pair(f32_weights):
+    base = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
     # A small consumer pool, so that a freed reservation's blocks are handed out again.
     small = dataclasses.replace(base.config,
                                 cache=dataclasses.replace(base.config.cache, num_blocks=8))

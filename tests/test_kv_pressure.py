@@ -27,8 +27,8 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def base_llm():
-    return LLM(dtype="float32", num_blocks=1024)
+def base_llm(f32_weights):
+    return LLM(dtype="float32", num_blocks=1024, weights_from=f32_weights)
 
 
 class StepChecker:

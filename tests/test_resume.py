@@ -36,8 +36,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def base():
-    return LLM(dtype="float32", num_blocks=64)
+def base(f32_weights):
+    return LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
 
 
 def _fresh(base: LLM) -> LLMEngine:
@@ -127,7 +127,8 @@ def test_a_decode_worker_publishes_only_the_new_tokens(base):
     want = ref.output_token_ids
 
     async def scenario():
-        worker = DecodeWorker("colocated-0", base.config, role="colocated", kv_transport=None)
+        worker = DecodeWorker("colocated-0", base.config, role="colocated", kv_transport=None,
+                              weights_from=base.engine)
         try:
             await worker.add_request(WorkerRequest(
                 "r1", tuple(prompt), params, output_token_ids=tuple(want[:NUM_RESUMED]),

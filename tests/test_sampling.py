@@ -177,10 +177,10 @@ def test_skip_draws_continues_as_in_one_engine():
 # -- on the real model ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(f32_weights):
     from tandem.engine.llm import LLM
 
-    return LLM(dtype="float32", num_blocks=256)
+    return LLM(dtype="float32", num_blocks=256, weights_from=f32_weights)
 
 
 @pytest.mark.slow

@@ -21,8 +21,8 @@ PROMPT = "List the planets of the solar system in order from the sun:"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", num_blocks=128)
+def llm(f32_weights):
+    return LLM(dtype="float32", num_blocks=128, weights_from=f32_weights)
 
 
 @pytest.fixture(scope="module")

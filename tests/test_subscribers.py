@@ -109,10 +109,10 @@ LONG_PROMPT = ("The history of the printing press begins in the fifteenth centur
                "goldsmith in Mainz combined a screw press with movable metal type, and")
 
 @pytest.fixture(scope="module")
-def base():
+def base(f32_weights):
     from tandem.engine.llm import LLM
 
-    return LLM(dtype="float32", num_blocks=64)
+    return LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
 
 
 def _loop(base, timeout_s: float):

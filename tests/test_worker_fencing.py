@@ -31,13 +31,14 @@ def config():
 
 
 @pytest.mark.slow
-def test_a_fenced_decode_worker_refuses_new_requests_and_finishes_its_own(config):
+def test_a_fenced_decode_worker_refuses_new_requests_and_finishes_its_own(config, f32_weights):
     from tandem.decode_worker.worker import DecodeWorker
 
     long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def scenario():
-        worker = DecodeWorker("colocated-0", config, role="colocated", kv_transport=None)
+        worker = DecodeWorker("colocated-0", config, role="colocated", kv_transport=None,
+                              weights_from=f32_weights.engine)
         try:
             await worker.add_request(WorkerRequest("r1", (1, 2, 3, 4), long))
             await worker.fence("lease lost")
@@ -65,11 +66,11 @@ def test_a_fenced_decode_worker_refuses_new_requests_and_finishes_its_own(config
 
 
 @pytest.mark.slow
-def test_a_fenced_prefill_worker_refuses_prefills(config):
+def test_a_fenced_prefill_worker_refuses_prefills(config, f32_weights):
     from tandem.prefill_worker.worker import PrefillWorker
 
     async def scenario():
-        worker = PrefillWorker("prefill-0", config)
+        worker = PrefillWorker("prefill-0", config, weights_from=f32_weights.engine)
         try:
             await worker.fence("superseded by generation 4")
             with pytest.raises(WorkerFencedError, match="superseded by generation 4"):

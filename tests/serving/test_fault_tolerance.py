@@ -1,7 +1,7 @@
 """Fault tests on real processes under load: kill -9 a decode actor, a prefill actor, a
 router; restart redis-server; two routers under a burst.
 
-One disaggregated cluster (2 prefill + 2 decode Ray actors, an embedded
+One disaggregated cluster (1 prefill + 2 decode Ray actors, an embedded
 redis-server, supervision on) serves every test in order. Every request either
 completes with exactly the tokens of the no-failure run or, for a killed
 router's own clients, ends with a clean gRPC status; each test ends with the
@@ -26,13 +26,12 @@ from tests.serving.conftest import Client, greedy, serve_config, start_server
 
 PROMPTS = ["Write a short story about a dragon.", "Explain how a bicycle works.",
            "List five facts about the Moon.", "Describe a busy market in the morning."]
-N = 32
+N = 24
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    server = start_server(serve_config("disaggregated", num_prefill=2, num_decode=2,
-                                       transfer_timeout_s=3.0))
+    server = start_server(serve_config("disaggregated", num_decode=2, transfer_timeout_s=3.0))
     client = Client(server)
     yield client
     client.close()
@@ -42,7 +41,11 @@ def cluster(ray_session):
 @pytest.fixture(scope="module")
 def baseline(cluster) -> dict[str, list[int]]:
     """Each prompt's greedy tokens with no failure."""
-    return {p: _ids(cluster.generate(greedy(p, N))) for p in PROMPTS}
+    streams = [Stream(cluster.server.address, p) for p in PROMPTS]
+    for s in streams:
+        s.join(300)
+    assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == N for s in streams)
+    return {s.prompt: s.tokens for s in streams}
 
 
 def _ids(responses) -> list[int]:
@@ -146,11 +149,11 @@ def test_kill_decode_actor_requests_migrate_unchanged(cluster, baseline):
     assert _ids(cluster.generate(greedy(PROMPTS[0], N))) == baseline[PROMPTS[0]]
 
 
-def test_kill_prefill_actors_degrades_then_recovers(cluster, baseline):
+def test_kill_prefill_actor_degrades_then_recovers(cluster, baseline):
     from grpc_health.v1 import health_pb2
 
     srv = cluster.server.server
-    victims = [_handle(cluster, f"prefill-{i}") for i in range(2)]
+    victims = [_handle(cluster, "prefill-0")]
     streams = [Stream(cluster.server.address, p) for p in PROMPTS]
     time.sleep(0.3)                   # prompts are being prefilled and their KV streamed
     for v in victims:                 # the whole prefill pool
@@ -160,7 +163,7 @@ def test_kill_prefill_actors_degrades_then_recovers(cluster, baseline):
     # the decode workers prefill for themselves.
     _wait(lambda: not any(_handle(cluster, v.worker_id).alive for v in victims), 30,
           "the prefill workers to be seen dead")
-    if len(srv.supervisor.restarting) == 2:
+    if srv.supervisor.restarting:
         assert _health(cluster) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert _ids(cluster.generate(greedy(PROMPTS[1], N))) == baseline[PROMPTS[1]]
     for s in streams:
@@ -169,7 +172,7 @@ def test_kill_prefill_actors_degrades_then_recovers(cluster, baseline):
         assert s.code == grpc.StatusCode.OK, (s.prompt, s.code)
         assert s.tokens == baseline[s.prompt], s.prompt
     recovery = max(_back_to_size(cluster, v.worker_id, v.generation) for v in victims)
-    print(f"\nprefill pool kill: pool back to size in {recovery:.1f} s "
+    print(f"\nprefill kill: pool back to size in {recovery:.1f} s "
           f"({time.monotonic() - t_kill:.1f} s after the kill)")
     _wait(lambda: _health(cluster) == health_pb2.HealthCheckResponse.SERVING, 30, "SERVING")
     before = sum(cluster.block_counts()[v.worker_id]["kv_transfer_bytes"] for v in victims)
@@ -180,17 +183,18 @@ def test_kill_prefill_actors_degrades_then_recovers(cluster, baseline):
 
 
 def test_zombie_prefill_writes_nothing_after_its_transfer_was_given_up(cluster, baseline):
-    """SIGSTOP the prefill workers while a long prompt's KV streams (layers go out as the
+    """SIGSTOP the prefill worker while a long prompt's KV streams (layers go out as the
     forward pass computes them); the decode side's load times out and frees the
     reserved blocks, the router has the decode worker prefill the prompt itself, and
-    other requests take blocks meanwhile. SIGCONT: the late layers are dropped (counted
+    other requests take blocks meanwhile (prefilled on the decode workers once their
+    remote prefill times out too). SIGCONT: the late layers are dropped (counted
     on the decode side), no output changes. (tests/test_kv_fencing.py pins the exact
     reuse of the very blocks in one process.)"""
     srv = cluster.server.server
     long_prompt = " ".join(f"item{i}" for i in range(700))      # ~1.4k tokens
     ref = _ids(cluster.generate(greedy(long_prompt, 8)))
     decode = [w.worker_id for w in srv.registry.workers("decode")]
-    prefill = [_handle(cluster, f"prefill-{i}") for i in range(2)]
+    prefill = [_handle(cluster, "prefill-0")]
 
     def decode_counts() -> list[dict]:       # never through a busy prefill worker's loop
         return [cluster.server.run(_handle(cluster, d).actor.check_invariants.remote())
@@ -217,7 +221,7 @@ def test_zombie_prefill_writes_nothing_after_its_transfer_was_given_up(cluster, 
     late = _wait(lambda: sum(c["kv_layers_dropped"] for c in decode_counts()) - dropped, 30,
                  "the zombie's late layers to arrive")
     print(f"\nzombie prefill: {late} late KV layers dropped on the decode side")
-    # The stopped workers kept their leases (stopped < TTL): still in service, same generation.
+    # The stopped worker kept its lease (stopped < TTL): still in service, same generation.
     assert all(_handle(cluster, p.worker_id).generation == p.generation for p in prefill)
     _assert_idle(cluster)
 
@@ -236,7 +240,7 @@ def test_redis_restart_loses_no_worker_and_no_request(cluster, baseline):
         assert s.code == grpc.StatusCode.OK, (s.prompt, s.code)
         assert s.tokens == baseline[s.prompt], s.prompt
     # Every worker re-asserts its record with the same generation; none was purged.
-    records = _wait(lambda: (lambda rs: rs if len(rs) == 4 and all(r.alive for r in rs) else None)(
+    records = _wait(lambda: (lambda rs: rs if len(rs) == 3 and all(r.alive for r in rs) else None)(
         srv.state.workers()), 30, "the workers to re-register")
     print(f"\nredis restart: every worker re-registered {time.monotonic() - t0:.1f} s after")
     assert {r.worker_id: r.generation for r in records} == gens

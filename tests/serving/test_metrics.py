@@ -68,9 +68,12 @@ def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
         want += [key("tandem:num_preemptions_total", kind=k, **w) for k in PREEMPTION_KINDS]
         want += [key(f"tandem:prefix_cache_{n}_total", **w) for n in ("queries", "hits")]
         want += [key(f"tandem:iteration_tokens_total_{n}", **w) for n in ("count", "sum")]
+        want += [key("tandem:worker_restarts_total", worker=wid)]
         if role == "prefill":
             want += [key(f"tandem:kv_transfer_{n}", worker=wid) for n in (
                 "bytes_total", "failures_total", "seconds_count", "seconds_sum")]
+        else:
+            want += [key("tandem:request_migrations_total", worker=wid)]
     assert len(set(want)) == len(want)
     return dict.fromkeys(want, 0.0)
 
