@@ -26,6 +26,10 @@ def pair(ray_session):
 def test_the_worker_holding_the_prefix_gets_the_request(pair):
     srv = pair.server.server
     assert srv.config.routing_policy == "prefix_aware"
+    # Both workers' first stats are in (a worker with none ranks last, not first).
+    deadline = time.monotonic() + 30
+    while any(w.stats is None for w in srv.cluster.decode) and time.monotonic() < deadline:
+        time.sleep(0.05)
     # A long request takes colocated-0 (both idle: ties go to the first worker) ...
     long_started = threading.Event()
     long_done: list = []
