@@ -13,8 +13,10 @@ table, JSON file and plot.
 Workloads (``--workload``):
 
 * ``random``: prompt and output lengths uniform in ``--prompt-len`` / ``--output-len``.
-* ``shared-prefix``: one system prefix of ``--prefix-len`` tokens shared by every
-  request, then a distinct suffix (``--suffix-len``); exercises prefix caching.
+* ``shared-prefix``: a system prefix of ``--prefix-len`` tokens, then a distinct
+  suffix (``--suffix-len``); exercises prefix caching. One prefix shared by every
+  request, or ``--num-prefixes`` K distinct ones that the requests take in turns
+  (each round of K a seeded shuffle).
 * ``prefill-heavy``: ``--num-long-gen`` long generations (short prompt, long output)
   are sent first; once each has its first token, ``--num-prompts`` long prompts with
   short outputs arrive at the request rate. The long generations' ITL (reported as
@@ -116,21 +118,43 @@ def random_workload(num_prompts: int, prompt_len: tuple[int, int], output_len: t
 
 
 def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: tuple[int, int],
-                           output_len: tuple[int, int], seed: int) -> Workload:
-    """One ``prefix_len``-token prefix, then per request a distinct random suffix
-    whose length (tokens) is uniform in ``suffix_len``."""
+                           output_len: tuple[int, int], seed: int, num_prefixes: int = 1) -> Workload:
+    """``num_prefixes`` distinct ``prefix_len``-token prefixes; each request is one of
+    them followed by a distinct random suffix whose length (tokens) is uniform in
+    ``suffix_len``.
+
+    Requests go through the prefixes in rounds, each round a seeded shuffle of all
+    ``num_prefixes``: every prefix is used (when ``num_prompts >= num_prefixes``) and
+    equally often to within one, with no fixed order a router could line up with.
+    ``num_prefixes`` 1 draws the same prompts as before the parameter existed.
+    """
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
     rng = random.Random(seed)
-    prefix = random_ids(rng, prefix_len)
+    prefixes: dict[tuple[int, ...], None] = {}   # insertion-ordered set
+    for _ in range(10 * num_prefixes + 100):
+        if len(prefixes) == num_prefixes:
+            break
+        prefixes.setdefault(random_ids(rng, prefix_len))
+    if len(prefixes) < num_prefixes:
+        raise ValueError(f"cannot draw {num_prefixes} distinct prefixes of {prefix_len} tokens")
+    prefix_list = list(prefixes)
+    order: list[int] = []
     paced, seen = [], set()
     # Repeats are only likely for 1-token suffixes; the bound stops a request for
     # more distinct suffixes than exist.
     for _ in range(10 * num_prompts + 100):
         if len(paced) == num_prompts:
             break
+        if not order:
+            order = list(range(num_prefixes))
+            if num_prefixes > 1:
+                rng.shuffle(order)
         suffix = random_ids(rng, rng.randint(*suffix_len))
         if suffix not in seen:
             seen.add(suffix)
-            paced.append(RequestSpec(prefix + suffix, rng.randint(*output_len), "shared-prefix"))
+            paced.append(RequestSpec(prefix_list[order.pop()] + suffix, rng.randint(*output_len),
+                                     "shared-prefix"))
     if len(paced) < num_prompts:
         raise ValueError(f"cannot draw {num_prompts} distinct suffixes of {suffix_len} tokens")
     return Workload((), tuple(paced))
@@ -613,7 +637,7 @@ def build_workload(args, seed: int) -> Workload:
         return random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), seed)
     if args.workload == "shared-prefix":
         return shared_prefix_workload(args.num_prompts, args.prefix_len, tuple(args.suffix_len),
-                                      tuple(args.output_len), seed)
+                                      tuple(args.output_len), seed, args.num_prefixes)
     return prefill_heavy_workload(args.num_long_gen, args.long_gen_prompt_len, args.long_gen_output_len,
                                   args.num_prompts, tuple(args.long_prompt_len), args.long_prompt_output_len,
                                   seed)
@@ -702,6 +726,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
                     help="random, shared-prefix: output tokens")
     ap.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: shared tokens")
+    ap.add_argument("--num-prefixes", type=int, default=1,
+                    help="shared-prefix: distinct prefixes the requests take turns on")
     ap.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
                     help="shared-prefix: distinct suffix tokens")
     ap.add_argument("--num-long-gen", type=int, default=2, help="prefill-heavy: long generations sent first")
@@ -739,6 +765,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--launch takes modes from {MODES}, got {args.launch!r}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be >= 1")
+    if args.num_prefixes < 1:
+        ap.error("--num-prefixes must be >= 1")
     return args
 
 
