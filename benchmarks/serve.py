@@ -200,7 +200,8 @@ def arrival_offsets(num: int, rate: float, burstiness: float, seed: int) -> list
 class RequestRecord:
     """What the client saw of one request. Times are ``time.perf_counter()`` seconds;
     ``chunk_times[i]`` is when the i-th token-bearing message arrived and
-    ``chunk_tokens[i]`` how many tokens it carried."""
+    ``chunk_tokens[i]`` how many tokens it carried; ``cached_tokens`` is the final
+    message's ``usage.cached_tokens`` (prompt tokens the prefix cache served)."""
 
     group: str
     prompt_len: int
@@ -211,6 +212,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     success: bool = False
     error: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,7 @@ def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_t
         "num_wrong_length": sum(1 for r, m in zip(ok, metrics) if m.output_tokens != r.output_len),
         "errors": sorted({r.error for r in records if not r.success}),
         "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": per_s(len(ok)), "output_throughput": per_s(n_out),
         "total_token_throughput": per_s(n_in + n_out), "goodput": goodput,
         "ttft_s": distribution(m.ttft for m in metrics),
@@ -319,6 +322,8 @@ async def send_request(stub, spec: RequestSpec, request_id: str, temperature: fl
                 rec.chunk_tokens.append(len(msg.token_ids))
             if msg.finish_reason != tandem_pb2.FINISH_REASON_UNSPECIFIED:
                 finish = msg.finish_reason
+            if msg.HasField("usage"):
+                rec.cached_tokens = msg.usage.cached_tokens
         rec.end = time.perf_counter()
         if finish not in (tandem_pb2.FINISH_REASON_STOP, tandem_pb2.FINISH_REASON_LENGTH):
             rec.error = f"finish_reason {tandem_pb2.FinishReason.Name(finish)}"
@@ -696,7 +701,7 @@ def benchmark_endpoint(endpoint: str, mode: str, args) -> list[dict]:
 
 def _request_row(r: RequestRecord) -> dict:
     row = {"group": r.group, "prompt_len": r.prompt_len, "output_len": r.output_len, "success": r.success,
-           "error": r.error}
+           "error": r.error, "cached_tokens": r.cached_tokens}
     if r.success:
         m = request_metrics(r)
         row.update(ttft=m.ttft, tpot=m.tpot, e2e=m.e2e, output_tokens=m.output_tokens, itls=list(m.itls),

@@ -81,12 +81,15 @@ def _run_records():
 
 
 def test_summarize_counts_throughputs_and_goodput():
-    s = serve.summarize(_run_records(), slo_ttft=0.75, slo_tpot=0.3)
+    recs = _run_records()
+    recs[0].cached_tokens, recs[4].cached_tokens = 64, 512     # a failed request's do not count
+    s = serve.summarize(recs, slo_ttft=0.75, slo_tpot=0.3)
     assert s["duration_s"] == 4.0                   # first start 0.0 -> last end 4.0
     assert (s["num_requests"], s["num_completed"], s["num_failed"]) == (5, 4, 1)
     assert s["num_wrong_length"] == 0
     assert s["errors"] == ["UNAVAILABLE: gone"]
     assert s["total_input_tokens"] == 380 and s["total_output_tokens"] == 9
+    assert s["total_cached_tokens"] == 64
     assert s["request_throughput"] == 1.0
     assert s["output_throughput"] == 9 / 4
     assert s["total_token_throughput"] == 389 / 4
