@@ -198,7 +198,7 @@ def run_policy(policy: str, args, bin_path: str, log_dir: Path) -> dict:
            "loadavg_1min_before_after": [load_before, load_after],
            "model": {"name": info.model_name, "dtype": info.dtype, "max_model_len": info.max_model_len,
                      "block_size": info.block_size},
-           "summary": s, "prefix_cache": cache, "requests": [_request_row(r) for r in records]}
+           "summary": s, "prefix_cache": cache, "requests": request_rows(records)}
     print_policy_run(run)
     return run
 
@@ -259,11 +259,11 @@ class StateWatcher(threading.Thread):
         self.back: float | None = None
         self.new_record = None
         self.errors: list[str] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         try:
-            while not self._stop.is_set() and self.back is None:
+            while not self._halt.is_set() and self.back is None:
                 try:
                     rec = next((r for r in self.state.workers() if r.worker_id == self.worker_id), None)
                 except Exception as exc:   # Redis unreachable for a moment: note it, keep polling
@@ -275,12 +275,12 @@ class StateWatcher(threading.Thread):
                         self.seen_dead = now
                     if rec.alive and rec.generation > self.old_generation:
                         self.back, self.new_record = now, rec
-                self._stop.wait(self.interval_s)
+                self._halt.wait(self.interval_s)
         finally:
             self.state.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 def stall_at(r: RequestRecord, t: float) -> float | None:
@@ -301,6 +301,13 @@ def kill_report(records: list[RequestRecord], t_kill: float) -> dict:
     untouched = [r for r in records if r not in in_flight and r.success and len(r.chunk_times) > 1]
     other_itls = sorted(b - a for r in untouched for a, b in zip(r.chunk_times, r.chunk_times[1:]))
     waiting_ttft = [r.chunk_times[0] - r.start for r in in_flight if r not in streaming and r.chunk_times]
+    per_stream = []
+    for i, r in enumerate(records):
+        if r in streaming:
+            n_before = sum(k for x, k in zip(r.chunk_times, r.chunk_tokens) if x <= t_kill)
+            later = [x for x in r.chunk_times if x > t_kill]
+            per_stream.append({"request": i, "tokens_before_kill": n_before, "stall_s": stall_at(r, t_kill),
+                               "next_gaps_s": [b - a for a, b in zip(later, later[1:4])]})
     return {
         "num_in_flight": len(in_flight), "num_streaming": len(streaming),
         "num_in_flight_failed": sum(1 for r in in_flight if not r.success),
@@ -311,7 +318,17 @@ def kill_report(records: list[RequestRecord], t_kill: float) -> dict:
         "max_itl_in_flight_s": max(widest, default=None),
         "max_itl_not_in_flight_s": other_itls[-1] if other_itls else None,
         "ttft_in_flight_without_token_s": sorted(waiting_ttft, reverse=True),
+        # Per stream that had tokens at the kill: the gap across it and the next three.
+        "streams_at_kill": sorted(per_stream, key=lambda x: -(x["stall_s"] or 0.0)),
     }
+
+
+def request_rows(records: list[RequestRecord], t0: float | None = None) -> list[dict]:
+    """serve.py's per-request rows plus ``start_s``, the send time after ``t0`` (default:
+    the first send)."""
+    if t0 is None:
+        t0 = min((r.start for r in records), default=0.0)
+    return [dict(_request_row(r), start_s=r.start - t0) for r in records]
 
 
 def cmd_recovery(args, argv: list[str] | None = None) -> int:
@@ -400,7 +417,7 @@ def cmd_recovery(args, argv: list[str] | None = None) -> int:
               "model": {"name": info.model_name, "dtype": info.dtype, "max_model_len": info.max_model_len},
               "workers_before": [{"worker_id": w.worker_id, "role": w.role, "generation": w.generation,
                                   "pid": w.info.get("pid"), "alive": w.alive} for w in workers_before],
-              "summary": s, "recovery": recovery, "requests": [_request_row(r) for r in records]}
+              "summary": s, "recovery": recovery, "requests": request_rows(records)}
     print_recovery(result)
     _write(args.out, result)
     return 0 if s["num_failed"] == 0 and recovery["back_after_kill_s"] is not None else 1

@@ -35,7 +35,11 @@ def test_kill_report_stall_spans_the_kill_and_only_in_flight_streams_count():
     assert r["max_itl_in_flight_s"] == 3.0
     assert r["max_itl_not_in_flight_s"] == 2.0                    # the post-kill request's gap
     assert r["ttft_in_flight_without_token_s"] == [pytest.approx(1.6)]
+    assert [(x["request"], x["tokens_before_kill"], x["stall_s"], x["next_gaps_s"])
+            for x in r["streams_at_kill"]] == [(1, 3, 3.0, [0.25]), (2, 2, 0.5, [0.5])]
     assert routing.stall_at(records[0], t_kill) is None
+    rows = routing.request_rows(records)
+    assert [row["start_s"] for row in rows] == [0.0, 8.0, 9.0, 9.9, 11.0]
 
 
 def test_counter_increase_and_hit_rate():
