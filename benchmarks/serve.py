@@ -13,8 +13,10 @@ table, JSON file and plot.
 Workloads (``--workload``):
 
 * ``random``: prompt and output lengths uniform in ``--prompt-len`` / ``--output-len``.
-* ``shared-prefix``: one system prefix of ``--prefix-len`` tokens shared by every
-  request, then a distinct suffix (``--suffix-len``); exercises prefix caching.
+* ``shared-prefix``: a system prefix of ``--prefix-len`` tokens, then a distinct
+  suffix (``--suffix-len``); exercises prefix caching. One prefix shared by every
+  request, or ``--num-prefixes`` K distinct ones that the requests take in turns
+  (each round of K a seeded shuffle).
 * ``prefill-heavy``: ``--num-long-gen`` long generations (short prompt, long output)
   are sent first; once each has its first token, ``--num-prompts`` long prompts with
   short outputs arrive at the request rate. The long generations' ITL (reported as
@@ -116,21 +118,43 @@ def random_workload(num_prompts: int, prompt_len: tuple[int, int], output_len: t
 
 
 def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: tuple[int, int],
-                           output_len: tuple[int, int], seed: int) -> Workload:
-    """One ``prefix_len``-token prefix, then per request a distinct random suffix
-    whose length (tokens) is uniform in ``suffix_len``."""
+                           output_len: tuple[int, int], seed: int, num_prefixes: int = 1) -> Workload:
+    """``num_prefixes`` distinct ``prefix_len``-token prefixes; each request is one of
+    them followed by a distinct random suffix whose length (tokens) is uniform in
+    ``suffix_len``.
+
+    Requests go through the prefixes in rounds, each round a seeded shuffle of all
+    ``num_prefixes``: every prefix is used (when ``num_prompts >= num_prefixes``) and
+    equally often to within one, with no fixed order a router could line up with.
+    ``num_prefixes`` 1 draws the same prompts as before the parameter existed.
+    """
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
     rng = random.Random(seed)
-    prefix = random_ids(rng, prefix_len)
+    prefixes: dict[tuple[int, ...], None] = {}   # insertion-ordered set
+    for _ in range(10 * num_prefixes + 100):
+        if len(prefixes) == num_prefixes:
+            break
+        prefixes.setdefault(random_ids(rng, prefix_len))
+    if len(prefixes) < num_prefixes:
+        raise ValueError(f"cannot draw {num_prefixes} distinct prefixes of {prefix_len} tokens")
+    prefix_list = list(prefixes)
+    order: list[int] = []
     paced, seen = [], set()
     # Repeats are only likely for 1-token suffixes; the bound stops a request for
     # more distinct suffixes than exist.
     for _ in range(10 * num_prompts + 100):
         if len(paced) == num_prompts:
             break
+        if not order:
+            order = list(range(num_prefixes))
+            if num_prefixes > 1:
+                rng.shuffle(order)
         suffix = random_ids(rng, rng.randint(*suffix_len))
         if suffix not in seen:
             seen.add(suffix)
-            paced.append(RequestSpec(prefix + suffix, rng.randint(*output_len), "shared-prefix"))
+            paced.append(RequestSpec(prefix_list[order.pop()] + suffix, rng.randint(*output_len),
+                                     "shared-prefix"))
     if len(paced) < num_prompts:
         raise ValueError(f"cannot draw {num_prompts} distinct suffixes of {suffix_len} tokens")
     return Workload((), tuple(paced))
@@ -176,7 +200,8 @@ def arrival_offsets(num: int, rate: float, burstiness: float, seed: int) -> list
 class RequestRecord:
     """What the client saw of one request. Times are ``time.perf_counter()`` seconds;
     ``chunk_times[i]`` is when the i-th token-bearing message arrived and
-    ``chunk_tokens[i]`` how many tokens it carried."""
+    ``chunk_tokens[i]`` how many tokens it carried; ``cached_tokens`` is the final
+    message's ``usage.cached_tokens`` (prompt tokens the prefix cache served)."""
 
     group: str
     prompt_len: int
@@ -187,6 +212,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     success: bool = False
     error: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +274,7 @@ def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_t
         "num_wrong_length": sum(1 for r, m in zip(ok, metrics) if m.output_tokens != r.output_len),
         "errors": sorted({r.error for r in records if not r.success}),
         "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": per_s(len(ok)), "output_throughput": per_s(n_out),
         "total_token_throughput": per_s(n_in + n_out), "goodput": goodput,
         "ttft_s": distribution(m.ttft for m in metrics),
@@ -295,6 +322,8 @@ async def send_request(stub, spec: RequestSpec, request_id: str, temperature: fl
                 rec.chunk_tokens.append(len(msg.token_ids))
             if msg.finish_reason != tandem_pb2.FINISH_REASON_UNSPECIFIED:
                 finish = msg.finish_reason
+            if msg.HasField("usage"):
+                rec.cached_tokens = msg.usage.cached_tokens
         rec.end = time.perf_counter()
         if finish not in (tandem_pb2.FINISH_REASON_STOP, tandem_pb2.FINISH_REASON_LENGTH):
             rec.error = f"finish_reason {tandem_pb2.FinishReason.Name(finish)}"
@@ -613,7 +642,7 @@ def build_workload(args, seed: int) -> Workload:
         return random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), seed)
     if args.workload == "shared-prefix":
         return shared_prefix_workload(args.num_prompts, args.prefix_len, tuple(args.suffix_len),
-                                      tuple(args.output_len), seed)
+                                      tuple(args.output_len), seed, args.num_prefixes)
     return prefill_heavy_workload(args.num_long_gen, args.long_gen_prompt_len, args.long_gen_output_len,
                                   args.num_prompts, tuple(args.long_prompt_len), args.long_prompt_output_len,
                                   seed)
@@ -672,7 +701,7 @@ def benchmark_endpoint(endpoint: str, mode: str, args) -> list[dict]:
 
 def _request_row(r: RequestRecord) -> dict:
     row = {"group": r.group, "prompt_len": r.prompt_len, "output_len": r.output_len, "success": r.success,
-           "error": r.error}
+           "error": r.error, "cached_tokens": r.cached_tokens}
     if r.success:
         m = request_metrics(r)
         row.update(ttft=m.ttft, tpot=m.tpot, e2e=m.e2e, output_tokens=m.output_tokens, itls=list(m.itls),
@@ -702,6 +731,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
                     help="random, shared-prefix: output tokens")
     ap.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: shared tokens")
+    ap.add_argument("--num-prefixes", type=int, default=1,
+                    help="shared-prefix: distinct prefixes the requests take turns on")
     ap.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"),
                     help="shared-prefix: distinct suffix tokens")
     ap.add_argument("--num-long-gen", type=int, default=2, help="prefill-heavy: long generations sent first")
@@ -739,6 +770,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--launch takes modes from {MODES}, got {args.launch!r}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be >= 1")
+    if args.num_prefixes < 1:
+        ap.error("--num-prefixes must be >= 1")
     return args
 
 

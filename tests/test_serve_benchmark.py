@@ -81,12 +81,15 @@ def _run_records():
 
 
 def test_summarize_counts_throughputs_and_goodput():
-    s = serve.summarize(_run_records(), slo_ttft=0.75, slo_tpot=0.3)
+    recs = _run_records()
+    recs[0].cached_tokens, recs[4].cached_tokens = 64, 512     # a failed request's do not count
+    s = serve.summarize(recs, slo_ttft=0.75, slo_tpot=0.3)
     assert s["duration_s"] == 4.0                   # first start 0.0 -> last end 4.0
     assert (s["num_requests"], s["num_completed"], s["num_failed"]) == (5, 4, 1)
     assert s["num_wrong_length"] == 0
     assert s["errors"] == ["UNAVAILABLE: gone"]
     assert s["total_input_tokens"] == 380 and s["total_output_tokens"] == 9
+    assert s["total_cached_tokens"] == 64
     assert s["request_throughput"] == 1.0
     assert s["output_throughput"] == 9 / 4
     assert s["total_token_throughput"] == 389 / 4
@@ -178,6 +181,35 @@ def test_shared_prefix_workload_shares_exactly_the_prefix():
         serve.shared_prefix_workload(49053, 4, (1, 1), (1, 1), seed=0)   # only 49052 one-token suffixes
 
 
+def test_shared_prefix_workload_with_several_prefixes():
+    k, n, plen = 5, 23, 32
+    w = serve.shared_prefix_workload(n, plen, (1, 8), (3, 3), seed=4, num_prefixes=k)
+    prompts = [s.prompt_ids for s in w.paced]
+    assert len(prompts) == n
+    prefixes = {p[:plen] for p in prompts}
+    assert len(prefixes) == k                                     # exactly K distinct prefixes
+    assert all(any(p[:plen] == q for q in prefixes) for p in prompts)   # each starts with one
+    assert {len(p) - plen for p in prompts} <= set(range(1, 9))
+    assert len({p[plen:] for p in prompts}) == n                  # suffixes all distinct
+    # Rounds of K: every prefix used n // K or n // K + 1 times, each round all K.
+    counts = sorted(sum(p[:plen] == q for p in prompts) for q in prefixes)
+    assert counts == [n // k] * (k - n % k) + [n // k + 1] * (n % k)
+    assert all(len({p[:plen] for p in prompts[i:i + k]}) == k for i in range(0, n - n % k, k))
+    assert {s.output_len for s in w.paced} == {3} and {s.group for s in w.paced} == {"shared-prefix"}
+    # Seeded: the same seed gives the same workload, another seed other prefixes.
+    assert w == serve.shared_prefix_workload(n, plen, (1, 8), (3, 3), seed=4, num_prefixes=k)
+    other = serve.shared_prefix_workload(n, plen, (1, 8), (3, 3), seed=5, num_prefixes=k)
+    assert {p[:plen] for p in (s.prompt_ids for s in other.paced)}.isdisjoint(prefixes)
+    # One prefix is the default, and draws what it always drew.
+    one = serve.shared_prefix_workload(n, plen, (1, 8), (3, 3), seed=4)
+    assert one == serve.shared_prefix_workload(n, plen, (1, 8), (3, 3), seed=4, num_prefixes=1)
+    assert len({s.prompt_ids[:plen] for s in one.paced}) == 1
+    with pytest.raises(ValueError, match="num_prefixes"):
+        serve.shared_prefix_workload(4, plen, (1, 8), (3, 3), seed=0, num_prefixes=0)
+    with pytest.raises(ValueError, match="distinct prefixes"):
+        serve.shared_prefix_workload(4, 1, (1, 8), (3, 3), seed=0, num_prefixes=49053)
+
+
 def test_prefill_heavy_workload_leads_with_long_generations():
     w = serve.prefill_heavy_workload(3, 32, 256, 10, (512, 1024), 8, seed=0)
     assert [(len(s.prompt_ids), s.output_len, s.group) for s in w.leading] == [(32, 256, "long-gen")] * 3
@@ -205,12 +237,17 @@ def test_parse_args_rates_modes_and_serve_args():
     a = serve.parse_args(["--launch", "disaggregated,colocated", "--request-rate", "0.5,inf",
                           "--serve-arg=--foo", "--serve-arg", "bar"])
     assert a.modes == ["disaggregated", "colocated"]
+    assert a.num_prefixes == 1
+    assert serve.parse_args(["--endpoint", "127.0.0.1:1", "--workload", "shared-prefix",
+                             "--num-prefixes", "8"]).num_prefixes == 8
     assert a.request_rate == [0.5, math.inf]
     assert a.serve_arg == ["--foo", "bar"]
     with pytest.raises(SystemExit):
         serve.parse_args(["--launch", "colocated,fast"])
     with pytest.raises(SystemExit):
         serve.parse_args(["--endpoint", "127.0.0.1:1", "--request-rate", "0"])
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--endpoint", "127.0.0.1:1", "--num-prefixes", "0"])
 
 
 # --------------------------------------------------------------------------- process handling
