@@ -10,6 +10,8 @@ routers' prefix indexes.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -61,6 +63,11 @@ class WorkerControl:
                                  on_fenced=on_fenced, on_unfenced=on_unfenced).start()
         self.kv_events = KVEventPublisher(self.state, worker_id, self.lease.generation)
         self._publish_failed = False
+        # Appends run on their own thread: a slow or absent Redis never stalls a step.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._publisher = threading.Thread(target=self._publish_loop, daemon=True,
+                                           name=f"kv-events-{worker_id}")
+        self._publisher.start()
 
     @property
     def generation(self) -> int:
@@ -68,20 +75,26 @@ class WorkerControl:
         return self.lease.generation
 
     def publish_kv_events(self, events: Sequence) -> None:
-        """Append a step's KV events to the stream (on the engine loop thread). A
-        failed append is logged once per outage; the readers see the sequence gap
-        and drop this worker's entries, which it re-earns as it caches again."""
-        if not events:
-            return
-        try:
-            self.kv_events.publish(events)
-            self._publish_failed = False
-        except Exception as exc:
-            if not self._publish_failed:
-                logger.warning("publishing KV events failed: %s", exc)
-            self._publish_failed = True
+        """Queue a step's KV events for the stream (called on the engine loop thread;
+        returns at once). A failed append is logged once per outage; the readers see
+        the sequence gap and drop this worker's entries, which it re-earns as it
+        caches again."""
+        if events:
+            self._outbox.put(events)
+
+    def _publish_loop(self) -> None:
+        while (events := self._outbox.get()) is not None:
+            try:
+                self.kv_events.publish(events)
+                self._publish_failed = False
+            except Exception as exc:
+                if not self._publish_failed:
+                    logger.warning("publishing KV events failed: %s", exc)
+                self._publish_failed = True
 
     def close(self, deregister: bool = True) -> None:
+        self._outbox.put(None)
+        self._publisher.join(5)
         self.lease.stop(deregister=deregister)
         self.state.close()
 
