@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from tests.test_disagg_engine import _idle, _run
+
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.llm import LLM, LLMEngine
 from tandem.engine.scheduling.request import RequestStatus
@@ -55,21 +57,6 @@ def pair(f32_weights):
     yield base, producer, consumer
     producer.kv_connector.close()
     consumer.kv_connector.close()
-
-
-def _run(engine: LLMEngine, until, max_steps: int = 400) -> None:
-    for _ in range(max_steps):
-        if until():
-            return
-        engine.step()
-        engine.check_invariants()
-    raise AssertionError("engine did not get there")
-
-
-def _idle(engine: LLMEngine) -> None:
-    _run(engine, lambda: not engine.has_unfinished_requests())
-    kv = engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks
 
 
 def _reserve(consumer: LLMEngine, rid: str, prompt: list[int], **params):

