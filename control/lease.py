@@ -48,6 +48,8 @@ class LeaseKeeper:
         interval_s: time between renewals, in seconds (well under ``ttl_s``).
         on_fenced: called with the reason each time the keeper becomes fenced.
         on_unfenced: called when a temporary fence is lifted.
+        min_generation: passed to :meth:`ClusterState.register_worker` (one more
+            than the incarnation this worker replaces; 0 for a first start).
 
     Attributes:
         generation: this incarnation's generation (set by :meth:`start`; 0 before).
@@ -59,7 +61,7 @@ class LeaseKeeper:
     def __init__(self, state: ClusterState, worker_id: str, role: str, actor_name: str, info: dict,
                  ttl_s: float = LEASE_TTL_S, interval_s: float = RENEW_INTERVAL_S,
                  on_fenced: Callable[[str], None] | None = None,
-                 on_unfenced: Callable[[], None] | None = None) -> None:
+                 on_unfenced: Callable[[], None] | None = None, min_generation: int = 0) -> None:
         if not (ttl_s > 0 and interval_s > 0 and interval_s < ttl_s):
             raise ValueError(f"need 0 < interval_s < ttl_s, got interval_s={interval_s}, ttl_s={ttl_s}")
         self.state = state
@@ -68,6 +70,7 @@ class LeaseKeeper:
         self.interval_s = interval_s
         self.record = {"role": role, "actor_name": actor_name, "info": info}
         self.generation = 0
+        self.min_generation = min_generation
         self._on_fenced = on_fenced
         self._on_unfenced = on_unfenced
         self._lock = threading.Lock()
@@ -93,7 +96,7 @@ class LeaseKeeper:
         t0 = time.monotonic()
         self.generation = self.state.register_worker(self.worker_id, self.record["role"],
                                                      self.record["actor_name"], self.record["info"],
-                                                     self.ttl_s)
+                                                     self.ttl_s, self.min_generation)
         self._last_ok = t0
         self._thread = threading.Thread(target=self._run, name=f"lease-{self.worker_id}", daemon=True)
         self._thread.start()

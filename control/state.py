@@ -8,6 +8,9 @@ clusters can share one Redis. Per worker id::
     {ns}:lease:{worker_id}    string     the generation holding the lease, PX ttl
     {ns}:workers              set        every registered worker id
 
+and once per cluster ``{ns}:epoch``, a random token the first reader creates: a
+changed or vanished token tells the routers that Redis lost its data.
+
 A worker is *alive* while its lease key exists. The generation fences stale
 incarnations: a worker restarted under the same id registers a larger
 generation, and the old process's renewals answer ``"fenced"`` from then on.
@@ -18,11 +21,14 @@ Redis may lose everything (a restart without persistence, a flush). Workers
 repair it: a renewal that finds neither its lease nor a newer generation
 re-creates the counter, record and lease (``"reasserted"``), so the state
 converges back within one renewal interval and generations never go backwards.
+A worker started in place of one whose counter Redis lost passes the generation
+it replaces (``min_generation``), so a successor still outranks its predecessor.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 import redis
@@ -34,9 +40,15 @@ LEASE_TTL_S = 10.0
 RENEW_INTERVAL_S = 3.0
 """How often a worker renews its lease, in seconds (several renewals per TTL)."""
 
-# KEYS: counter, record, lease, index. ARGV: worker_id, role, actor_name, info, ttl_ms.
+# KEYS: counter, record, lease, index. ARGV: worker_id, role, actor_name, info, ttl_ms,
+# min_generation.
 _REGISTER = """
 local gen = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[6])
+if gen < floor then
+  gen = floor
+  redis.call('SET', KEYS[1], gen)
+end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'worker_id', ARGV[1], 'role', ARGV[2], 'actor_name', ARGV[3],
            'info', ARGV[4], 'generation', gen)
@@ -180,7 +192,7 @@ class ClusterState:
 
     # -- workers ---------------------------------------------------------------------------
     def register_worker(self, worker_id: str, role: str, actor_name: str, info: dict,
-                        ttl_s: float = LEASE_TTL_S) -> int:
+                        ttl_s: float = LEASE_TTL_S, min_generation: int = 0) -> int:
         """Register a new incarnation of ``worker_id``, atomically (one script).
 
         Takes the next generation, replaces the record, and sets the lease for
@@ -189,9 +201,13 @@ class ClusterState:
 
         Args:
             info: JSON-able model and cache facts.
+            min_generation: the least generation to take: one more than the
+                incarnation this one replaces, should Redis have lost the counter
+                since (a restart without persistence).
 
         Returns:
-            The generation: >= 1, strictly increasing per worker id.
+            The generation: >= max(1, ``min_generation``), strictly increasing per
+            worker id.
 
         Raises:
             ValueError: ``ttl_s`` is not positive.
@@ -199,7 +215,8 @@ class ClusterState:
             redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
         """
         return int(self._register(keys=self._worker_keys(worker_id),
-                                  args=[worker_id, role, actor_name, json.dumps(info), ttl_ms(ttl_s)]))
+                                  args=[worker_id, role, actor_name, json.dumps(info), ttl_ms(ttl_s),
+                                        int(min_generation)]))
 
     def renew_lease(self, worker_id: str, generation: int, ttl_s: float, record: dict) -> str:
         """Extend the lease of incarnation ``generation`` by ``ttl_s`` seconds (one script).
@@ -264,6 +281,22 @@ class ClusterState:
                                     actor_name=rec["actor_name"], info=json.loads(rec["info"]),
                                     alive=bool(alive)))
         return out
+
+    def epoch(self) -> str:
+        """The cluster state's epoch token, created (at random) if missing.
+
+        It lives as long as the Redis data does: a reader that sees it change
+        knows Redis was flushed or restarted empty since its last look, even if
+        some workers have already reasserted their records by then.
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
+        """
+        key = self.key("epoch")
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(key, uuid.uuid4().hex, nx=True)
+        pipe.get(key)
+        return pipe.execute()[1]
 
     def generation(self, worker_id: str) -> int | None:
         """The worker's generation counter; ``None`` if it never registered (or Redis lost it).

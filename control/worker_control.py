@@ -31,6 +31,9 @@ class ControlConfig:
         namespace: key prefix shared by the cluster's processes.
         actor_name: the worker's Ray actor name (routers look it up by it).
         lease_ttl_s, renew_interval_s: lease length and renewal period (seconds).
+        min_generation: the least generation to register under (one more than the
+            incarnation this worker replaces, 0 for a first start): generations stay
+            increasing even if Redis lost the counter.
     """
 
     redis_url: str
@@ -38,6 +41,7 @@ class ControlConfig:
     actor_name: str = ""
     lease_ttl_s: float = LEASE_TTL_S
     renew_interval_s: float = RENEW_INTERVAL_S
+    min_generation: int = 0
 
 
 class WorkerControl:
@@ -60,7 +64,8 @@ class WorkerControl:
         self.state = ClusterState(config.redis_url, config.namespace)
         self.lease = LeaseKeeper(self.state, worker_id, role, config.actor_name, info,
                                  ttl_s=config.lease_ttl_s, interval_s=config.renew_interval_s,
-                                 on_fenced=on_fenced, on_unfenced=on_unfenced).start()
+                                 on_fenced=on_fenced, on_unfenced=on_unfenced,
+                                 min_generation=config.min_generation).start()
         self.kv_events = KVEventPublisher(self.state, worker_id, self.lease.generation)
         self._publish_failed = False
         # Appends run on their own thread: a slow or absent Redis never stalls a step.

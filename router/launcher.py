@@ -333,8 +333,12 @@ class TandemServer(RouterServer):
         engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
         self._spawned += 1
         name = f"{cfg.namespace}:{worker_id}:{self._spawned}"
+        try:        # a replacement outranks its predecessor even if Redis lost the counter
+            floor = self.registry.get(worker_id).generation + 1
+        except KeyError:
+            floor = 0
         control = ControlConfig(self.state_url, cfg.namespace, name, cfg.lease_ttl_s,
-                                max(0.1, cfg.lease_ttl_s / 3.3))
+                                max(0.1, cfg.lease_ttl_s / 3.3), floor)
         opts = {**actor_options(role, engine), "name": name, "namespace": "tandem"}
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**opts).remote(

@@ -12,10 +12,11 @@ a second), so routing a request never waits on Redis:
 * a router that sees a worker's actor die (a failed call) marks it dead at once
   and deletes its lease (:meth:`~tandem.control.state.ClusterState.mark_suspect`),
   so every other router sees it on its next refresh, without waiting for the TTL;
-* the view never drops every worker at once because none heartbeats: that is
-  Redis flushed or restarted, not the whole cluster dying, and the workers
-  re-assert their records within a renewal interval. From the moment every
-  lease is seen gone, no worker is marked dead by its lease for
+* the view never drops workers because Redis lost its data (flushed or
+  restarted empty): the workers re-assert their records within a renewal
+  interval, some before others. A changed cluster-state epoch
+  (:meth:`~tandem.control.state.ClusterState.epoch`), or every lease gone at
+  once, starts a grace period: no worker is marked dead by its lease for
   ``flush_grace_s``; one still silent after that is.
 """
 
@@ -53,6 +54,7 @@ class RedisRegistry(InProcessRegistry):
         self.resolve_actor = resolve_actor
         self.flush_grace_s = flush_grace_s
         self._all_silent_since: float | None = None
+        self._epoch: str | None = None
         self._task: asyncio.Task | None = None
         self.starting: set[str] = set()
         """Ids whose new incarnation this process is still wiring (its supervisor puts
@@ -65,7 +67,9 @@ class RedisRegistry(InProcessRegistry):
         Raises:
             redis.exceptions.ConnectionError: Redis is unreachable (the view is kept).
         """
-        records = await asyncio.to_thread(self.state.workers)
+        def read():       # the epoch after the records: a loss between them is seen
+            return self.state.workers(), self.state.epoch()
+        records, epoch = await asyncio.to_thread(read)
         fresh: dict[str, tuple[WorkerRecord, Any]] = {}
         for rec in records:
             known = self._workers.get(rec.worker_id)
@@ -78,15 +82,17 @@ class RedisRegistry(InProcessRegistry):
                     logger.debug("worker %s g%d: no actor (%s)", rec.worker_id, rec.generation, exc)
                     continue
                 fresh[rec.worker_id] = (rec, actor)
-        self.apply(records, fresh)
+        self.apply(records, fresh, epoch)
 
     def apply(self, records: list[WorkerRecord],
-              actors: dict[str, tuple[WorkerRecord, Any]]) -> None:
+              actors: dict[str, tuple[WorkerRecord, Any]], epoch: str | None = None) -> None:
         """Apply one read of the records (:meth:`refresh` without the I/O).
 
         Args:
             records: every worker record in the cluster state.
             actors: for records to put in service: their record and actor handle.
+            epoch: the cluster state's epoch read after ``records`` (None: unknown);
+                a change since the last read starts the grace period.
         """
         for rec, actor in actors.values():
             self.add(WorkerHandle(rec.worker_id, rec.role, actor, dict(rec.info),
@@ -97,13 +103,20 @@ class RedisRegistry(InProcessRegistry):
                                   or live[w.worker_id].generation != w.generation)]
         alive_now = [w for w in self._workers.values() if w.alive]
         now = time.monotonic()
-        if lapsed and len(lapsed) == len(alive_now) and not live:
-            # Nobody heartbeats: Redis lost its state; the workers will re-assert.
-            if self._all_silent_since is None:
+        if epoch is not None:
+            if self._epoch is not None and epoch != self._epoch:
                 self._all_silent_since = now
-                logger.warning("no worker lease in the cluster state (Redis flushed or "
-                               "restarted?); keeping %d workers for %.0f s",
-                               len(lapsed), self.flush_grace_s)
+                logger.warning("the cluster state was lost (Redis flushed or restarted); "
+                               "keeping %d workers for %.0f s while they re-assert",
+                               len(alive_now), self.flush_grace_s)
+            self._epoch = epoch
+        if (lapsed and len(lapsed) == len(alive_now) and not live
+                and self._all_silent_since is None):
+            # Nobody heartbeats: Redis lost its state; the workers will re-assert.
+            self._all_silent_since = now
+            logger.warning("no worker lease in the cluster state (Redis flushed or "
+                           "restarted?); keeping %d workers for %.0f s",
+                           len(lapsed), self.flush_grace_s)
         if self._all_silent_since is not None:
             # After such a loss every worker gets the grace to re-assert, not only
             # until the first one does.

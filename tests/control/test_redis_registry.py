@@ -99,3 +99,27 @@ def test_a_flushed_redis_purges_nobody_until_the_grace_ends(state):
 
     asyncio.run(after_grace(reg2))
     assert down2 == ["decode-0"] and not reg2.get("decode-0").alive
+
+
+def test_a_worker_reasserting_before_the_first_look_after_a_restart_purges_nobody(state):
+    """Workers renew at different moments: one may have re-asserted its record before a
+    router first reads the emptied state. The changed epoch still gives the others
+    their grace (with every lease gone no longer the only sign)."""
+    reg, _, down = _registry(state, flush_grace_s=0.3)
+    for i in range(3):
+        state.register_worker(f"decode-{i}", "decode", f"a{i}", INFO)
+    asyncio.run(reg.refresh())
+    state.redis.flushall()
+    assert state.renew_lease("decode-0", reg.get("decode-0").generation, 10.0,
+                             {"role": "decode", "actor_name": "a0", "info": INFO}) == "reasserted"
+    asyncio.run(reg.refresh())
+    assert all(w.alive for w in reg.workers()) and down == []
+    state.renew_lease("decode-1", reg.get("decode-1").generation, 10.0,
+                      {"role": "decode", "actor_name": "a1", "info": INFO})
+
+    async def after_grace(r):
+        await asyncio.sleep(0.4)
+        await r.refresh()
+    asyncio.run(after_grace(reg))
+    assert down == ["decode-2"]                 # the one that never came back
+    assert [w.worker_id for w in reg.workers() if w.alive] == ["decode-0", "decode-1"]

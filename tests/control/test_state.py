@@ -103,6 +103,28 @@ def test_renew_after_a_flush_reasserts_counter_record_and_lease(state):
     assert register(state) == gen + 1
 
 
+def test_a_replacement_registered_after_a_flush_still_outranks_its_predecessor(state):
+    register(state)
+    old = register(state)                                    # generation 2
+    state.redis.flushall()                                   # the counter is gone
+    assert state.register_worker("decode-0", "decode", "b", {}, min_generation=old + 1) == old + 1
+    assert state.renew_lease("decode-0", old, 5.0, REC) == "fenced"   # the predecessor
+    assert register(state) == old + 2                        # counting goes on from there
+    # A floor below the counter changes nothing.
+    assert state.register_worker("decode-0", "decode", "b", {}, min_generation=1) == old + 3
+
+
+def test_the_epoch_lasts_as_long_as_the_data(state, redis_server):
+    first = state.epoch()
+    assert len(first) == 32 and state.epoch() == first
+    other = ClusterState(redis_server.url)
+    assert other.epoch() == first                            # every reader sees the same token
+    state.redis.flushall()
+    second = other.epoch()
+    assert second != first and state.epoch() == second
+    other.close()
+
+
 def test_renew_after_the_lease_lapsed_unreplaced_reasserts(state):
     gen = register(state, ttl_s=0.1)
     time.sleep(0.2)
