@@ -200,10 +200,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     from tandem.engine.model import weights
 
     if files.format == "gguf":
-        fields, reader = weights.read_gguf(files.path)
-        has_output = any(t.name == "output.weight" for t in reader.tensors)
-        cfg = ModelConfig.from_gguf_fields(fields, has_output)
-        tensors = weights.iter_gguf_tensors(reader, cfg)
+        cfg, tensors = weights.gguf_checkpoint(files)
     else:
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)

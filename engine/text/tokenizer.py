@@ -7,27 +7,14 @@ so Tandem tokenizes exactly as the reference does.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import tempfile
 from typing import Sequence
 
-from tandem.engine.model.model_files import ModelFiles
+from tandem.engine.model.model_files import ModelFiles, derived_path, publish
 
 logger = logging.getLogger(__name__)
-
-
-def cache_dir() -> str | None:
-    """Where Tandem keeps files derived from model files: ``$TANDEM_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/tandem`` (``~/.cache/tandem``). ``TANDEM_CACHE_DIR=""``
-    turns the cache off (None)."""
-    env = os.environ.get("TANDEM_CACHE_DIR")
-    if env is not None:
-        return env or None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tandem")
 
 
 def _gguf_tokenizer(files: ModelFiles, auto_tokenizer):
@@ -35,7 +22,8 @@ def _gguf_tokenizer(files: ModelFiles, auto_tokenizer):
 
     Converting the GGUF's vocabulary and merges (``transformers``' GGUF reader walks
     every array element) takes seconds, every worker start; the converted fast
-    tokenizer is saved with ``save_pretrained`` under :func:`cache_dir` (keyed by the
+    tokenizer is saved with ``save_pretrained`` in the model-file cache
+    (:func:`~tandem.engine.model.model_files.derived_path`: keyed by the
     file's path, size and mtime and the library versions) and loaded from there
     next time. Writes are atomic (a rename), so concurrent workers may race; a cache
     that cannot be written is skipped.
@@ -43,25 +31,16 @@ def _gguf_tokenizer(files: ModelFiles, auto_tokenizer):
     import tokenizers
     import transformers
 
-    root = cache_dir()
-    target = None
-    if root is not None:
-        st = os.stat(files.path)
-        key = hashlib.sha256(f"{os.path.realpath(files.path)}|{st.st_size}|{st.st_mtime_ns}|"
-                             f"{transformers.__version__}|{tokenizers.__version__}".encode())
-        target = os.path.join(root, "tokenizers", f"{files.name}-{key.hexdigest()[:16]}")
-        if os.path.isfile(os.path.join(target, "tokenizer.json")):
-            return auto_tokenizer.from_pretrained(target)
+    target = derived_path(files, "tokenizers", transformers.__version__, tokenizers.__version__)
+    if target is not None and os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return auto_tokenizer.from_pretrained(target)
     tok = auto_tokenizer.from_pretrained(files.directory, gguf_file=os.path.basename(files.path))
     if target is not None:
         try:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
             tok.save_pretrained(tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:              # another process got there first
-                shutil.rmtree(tmp, ignore_errors=True)
+            publish(tmp, target)
         except OSError as exc:
             logger.debug("tokenizer cache %s not written: %s", target, exc)
     return tok

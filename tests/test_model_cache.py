@@ -1,5 +1,5 @@
-"""The GGUF tokenizer cache: the converted tokenizer is saved once and loaded from the
-cache afterwards, and it tokenizes, templates and decodes exactly as the conversion."""
+"""The model-file cache: a GGUF's converted tokenizer and its dequantized weights are
+saved once and loaded from the cache afterwards, and equal the conversion exactly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import os
 import random
 
 import pytest
+import torch
 
-from tandem.engine.text.tokenizer import Tokenizer, cache_dir
+from tandem.engine.model.model_files import cache_dir, derived_path
+from tandem.engine.model.weights import gguf_checkpoint
+from tandem.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +44,24 @@ def test_cached_tokenizer_equals_the_conversion(model_files, tmp_path, monkeypat
             assert converted.decode(ids, skip) == cached.decode(ids, skip)
 
 
-def test_an_empty_cache_dir_turns_the_cache_off(monkeypatch):
+def test_an_empty_cache_dir_turns_the_cache_off(model_files, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", "")
-    assert cache_dir() is None
+    assert cache_dir() is None and derived_path(model_files, "weights") is None
     monkeypatch.delenv("TANDEM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/x")
     assert cache_dir() == "/x/tandem"
+
+
+def test_cached_weights_equal_the_dequantized_gguf(model_files, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    cfg, tensors = gguf_checkpoint(model_files)            # parses, dequantizes, saves
+    converted = dict(tensors)
+    [entry] = os.listdir(tmp_path / "weights")
+    assert entry.startswith(model_files.name + "-") and entry.endswith(".safetensors")
+    cached_cfg, cached = gguf_checkpoint(model_files)      # from the cache
+    cached = dict(cached)
+    assert cached_cfg == cfg and cfg.num_layers == 30
+    assert sorted(cached) == sorted(converted) and len(converted) == 2 + 9 * cfg.num_layers
+    for name, t in converted.items():
+        assert t.dtype == cached[name].dtype == torch.float32
+        assert torch.equal(t, cached[name]), name
