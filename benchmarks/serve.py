@@ -446,7 +446,7 @@ class ServerProcess:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.cmd = [tandem_bin, "serve", "--mode", mode, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--num-prefill", "1", "--num-decode", "1", "--dtype", dtype,
+                    "--num-prefill", "1", "--num-decode", "1", "--dtype", dtype, "--http-port", "-1",
                     *(["--cpu-affinity"] if cpu_affinity else []), *serve_args]
         self.proc: subprocess.Popen | None = None
 

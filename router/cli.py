@@ -74,6 +74,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="pin prefill and decode workers to disjoint cores (torch threads to match)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (0 = any free port)")
+    _add_http_arg(p, 8000)
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: embedded)")
     p.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
@@ -84,6 +85,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a worker may miss its heartbeat before it counts as dead")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
+
+
+def _add_http_arg(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--http-port", type=int, default=default,
+                   help=f"the OpenAI-compatible HTTP API's port (default {default}; "
+                        "0 = any free port, -1 = off)")
+
+
+def _http_port(args) -> int | None:
+    return None if args.http_port < 0 else args.http_port
+
+
+def _http_banner(server) -> str:
+    return f" (OpenAI API on http://{server.config.host}:{server.http_port}/v1)" \
+        if server.http_port is not None else ""
 
 
 def _serve_config(args):
@@ -101,7 +117,7 @@ def _serve_config(args):
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
-                       ray_address=args.ray_address, routing_policy=args.routing_policy,
+                       http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl)
 
 
@@ -111,7 +127,7 @@ def _cmd_serve(args) -> int:
     def banner(server) -> str:
         redis = server.redis.url if server.redis is not None else server.config.redis_url
         return f"tandem: serving {server.config.mode} on {args.host}:{server.port} (cluster " \
-               f"state {redis})"
+               f"state {redis}){_http_banner(server)}"
     return _run_until_signal(TandemServer(_serve_config(args)), banner, args)
 
 
@@ -120,11 +136,12 @@ def _cmd_router(args) -> int:
     from tandem.router.launcher import RouterServer, ServeConfig
 
     cfg = ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                      ray_address=args.ray_address, routing_policy=args.routing_policy,
+                      http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                       redis_url=args.redis_url, engine=EngineConfig(model=args.model))
 
     def banner(server) -> str:
-        return f"tandem: router {server.router_id} on {args.host}:{server.port}"
+        return f"tandem: router {server.router_id} on {args.host}:{server.port}" \
+            f"{_http_banner(server)}"
     return _run_until_signal(RouterServer(cfg), banner, args)
 
 
@@ -261,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50052, help="gRPC port (0 = any free port)")
     r.add_argument("--metrics-port", type=int, default=None)
+    _add_http_arg(r, 8001)
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster (default: the one the cluster state names)")
     r.add_argument("--routing-policy", default="prefix_aware",

@@ -42,6 +42,8 @@ class ServeConfig:
         cpu_affinity: pin prefill and decode workers to disjoint cores (the
             colocated worker gets them all), torch threads to match.
         metrics_port: HTTP port for ``/metrics`` and ``/health`` (None = off, 0 = any).
+        http_port: the OpenAI-compatible HTTP API's port (None = off, 0 = any free
+            port); it also serves ``/metrics`` and ``/health``.
         ray_address: an existing Ray cluster, or None for an embedded one.
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
         routing_policy: ``prefix_aware`` (longest cached prefix unless overloaded) or
@@ -62,6 +64,7 @@ class ServeConfig:
     kv_transport: str = "gloo"
     cpu_affinity: bool = False
     metrics_port: int | None = None
+    http_port: int | None = None
     ray_address: str | None = None
     transfer_timeout_s: float = 60.0
     routing_policy: str = "prefix_aware"
@@ -169,6 +172,8 @@ class RouterServer:
         self.metrics = None
         self.metrics_port: int | None = None
         self.health = None
+        self.http = None               # the OpenAI-compatible front end, if any
+        self.http_port: int | None = None
         self._kv_reader_stop = threading.Event()
         self._kv_reader: threading.Thread | None = None
 
@@ -238,12 +243,18 @@ class RouterServer:
         self.cluster.start()
         self.registry.start()
         self._start_kv_reader()
-        service = TandemService(Orchestrator(self.cluster, tokenizer, self.metrics,
-                                             journal=RedisJournal(self.state),
-                                             prefill_timeout_s=self.config.transfer_timeout_s + 1),
-                                tokenizer, model_info, self.metrics)
+        orchestrator = Orchestrator(self.cluster, tokenizer, self.metrics,
+                                    journal=RedisJournal(self.state),
+                                    prefill_timeout_s=self.config.transfer_timeout_s + 1)
+        service = TandemService(orchestrator, tokenizer, model_info, self.metrics)
         self.server, self.port, self.health = await start_grpc_server(
             service, self.config.host, self.config.port)
+        if self.config.http_port is not None:
+            from tandem.router.openai_api import OpenAIServer
+
+            self.http = OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
+                                     healthy=lambda: self.cluster.healthy)
+            self.http_port = await self.http.start(self.config.host, self.config.http_port)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port,
                                                        lambda: self.cluster.healthy)
@@ -285,6 +296,8 @@ class RouterServer:
             asyncio.ensure_future(self.health.set(name, status))
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.cluster is not None:

@@ -103,8 +103,13 @@ class RequestValidator:
         contents = sorted({str(t) for t in added.values() if str(t)}, key=len, reverse=True)
         self._control_tokens = re.compile("|".join(map(re.escape, contents))) if contents else None
 
-    def validate(self, request) -> ValidatedRequest:
+    def validate(self, request, fill_max_tokens: bool = False) -> ValidatedRequest:
         """Validate ``request`` (a ``tandem.v1.GenerateRequest``) and tokenize its input.
+
+        Args:
+            fill_max_tokens: an unset ``max_tokens`` becomes all the room the
+                context leaves after the prompt (OpenAI chat completions' default)
+                rather than the default of 16.
 
         Returns:
             The engine-ready request.
@@ -121,7 +126,8 @@ class RequestValidator:
         params = self._sampling_params(request.sampling if has_sampling else None)
         prompt_ids = self._tokenize(request, kind)
         params = self._fit_max_tokens(params, kind, len(prompt_ids),
-                                      has_sampling and request.sampling.HasField("max_tokens"))
+                                      has_sampling and request.sampling.HasField("max_tokens"),
+                                      fill_max_tokens)
         skip = True
         if has_sampling and request.sampling.HasField("skip_special_tokens"):
             skip = request.sampling.skip_special_tokens
@@ -232,7 +238,7 @@ class RequestValidator:
             raise InvalidRequestError(f"chat.{field}", message) from None
 
     def _fit_max_tokens(self, params: SamplingParams, kind: str, num_prompt_tokens: int,
-                        max_tokens_set: bool) -> SamplingParams:
+                        max_tokens_set: bool, fill: bool = False) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise InvalidRequestError(
@@ -246,11 +252,12 @@ class RequestValidator:
                     f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len "
                     f"({self.max_model_len})")
             return params
-        if params.max_tokens <= room:
+        if params.max_tokens <= room and not fill:
             return params
         # An unset max_tokens shrinks to the room left rather than failing.
         try:
-            return dataclasses.replace(params, max_tokens=min(_DEFAULT_MAX_TOKENS, room))
+            return dataclasses.replace(params, max_tokens=room if fill else
+                                       min(_DEFAULT_MAX_TOKENS, room))
         except InvalidParameterError as e:  # min_tokens no longer fits
             raise InvalidRequestError(f"sampling.{e.field}",
                                       str(e).removeprefix(f"{e.field}: ")) from None

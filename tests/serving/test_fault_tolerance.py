@@ -256,7 +256,7 @@ def router2(cluster):
     srv = cluster.server.server
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.router.cli", "router", "--redis-url", srv.redis.url,
-         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     lines = []
     deadline = time.monotonic() + 120

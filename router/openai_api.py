@@ -1,0 +1,803 @@
+"""The OpenAI-compatible HTTP front end (FastAPI on uvicorn), beside the gRPC one.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream`` as server-sent events, ``data: <json>\\n\\n`` frames ending with
+``data: [DONE]``, and ``stream_options.include_usage``), ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``.
+Request fields follow the OpenAI API plus vLLM's extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``).
+
+A request is converted to the gRPC API's ``GenerateRequest`` and checked by the
+same :class:`~tandem.router.validation.RequestValidator`, so both front ends
+accept and refuse exactly the same inputs; a refusal is HTTP 400 with vLLM's
+error shape ``{"error": {"message", "type", "param", "code"}}`` whose ``param``
+is the OpenAI field name (``top_p``, ``messages[0].role``). An unknown model is
+404; no live decode worker 503; a failure after the stream started is one
+``data: {"error": ...}`` frame, then ``data: [DONE]``. Messages never carry a
+traceback or an internal path.
+
+A client that disconnects (or cancels a stream) cancels the request's
+orchestrator generator, which aborts it on the workers and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict
+
+from tandem.engine.sampling.sampling_params import InvalidParameterError
+from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
+from tandem.router.validation import InvalidRequestError, RequestValidator, ValidatedRequest
+from tandem.router.worker_client import WorkerError
+from tandem.v1 import tandem_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_PROMPTS = 64
+"""Prompts per ``/v1/completions`` request (a list prompt)."""
+
+
+# -- request schemas (OpenAI + vLLM extras) ----------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def _param_name(field: str, chat: bool, uses_completion_tokens: bool = False) -> str:
+    """A validator field path (``sampling.top_p``, ``chat.messages[0].role``) as the
+    OpenAI request's field name (``top_p``, ``messages[0].role``)."""
+    if field.startswith("sampling."):
+        name = field.removeprefix("sampling.")
+        if name == "logprobs":
+            return "top_logprobs" if chat else "logprobs"
+        if name == "max_tokens" and uses_completion_tokens:
+            return "max_completion_tokens"
+        return name
+    if field.startswith("chat.") or field == "chat":
+        return field.removeprefix("chat.") if field != "chat" else "messages"
+    if field in ("prompt", "input") or field.startswith("token_ids"):
+        return "messages" if chat else "prompt"
+    return field
+
+
+def _loc_param(loc) -> str | None:
+    """A pydantic error location (``("body", "messages", 0, "role")``) as a field name
+    (``messages[0].role``), without the union-member tags pydantic appends
+    (``"str"``, ``"list[int]"``)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _set(msg, name: str, value, param: str) -> None:
+    """``msg.name = value`` for a protobuf field, refusing values its type cannot
+    hold (e.g. a negative ``n``) as a 400 naming ``param``."""
+    try:
+        setattr(msg, name, value)
+    except (ValueError, TypeError):
+        raise APIError(400, f"{param}: {value!r} is out of range", param) from None
+
+
+def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
+    sp = pb.SamplingParams()
+    _set(sp, "n", r.n, "n")
+    if max_tokens is not None:
+        _set(sp, "max_tokens", max_tokens, "max_tokens")
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        value = getattr(r, name)
+        if value is not None:
+            _set(sp, name, value, name)
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
+                 "ignore_eos", "min_tokens", "skip_special_tokens"):
+        _set(sp, name, getattr(r, name), name)
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    try:
+        sp.stop.extend(stop)
+    except (ValueError, TypeError):
+        raise APIError(400, "stop: must be a string or a list of strings", "stop") from None
+    try:
+        sp.stop_token_ids.extend(r.stop_token_ids or [])
+    except (ValueError, TypeError):
+        raise APIError(400, "stop_token_ids: every id must be in [0, 2^32)",
+                       "stop_token_ids") from None
+    if logprobs is not None:
+        _set(sp, "logprobs", logprobs, "logprobs")
+    return sp
+
+
+def _refuse_unsupported(r: _Sampling) -> None:
+    if r.logit_bias:
+        raise APIError(400, "logit_bias: not supported", "logit_bias")
+    try:
+        pb.GenerateRequest(priority=r.priority)
+    except ValueError:
+        raise APIError(400, f"priority: {r.priority} is out of range", "priority") from None
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, part in enumerate(m.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                           f"messages[{i}].content[{j}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+class OpenAIServer:
+    """The HTTP front end over an :class:`Orchestrator`.
+
+    Args:
+        orchestrator: runs the requests (shared with the gRPC front end).
+        tokenizer: the served model's tokenizer.
+        model_info: ``model_name``, ``max_model_len`` (as for the gRPC service).
+        metrics: optional :class:`~tandem.router.metrics.Metrics` (``/metrics``).
+        healthy: returns whether the cluster can serve (``/health``).
+        api_keys: optional key store with ``verify(key) -> key id | None``; when
+            given and non-empty every endpoint but ``/health`` and ``/metrics``
+            needs ``Authorization: Bearer <key>`` (401 otherwise).
+    """
+
+    def __init__(self, orchestrator: Orchestrator, tokenizer, model_info: dict, metrics=None,
+                 healthy=lambda: True, api_keys=None, open_paths=("/health", "/metrics")):
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.info = model_info
+        self.model_name = model_info["model_name"]
+        self.validator = RequestValidator(tokenizer, model_info["max_model_len"])
+        self.metrics = metrics
+        self.healthy = healthy
+        self.api_keys = api_keys
+        self.open_paths = tuple(open_paths)
+        self.created = int(time.time())
+        self.app = self._build_app()
+        self._server = None
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    # -- wiring ----------------------------------------------------------------------------
+    def _build_app(self):
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, Response
+
+        app = FastAPI(title="Tandem OpenAI-compatible API", version="1")
+
+        @app.exception_handler(APIError)
+        async def api_error(_request, exc: APIError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def schema_error(_request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            if first.get("type") == "json_invalid":
+                err = APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")
+            else:
+                param = _loc_param(first.get("loc", ()))
+                msg = first.get("msg", "invalid request")
+                err = APIError(400, f"{param}: {msg}" if param else msg, param)
+            return JSONResponse(err.body(), status_code=400)
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request, exc: Exception):
+            logger.exception("HTTP request failed")
+            return JSONResponse(APIError(500, "internal error").body(), status_code=500)
+
+        app.add_middleware(_AuthMiddleware, server=self)
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200 if self.healthy() else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            if self.metrics is None:
+                return Response(status_code=404)
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{
+                "id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "tandem", "root": self.model_name, "parent": None,
+                "max_model_len": self.info["max_model_len"]}]}
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest):
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise APIError(400, "prompt: exactly one of prompt or messages must be set",
+                               "prompt")
+            if body.prompt is not None:
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            return {"count": len(ids), "max_model_len": self.info["max_model_len"],
+                    "tokens": ids}
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest):
+            self._check_model(body.model)
+            vocab = self.tokenizer.vocab_size
+            for i, t in enumerate(body.tokens):
+                if not 0 <= t < vocab:
+                    raise APIError(400, f"tokens[{i}]: token id {t} is not in [0, {vocab})",
+                                   f"tokens[{i}]")
+            return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            return await self._completions(body, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request):
+            return await self._chat(body, request)
+
+        return app
+
+    def _needs_key(self, path: str) -> bool:
+        return bool(self.api_keys) and not any(path == p for p in self.open_paths)
+
+    def _check_key(self, header: str | None) -> APIError | None:
+        if not header:
+            return APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, key = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return APIError(401, "the Authorization header must be 'Bearer <key>'")
+        if self.api_keys.verify(key.strip()) is None:
+            return APIError(401, "invalid API key")
+        return None
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve on ``host:port`` (0 = any free port) on the running event loop.
+
+        Returns:
+            The bound port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=2,
+                                h11_max_incomplete_event_size=64 * 1024)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None   # the owner handles signals
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()          # raises what stopped it
+                raise OSError(f"HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._task is not None:
+                await asyncio.gather(self._task, return_exceptions=True)
+            self._server = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def _check_serving(self) -> None:
+        if not self.orchestrator.cluster.can_serve:
+            raise APIError(503, "no decode worker is alive")
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        conversation = [{"role": m.role, "content": _message_text(m, i)}
+                        for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except ValueError as exc:          # "messages...: why"
+            param, _, message = str(exc).partition(": ")
+            raise APIError(400, f"{param}: {message}", param) from None
+
+    def _invalid(self, exc: InvalidRequestError, chat: bool, completion_tokens=False) -> APIError:
+        param = _param_name(exc.field, chat, completion_tokens)
+        if self.metrics:
+            self.metrics.invalid_request(exc.field)
+        return APIError(400, f"{param}: {exc.message}", param)
+
+    def _validate(self, req: pb.GenerateRequest, chat: bool, fill_max_tokens: bool,
+                  completion_tokens: bool = False) -> ValidatedRequest:
+        try:
+            return self.validator.validate(req, fill_max_tokens=fill_max_tokens)
+        except InvalidRequestError as exc:
+            raise self._invalid(exc, chat, completion_tokens) from None
+
+    async def _run(self, requests: list[ValidatedRequest], request) -> AsyncIterator[tuple]:
+        """Run ``requests`` concurrently; yields ``(prompt index, SampleEvent)`` as they
+        come. Stops every request when the consumer stops (client gone)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def one(i: int, v: ValidatedRequest) -> None:
+            try:
+                async for ev in self.orchestrator.generate(v):
+                    await queue.put((i, ev))
+            except BaseException as exc:            # handed to the consumer
+                await queue.put((i, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.ensure_future(one(i, v)) for i, v in enumerate(requests)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    if not isinstance(item, asyncio.CancelledError):
+                        raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    def _http_error(exc: BaseException) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, InvalidParameterError):
+            field = getattr(exc, "field", None)
+            return APIError(400, str(exc), field)
+        if isinstance(exc, (ServiceUnavailable, WorkerError)):
+            return APIError(503, str(exc))
+        if isinstance(exc, RequestFailed):
+            return APIError(500, str(exc))
+        logger.error("request failed", exc_info=exc)
+        return APIError(500, "internal error")
+
+    async def _collect(self, requests: list[ValidatedRequest], request) -> dict:
+        """Run to the end (non-streaming); a client disconnect cancels the requests."""
+        finals: dict[tuple[int, int], Any] = {}
+
+        async def run() -> None:
+            async for i, ev in self._run(requests, request):
+                if ev.sample.finished:
+                    finals[(i, ev.sample.index)] = ev.sample
+
+        task = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():          # the client left: abort on the workers
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if self.metrics:
+                    self.metrics.request_aborted()
+                raise APIError(499, "client disconnected")
+        exc = task.exception()
+        if exc is not None:
+            raise self._http_error(exc)
+        for s in finals.values():
+            _check_failed(s)
+        return finals
+
+    # -- completions -----------------------------------------------------------------------
+    def _completion_requests(self, body: CompletionRequest) -> tuple[list[ValidatedRequest], list]:
+        self._check_model(body.model)
+        _refuse_unsupported(body)
+        if body.suffix:
+            raise APIError(400, "suffix: not supported", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo: echo with logprobs (prompt logprobs) is not supported",
+                           "echo")
+        p = body.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
+                                f"got {len(prompts)}", "prompt")
+        sampling = _sampling_message(body, body.max_tokens, body.logprobs)
+        base = uuid.uuid4().hex
+        out = []
+        for i, prompt in enumerate(prompts):
+            req = pb.GenerateRequest(request_id=f"cmpl-{base}-{i}", sampling=sampling,
+                                     priority=body.priority, stream=body.stream)
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            else:
+                try:
+                    req.token_ids.ids.extend(prompt)
+                except (ValueError, TypeError):
+                    raise APIError(400, "prompt: token ids must be in [0, 2^32)",
+                                   "prompt") from None
+            out.append(self._validate(req, chat=False, fill_max_tokens=False))
+        return out, prompts
+
+    def _prompt_text(self, v: ValidatedRequest) -> str:
+        return self.tokenizer.decode(list(v.prompt_token_ids), skip_special_tokens=False)
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, logprobs, offset: int) -> dict:
+        tokens = [self._token_str(lp.token_id) for lp in logprobs]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    async def _completions(self, body: CompletionRequest, request):
+        requests, _ = self._completion_requests(body)
+        self._check_serving()
+        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
+        if body.stream:
+            return self._sse(self._completion_stream(body, requests, request, rid, created))
+        finals = await self._collect(requests, request)
+        choices, usage = [], _Usage()
+        for i, v in enumerate(requests):
+            prompt_text = self._prompt_text(v) if body.echo else ""
+            usage.add_prompt(len(v.prompt_token_ids))
+            for j in range(n):
+                s = finals[(i, j)]
+                usage.add_sample(s, i)
+                text = prompt_text + "".join(s.pieces)
+                lps = (self._completion_logprobs(s.logprobs, len(prompt_text))
+                       if body.logprobs is not None else None)
+                choices.append({"index": i * n + j, "text": text, "logprobs": lps,
+                                "finish_reason": s.finish_reason,
+                                "stop_reason": _stop_reason(s)})
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": usage.body()}
+
+    async def _completion_stream(self, body, requests, request, rid, created):
+        n = body.n
+        base = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name}
+        usage = _Usage()
+        for v in requests:
+            usage.add_prompt(len(v.prompt_token_ids))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        offsets: dict[int, int] = {}
+        if body.echo:
+            for i, v in enumerate(requests):
+                text = self._prompt_text(v)
+                for j in range(n):
+                    offsets[i * n + j] = len(text)
+                    yield {**base, "choices": [{"index": i * n + j, "text": text,
+                                                "logprobs": None, "finish_reason": None}]}
+        async for i, ev in self._run(requests, request):
+            s, upd = ev.sample, ev.update
+            idx = i * n + s.index
+            _check_failed(s)
+            if not (upd.text or upd.token_ids or s.finished):
+                continue
+            lps = None
+            if body.logprobs is not None:
+                lps = self._completion_logprobs(upd.logprobs, offsets.get(idx, 0))
+                offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
+            choice = {"index": idx, "text": upd.text, "logprobs": lps,
+                      "finish_reason": s.finish_reason if s.finished else None}
+            if s.finished:
+                choice["stop_reason"] = _stop_reason(s)
+                usage.add_sample(s, i)
+            chunk = {**base, "choices": [choice]}
+            if include_usage and continuous:
+                chunk["usage"] = usage.body()
+            yield chunk
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.body()}
+
+    # -- chat ------------------------------------------------------------------------------
+    def _chat_request(self, body: ChatCompletionRequest) -> ValidatedRequest:
+        self._check_model(body.model)
+        _refuse_unsupported(body)
+        if body.tools:
+            raise APIError(400, "tools: tool calling is not supported", "tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported",
+                           "response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
+        if not body.messages:
+            raise APIError(400, "messages: must contain at least one message", "messages")
+        uses_completion = body.max_completion_tokens is not None
+        max_tokens = body.max_completion_tokens if uses_completion else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        try:
+            sampling = _sampling_message(body, max_tokens, logprobs)
+        except APIError as exc:
+            if exc.param == "logprobs":
+                exc.param, exc.message = "top_logprobs", exc.message.replace("logprobs", "top_logprobs", 1)
+            if exc.param == "max_tokens" and uses_completion:
+                exc.param = "max_completion_tokens"
+            raise
+        req = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=sampling,
+                                 priority=body.priority, stream=body.stream)
+        for i, m in enumerate(body.messages):
+            req.chat.messages.append(pb.ChatMessage(role=m.role, content=_message_text(m, i)))
+        return self._validate(req, chat=True, fill_max_tokens=max_tokens is None,
+                              completion_tokens=uses_completion)
+
+    def _chat_logprobs(self, logprobs) -> dict:
+        def entry(token_id: int, lp: float) -> dict:
+            t = self._token_str(token_id)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+    async def _chat(self, body: ChatCompletionRequest, request):
+        v = self._chat_request(body)
+        self._check_serving()
+        rid, created = v.request_id, int(time.time())
+        if body.stream:
+            return self._sse(self._chat_stream(body, v, request, rid, created))
+        finals = await self._collect([v], request)
+        usage = _Usage()
+        usage.add_prompt(len(v.prompt_token_ids))
+        choices = []
+        for j in range(body.n):
+            s = finals[(0, j)]
+            usage.add_sample(s)
+            choices.append({"index": j,
+                            "message": {"role": "assistant", "content": "".join(s.pieces)},
+                            "logprobs": self._chat_logprobs(s.logprobs) if body.logprobs else None,
+                            "finish_reason": s.finish_reason, "stop_reason": _stop_reason(s)})
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": usage.body()}
+
+    async def _chat_stream(self, body, v, request, rid, created):
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.model_name}
+        usage = _Usage()
+        usage.add_prompt(len(v.prompt_token_ids))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        for j in range(body.n):
+            yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        async for _, ev in self._run([v], request):
+            s, upd = ev.sample, ev.update
+            _check_failed(s)
+            if not (upd.text or upd.token_ids or s.finished):
+                continue
+            delta = {"content": upd.text} if upd.text or not s.finished else {}
+            choice = {"index": s.index, "delta": delta,
+                      "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
+                      "finish_reason": s.finish_reason if s.finished else None}
+            if s.finished:
+                choice["stop_reason"] = _stop_reason(s)
+                usage.add_sample(s)
+            chunk = {**base, "choices": [choice]}
+            if include_usage and continuous:
+                chunk["usage"] = usage.body()
+            yield chunk
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.body()}
+
+    # -- server-sent events ----------------------------------------------------------------
+    def _sse(self, chunks: AsyncIterator[dict]):
+        from fastapi.responses import StreamingResponse
+
+        async def frames():
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except asyncio.CancelledError:        # the client went away
+                if self.metrics:
+                    self.metrics.request_aborted()
+                raise
+            except Exception as exc:              # after the headers: an error frame
+                yield f"data: {json.dumps(self._http_error(exc).body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def _stop_reason(s) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the sample
+    (None for EOS, length, abort; never a worker's error text)."""
+    return s.stop_reason if s.finish_reason == "stop" else None
+
+
+def _check_failed(s) -> None:
+    """A sample a worker failed ends the response with a 500 (the worker's message is
+    logged by the orchestrator, not sent)."""
+    if s.finish_reason == "error":
+        raise APIError(500, "generation failed on a worker")
+
+
+class _AuthMiddleware:
+    """Checks ``Authorization: Bearer <key>`` before any route runs (a plain ASGI
+    middleware, so request bodies and disconnects pass through untouched)."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.server._needs_key(scope["path"]):
+            header = next((v.decode("latin-1") for k, v in scope["headers"]
+                           if k == b"authorization"), None)
+            err = self.server._check_key(header)
+            if err is not None:
+                from starlette.responses import JSONResponse
+
+                response = JSONResponse(err.body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Usage:
+    """Token counts over a response's prompts and samples."""
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = 0
+        self.cached: dict[int, int] = {}       # per prompt: its samples share the prompt
+
+    def add_prompt(self, n: int) -> None:
+        self.prompt += n
+
+    def add_sample(self, s, prompt_index: int = 0) -> None:
+        self.completion += s.num_tokens
+        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), s.num_cached_tokens)
+
+    def body(self) -> dict:
+        out = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+               "total_tokens": self.prompt + self.completion}
+        cached = sum(self.cached.values())
+        if cached:
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
+
+
+async def _wait_disconnect(request) -> None:
+    """Returns when the HTTP client disconnects (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

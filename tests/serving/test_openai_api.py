@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP API, driven by the real ``openai`` client against a real
+cluster (Ray worker, gRPC and HTTP front ends on one orchestrator), modelled on vLLM's
+``tests/entrypoints/openai`` assertions: usage, finish reasons, logprobs 0/5/21,
+stream == non-stream, ``n``, the include_usage matrix, batched prompts, echo, errors
+and their shapes, tokenize / detokenize, and a client disconnect freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import Client, serve_config, start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    server = start_server(serve_config("colocated", http_port=0))
+    client = Client(server)
+    yield client
+    client.close()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster) -> str:
+    return f"http://127.0.0.1:{cluster.server.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def api(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == exc.status_code
+    assert "Traceback" not in body["error"]["message"] and ".py" not in body["error"]["message"]
+    return body["error"]
+
+
+def _count(base_url: str, prompt: str) -> int:
+    return len(httpx.post(f"{base_url}/tokenize", json={"prompt": prompt}).json()["tokens"])
+
+
+# -- models, tokenize ------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(api):
+    [m] = api.models.list().data
+    assert m.id == MODEL and m.owned_by == "tandem"
+
+
+def test_tokenize_and_detokenize_round_trip(base_url, cluster):
+    ids = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 8192
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == PROMPT
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": CHAT}).json()
+    header = httpx.post(f"{base_url}/tokenize", json={"prompt": "<|im_start|>assistant\n",
+                                                      "add_special_tokens": False}).json()
+    assert len(header["tokens"]) == 4 and chat["tokens"][-4:] == header["tokens"]
+    bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [10 ** 7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[0]"
+
+
+def test_health_and_metrics(base_url):
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    text = httpx.get(f"{base_url}/metrics").text
+    assert "tandem:num_requests_running" in text
+
+
+# -- completions -----------------------------------------------------------------------------
+
+def test_completion_usage_and_finish_reason(api, base_url):
+    r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0.0,
+                               extra_body={"ignore_eos": True})
+    [c] = r.choices
+    assert c.finish_reason == "length" and c.index == 0 and len(c.text) > 0
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens == _count(base_url, PROMPT)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+
+
+def test_completion_stop_string_finishes_with_stop(api):
+    free = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = free.strip().split()[1]
+    r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                               stop=[stop], extra_body={"ignore_eos": True})
+    [c] = r.choices
+    assert c.finish_reason == "stop" and stop not in c.text
+    assert free.startswith(c.text)
+    assert c.model_extra["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_completion_logprobs(api, k):
+    r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0,
+                               logprobs=k, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs)
+    assert all(len(t) == k for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    if k:   # greedy: the chosen token is the most likely one
+        for tok, top, v in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs):
+            assert max(top.values()) == pytest.approx(v, abs=1e-5)
+
+
+def test_completion_logprobs_21_is_refused(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=21)
+    assert _error(e.value)["param"] == "logprobs"
+
+
+def test_stream_text_equals_non_stream_text(api):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    full = api.completions.create(**kw).choices[0]
+    chunks = list(api.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("include_usage", [None, False, True])
+def test_include_usage_matrix(api, include_usage):
+    opts = None if include_usage is None else {"include_usage": include_usage}
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True,
+                                         temperature=0.0, stream_options=opts,
+                                         extra_body={"ignore_eos": True}))
+    if include_usage:
+        *body, last = chunks
+        assert last.choices == [] and last.usage.completion_tokens == 3
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 3
+        assert all(c.usage is None for c in body)
+    else:
+        assert all(c.usage is None for c in chunks)
+
+
+def test_chat_include_usage(api):
+    chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
+                                              stream=True, temperature=0.0,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_n_and_batched_prompts(api, base_url):
+    prompts = [PROMPT, "One, two, three,"]
+    r = api.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=3, temperature=1.0,
+                               seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert r.usage.completion_tokens == 6 * 4
+    alone = [api.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0.0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+             for p in prompts]
+    greedy = api.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(greedy.choices, key=lambda c: c.index)] == alone
+    assert greedy.usage.prompt_tokens == sum(_count(base_url, p) for p in prompts)
+
+
+def test_token_id_prompts(api, base_url):
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_ids = api.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
+    by_text = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_echo_prepends_the_prompt(api):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0)
+    plain = api.completions.create(**kw).choices[0].text
+    echoed = api.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == PROMPT + plain
+    streamed = "".join(c.choices[0].text for c in api.completions.create(echo=True, stream=True,
+                                                                         **kw) if c.choices)
+    assert streamed == PROMPT + plain
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+def test_chat_completion_and_stream_agree(api):
+    kw = dict(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0.0)
+    r = api.chat.completions.create(**kw)
+    [c] = r.choices
+    assert c.message.role == "assistant" and c.message.content
+    assert r.object == "chat.completion" and c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12
+    streamed = "".join(ch.choices[0].delta.content or ""
+                       for ch in api.chat.completions.create(stream=True, **kw) if ch.choices)
+    assert streamed == c.message.content
+
+
+def test_chat_logprobs(api):
+    r = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0.0,
+                                    logprobs=True, top_logprobs=5,
+                                    extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 5 for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(bytes(t.bytes).decode() == t.token for t in content)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21)
+    assert _error(e.value)["param"] == "top_logprobs"
+
+
+def test_chat_default_max_tokens_is_the_room_left(api):
+    r = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0.0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens > 16
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,param", [
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"n": -1}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"stop": ["x" * 300]}, "stop[0]"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+])
+def test_bad_parameters_are_400_naming_the_param(api, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=MODEL, prompt=PROMPT, **kw)
+    err = _error(e.value)
+    assert err["param"] == param and err["type"] == "BadRequestError"
+    assert err["message"].startswith(param + ":")
+
+
+def test_bad_chat_messages_are_400(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=MODEL, messages=[{"role": "us er", "content": "x"}])
+    assert _error(e.value)["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=MODEL, messages=[])
+    assert _error(e.value)["param"] == "messages"
+
+
+def test_unknown_model_is_404(api):
+    with pytest.raises(openai.NotFoundError) as e:
+        api.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    err = _error(e.value)
+    assert err["param"] == "model" and "gpt-4" in err["message"]
+
+
+def test_malformed_body_is_400(base_url):
+    r = httpx.post(f"{base_url}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+# -- disconnects -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(cluster, base_url, stream):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            frames = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    json.loads(line[6:])
+                    frames += 1
+                    if frames == 3:
+                        break                      # leave mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=3)
+    t0 = time.monotonic()
+    counts = cluster.wait_idle(30)
+    for wid, c in counts.items():
+        assert c["num_running"] == c["num_waiting"] == 0, (wid, c)
+        assert c["num_free_blocks"] == c["num_blocks"], (wid, c)
+    assert time.monotonic() - t0 < 30
