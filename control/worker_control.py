@@ -10,6 +10,7 @@ routers' prefix indexes.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class ControlConfig:
         min_generation: the least generation to register under (one more than the
             incarnation this worker replaces, 0 for a first start): generations stay
             increasing even if Redis lost the counter.
+        cluster_secret: the secret a KV transfer peer must prove in the pair
+            handshake (:mod:`tandem.kvtransfer.staging`); set in the worker's
+            environment at start. Empty: keep the process's own (or none).
     """
 
     redis_url: str
@@ -42,6 +46,12 @@ class ControlConfig:
     lease_ttl_s: float = LEASE_TTL_S
     renew_interval_s: float = RENEW_INTERVAL_S
     min_generation: int = 0
+    cluster_secret: str = ""
+
+    def __repr__(self) -> str:        # never print the secret
+        return (f"ControlConfig(redis_url={self.redis_url!r}, namespace={self.namespace!r}, "
+                f"actor_name={self.actor_name!r}, lease_ttl_s={self.lease_ttl_s}, "
+                f"renew_interval_s={self.renew_interval_s}, min_generation={self.min_generation})")
 
 
 class WorkerControl:
@@ -116,6 +126,10 @@ def start_worker_control(config: ControlConfig | None, worker_id: str, role: str
     """
     if config is None:
         return None
+    if config.cluster_secret:
+        from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
+
+        os.environ[CLUSTER_SECRET_ENV] = config.cluster_secret
     control = WorkerControl(config, worker_id, role, info, on_fenced=fence.fence,
                             on_unfenced=fence.unfence)
     loop.kv_event_sink = control.publish_kv_events

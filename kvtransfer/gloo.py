@@ -40,8 +40,9 @@ from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_s
 from tandem.kvtransfer.blocks import gather_blocks, scatter_blocks
 from tandem.kvtransfer.layout import KVTransferTicket
 from tandem.kvtransfer.staging import (DATA, FOREVER, SENDER_CLOSED, STOP, WATCHDOG_TAG, Header,
-                                       HeaderQueue, InflightTicket, StagedReceiver,
-                                       check_staged_size, host_store, join_store, message_tag)
+                                       HeaderQueue, InflightTicket, StagedReceiver, check_peer,
+                                       check_staged_size, host_store, join_store, message_tag,
+                                       present_secret)
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class GlooReceiver(StagedReceiver):
             # through self._store while this thread waits.
             pair_store = dist.PrefixStore(self._pair_name, join_store(
                 self._host, self._store.port, self._connect_timeout_s))
+            check_peer(pair_store, self._pair_name, self._connect_timeout_s)
             try:
                 group = _gloo_group(pair_store, RECEIVER_RANK, self._host, self._connect_timeout_s)
             except RuntimeError as e:
@@ -233,6 +235,7 @@ class GlooSender(KVSender):
         """
         host, port, pair_name = rendezvous["host"], rendezvous["port"], rendezvous["name"]
         pair_store = dist.PrefixStore(pair_name, join_store(host, port, timeout_s))
+        present_secret(pair_store, pair_name, timeout_s)
         try:
             group = _gloo_group(pair_store, SENDER_RANK, local_host or local_address_for(host),
                                 timeout_s)

@@ -42,8 +42,8 @@ from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_s
 from tandem.kvtransfer.layout import KVTransferTicket
 from tandem.kvtransfer.libnccl import NCCL_SUCCESS, NCCLLibrary
 from tandem.kvtransfer.staging import (DATA, SENDER_CLOSED, STOP, Header, HeaderQueue,
-                                       InflightTicket, StagedReceiver, check_staged_size,
-                                       host_store, join_store)
+                                       InflightTicket, StagedReceiver, check_peer,
+                                       check_staged_size, host_store, join_store, present_secret)
 
 RECEIVER_RANK = 0
 SENDER_RANK = 1
@@ -147,6 +147,9 @@ class NCCLReceiver(StagedReceiver):
     def _pump(self) -> None:
         # Top of a thread: failures reach the receive() callers through the board.
         try:
+            check_peer(dist.PrefixStore(self._pair_name, join_store(
+                self._host, self._store.port, self._connect_timeout_s)),
+                self._pair_name, self._connect_timeout_s)
             torch.cuda.set_device(self._device)
             comm = self._lib.comm_init_rank(2, self._unique_id, RECEIVER_RANK)
             with self._comm_lock:
@@ -269,6 +272,7 @@ class NCCLSender(KVSender):
         lib = library or NCCLLibrary()
         host, port, pair_name = rendezvous["host"], rendezvous["port"], rendezvous["name"]
         pair_store = dist.PrefixStore(pair_name, join_store(host, port, timeout_s))
+        present_secret(pair_store, pair_name, timeout_s)
 
         def init() -> int:
             torch.cuda.set_device(device)

@@ -27,6 +27,9 @@ always drained and the sender never stalls on a slow consumer.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import os
 import struct
 import threading
 import time
@@ -105,6 +108,72 @@ def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
                              timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:
         raise KVTransferError(f"cannot reach the KV receiver's store at {host}:{port}: {e}") from e
+
+
+CLUSTER_SECRET_ENV = "TANDEM_CLUSTER_SECRET"
+"""The environment variable holding the cluster's secret (any string; ``tandem serve``
+generates one and hands it to its workers)."""
+
+_AUTH_KEY, _VERDICT_KEY = "auth", "auth_verdict"
+_ACCEPTED, _REFUSED = b"accepted", b"refused"
+
+
+def cluster_secret() -> bytes | None:
+    """This process's cluster secret (:data:`CLUSTER_SECRET_ENV`), None if unset."""
+    value = os.environ.get(CLUSTER_SECRET_ENV)
+    return value.encode() if value else None
+
+
+def _proof(secret: bytes | None, pair_name: str) -> bytes:
+    if secret is None:
+        return b"-"
+    return hmac.new(secret, f"tandem-kv-pair|{pair_name}".encode(), hashlib.sha256).hexdigest().encode()
+
+
+def present_secret(pair_store: dist.Store, pair_name: str, timeout_s: float,
+                   secret: bytes | None = None) -> None:
+    """Sender side of the pair handshake: prove knowledge of the cluster secret
+    (HMAC-SHA256 of the pair name; the secret itself never travels) and wait for the
+    receiver's verdict, before any data channel is built.
+
+    Args:
+        secret: default :func:`cluster_secret`.
+
+    Raises:
+        KVTransferError: the receiver refused the proof, or gave no verdict within
+            ``timeout_s`` seconds.
+    """
+    pair_store.set(_AUTH_KEY, _proof(secret if secret is not None else cluster_secret(), pair_name))
+    try:
+        pair_store.wait([_VERDICT_KEY], datetime.timedelta(seconds=timeout_s))
+        verdict = pair_store.get(_VERDICT_KEY)
+    except (RuntimeError, dist.DistError) as e:
+        raise KVTransferError(f"KV pair {pair_name}: no handshake verdict within {timeout_s} s") from e
+    if verdict != _ACCEPTED:
+        raise KVTransferError(f"KV pair {pair_name}: the receiver refused this peer "
+                              "(wrong or missing cluster secret)")
+
+
+def check_peer(pair_store: dist.Store, pair_name: str, timeout_s: float,
+               secret: bytes | None = None) -> None:
+    """Receiver side of the pair handshake: wait for the sender's proof and accept it
+    only if it was made with this process's cluster secret (compared in constant
+    time). A receiver without a secret accepts any peer.
+
+    Raises:
+        KVTransferError: no proof within ``timeout_s`` seconds, or a wrong one (the
+            sender is told, and the pair is never built).
+    """
+    secret = secret if secret is not None else cluster_secret()
+    try:
+        pair_store.wait([_AUTH_KEY], datetime.timedelta(seconds=timeout_s))
+        presented = pair_store.get(_AUTH_KEY)
+    except (RuntimeError, dist.DistError) as e:
+        raise KVTransferError(f"sender did not connect within {timeout_s} s: {e}") from e
+    ok = secret is None or hmac.compare_digest(presented, _proof(secret, pair_name))
+    pair_store.set(_VERDICT_KEY, _ACCEPTED if ok else _REFUSED)
+    if not ok:
+        raise KVTransferError(f"KV pair {pair_name}: refused a peer without the cluster secret")
 
 
 class HeaderQueue:

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -328,6 +329,11 @@ class TandemServer(RouterServer):
         self.supervisor = None
         self._spawned = 0
         self._announcer: asyncio.Task | None = None
+        from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
+
+        # Every KV pair's sender proves this secret to its receiver; set
+        # TANDEM_CLUSTER_SECRET to share one across `tandem serve` processes.
+        self.cluster_secret = os.environ.get(CLUSTER_SECRET_ENV) or secrets.token_hex(32)
 
     def _spawn(self, worker_id: str):
         """Start the Ray actor of ``worker_id`` (``prefill-i``, ``decode-i``, ``colocated-i``)
@@ -351,7 +357,7 @@ class TandemServer(RouterServer):
         except KeyError:
             floor = 0
         control = ControlConfig(self.state_url, cfg.namespace, name, cfg.lease_ttl_s,
-                                max(0.1, cfg.lease_ttl_s / 3.3), floor)
+                                max(0.1, cfg.lease_ttl_s / 3.3), floor, self.cluster_secret)
         opts = {**actor_options(role, engine), "name": name, "namespace": "tandem"}
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**opts).remote(

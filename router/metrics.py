@@ -46,6 +46,7 @@ FINISH_REASONS = _finish_reasons()
 PREEMPTION_KINDS = ("swap", "recompute")
 """``kind`` values of ``tandem:num_preemptions``."""
 REQUEST_FIELDS = _request_fields()
+RATE_LIMIT_REASONS = ("rate", "concurrency")
 """``field`` values of ``tandem:invalid_requests``: the top-level fields (and the
 ``input`` oneof) of ``GenerateRequest``, which is what a refusal's field path starts with."""
 
@@ -118,6 +119,10 @@ class Metrics:
         self.invalid_requests = Counter("tandem:invalid_requests",
                                         "Requests refused with INVALID_ARGUMENT.",
                                         m + ["field"], registry=r)
+        self.requests_rate_limited = Counter(
+            "tandem:requests_rate_limited",
+            "Requests refused by their API key's rate limit or concurrency cap (429 / "
+            "RESOURCE_EXHAUSTED).", m + ["reason"], registry=r)
         # Histograms.
         lat = dict(registry=r, buckets=_LATENCY_BUCKETS)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token.", m, **lat)
@@ -153,6 +158,8 @@ class Metrics:
             metric.labels(model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        for reason in RATE_LIMIT_REASONS:
+            self.requests_rate_limited.labels(model_name, reason)
         for name in REQUEST_FIELDS:
             self.invalid_requests.labels(model_name, name)
 
@@ -228,6 +235,9 @@ class Metrics:
 
     def worker_restarted(self, worker_id: str) -> None:
         self.worker_restarts.labels(self.model_name, worker_id).inc()
+
+    def request_rate_limited(self, reason: str) -> None:
+        self.requests_rate_limited.labels(self.model_name, reason).inc()
 
     def request_aborted(self) -> None:
         self.request_aborts.labels(self.model_name).inc()

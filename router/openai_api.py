@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import time
 import uuid
@@ -133,9 +134,17 @@ class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after_s: float = 0.0):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self.status == 429:
+            return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
@@ -250,12 +259,18 @@ class OpenAIServer:
         metrics: optional :class:`~tandem.router.metrics.Metrics` (``/metrics``).
         healthy: returns whether the cluster can serve (``/health``).
         api_keys: optional key store with ``verify(key) -> key id | None``; when
-            given and non-empty every endpoint but ``/health`` and ``/metrics``
-            needs ``Authorization: Bearer <key>`` (401 otherwise).
+            given and non-empty every endpoint but ``open_paths`` needs
+            ``Authorization: Bearer <key>`` (401 otherwise).
+        limiter: optional :class:`~tandem.control.rate_limits.RateLimiter`: each
+            generation request takes a token and a concurrency slot of its key
+            (``anonymous`` without keys), else 429 with ``Retry-After``. Should
+            Redis be unreachable, requests are admitted (and a warning logged).
+        open_paths: paths served without a key.
     """
 
     def __init__(self, orchestrator: Orchestrator, tokenizer, model_info: dict, metrics=None,
-                 healthy=lambda: True, api_keys=None, open_paths=("/health", "/metrics")):
+                 healthy=lambda: True, api_keys=None, limiter=None,
+                 open_paths=("/health", "/metrics")):
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.info = model_info
@@ -264,6 +279,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.healthy = healthy
         self.api_keys = api_keys
+        self.limiter = limiter
         self.open_paths = tuple(open_paths)
         self.created = int(time.time())
         self.app = self._build_app()
@@ -281,7 +297,7 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def api_error(_request, exc: APIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
         @app.exception_handler(RequestValidationError)
         async def schema_error(_request, exc: RequestValidationError):
@@ -356,15 +372,46 @@ class OpenAIServer:
     def _needs_key(self, path: str) -> bool:
         return bool(self.api_keys) and not any(path == p for p in self.open_paths)
 
-    def _check_key(self, header: str | None) -> APIError | None:
+    def _check_key(self, header: str | None) -> tuple[APIError | None, str | None]:
+        """``(error, key id)`` for an ``Authorization`` header value."""
         if not header:
-            return APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
+            return APIError(401, "missing API key: send 'Authorization: Bearer <key>'"), None
         scheme, _, key = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            return APIError(401, "the Authorization header must be 'Bearer <key>'")
-        if self.api_keys.verify(key.strip()) is None:
-            return APIError(401, "invalid API key")
-        return None
+            return APIError(401, "the Authorization header must be 'Bearer <key>'"), None
+        key_id = self.api_keys.verify(key.strip())
+        if key_id is None:
+            return APIError(401, "invalid API key"), None
+        return None, key_id
+
+    async def _admit(self, request, request_id: str) -> str | None:
+        """Take the request's rate-limit token and concurrency slot; the key id to
+        release it under (None: nothing to release).
+
+        Raises:
+            APIError: 429 when a limit refuses it.
+        """
+        if self.limiter is None:
+            return None
+        key_id = request.scope.get("state", {}).get("api_key_id") or "anonymous"
+        try:
+            verdict = await asyncio.to_thread(self.limiter.admit, key_id, request_id)
+        except Exception as exc:          # Redis down: serve rather than refuse everyone
+            logger.warning("rate limiter unavailable, admitting %s: %s", request_id, exc)
+            return None
+        if not verdict.allowed:
+            if self.metrics:
+                self.metrics.request_rate_limited(verdict.reason)
+            what = ("too many requests per second" if verdict.reason == "rate"
+                    else "too many concurrent requests")
+            raise APIError(429, f"rate limit exceeded for this API key: {what}",
+                           retry_after_s=verdict.retry_after_s)
+        return key_id
+
+    def _release(self, key_id: str | None, request_id: str) -> None:
+        if key_id is not None and self.limiter is not None:
+            task = asyncio.ensure_future(asyncio.to_thread(self.limiter.release, key_id, request_id))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = any free port) on the running event loop.
@@ -571,9 +618,14 @@ class OpenAIServer:
         requests, _ = self._completion_requests(body)
         self._check_serving()
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
+        key_id = await self._admit(request, rid)
         if body.stream:
-            return self._sse(self._completion_stream(body, requests, request, rid, created))
-        finals = await self._collect(requests, request)
+            return self._sse(self._completion_stream(body, requests, request, rid, created),
+                             on_close=lambda: self._release(key_id, rid))
+        try:
+            finals = await self._collect(requests, request)
+        finally:
+            self._release(key_id, rid)
         choices, usage = [], _Usage()
         for i, v in enumerate(requests):
             prompt_text = self._prompt_text(v) if body.echo else ""
@@ -672,9 +724,14 @@ class OpenAIServer:
         v = self._chat_request(body)
         self._check_serving()
         rid, created = v.request_id, int(time.time())
+        key_id = await self._admit(request, rid)
         if body.stream:
-            return self._sse(self._chat_stream(body, v, request, rid, created))
-        finals = await self._collect([v], request)
+            return self._sse(self._chat_stream(body, v, request, rid, created),
+                             on_close=lambda: self._release(key_id, rid))
+        try:
+            finals = await self._collect([v], request)
+        finally:
+            self._release(key_id, rid)
         usage = _Usage()
         usage.add_prompt(len(v.prompt_token_ids))
         choices = []
@@ -718,7 +775,7 @@ class OpenAIServer:
             yield {**base, "choices": [], "usage": usage.body()}
 
     # -- server-sent events ----------------------------------------------------------------
-    def _sse(self, chunks: AsyncIterator[dict]):
+    def _sse(self, chunks: AsyncIterator[dict], on_close=None):
         from fastapi.responses import StreamingResponse
 
         async def frames():
@@ -731,6 +788,9 @@ class OpenAIServer:
                 raise
             except Exception as exc:              # after the headers: an error frame
                 yield f"data: {json.dumps(self._http_error(exc).body())}\n\n"
+            finally:
+                if on_close is not None:
+                    on_close()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(frames(), media_type="text/event-stream",
@@ -761,8 +821,10 @@ class _AuthMiddleware:
         if scope["type"] == "http" and self.server._needs_key(scope["path"]):
             header = next((v.decode("latin-1") for k, v in scope["headers"]
                            if k == b"authorization"), None)
-            err = self.server._check_key(header)
-            if err is not None:
+            err, key_id = self.server._check_key(header)
+            if err is None:
+                scope.setdefault("state", {})["api_key_id"] = key_id
+            else:
                 from starlette.responses import JSONResponse
 
                 response = JSONResponse(err.body(), status_code=401,

@@ -15,6 +15,11 @@ and KV heads, ``D`` head dim, ``V`` vocab size.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
+import tempfile
 from typing import Callable
 
 import torch
@@ -25,6 +30,8 @@ from tandem.engine.model.linear import (Linear, LinearMethodBase, UnquantizedLin
                                   get_linear_method, process_weights_after_loading)
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.kernels.reference import rope_cos_sin_cache
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint projection -> (fused projection, shard id): the sub-matrices that
 # load into one fused layer, in the order of its output sizes.
@@ -176,6 +183,63 @@ class LlamaForCausalLM(nn.Module):
         """``[N, H]`` -> float32 logits ``[N, V]``."""
         return self.lm_head(hidden).float()
 
+_DEQUANTIZED_CACHE_FORMAT = "1"   # bump when iter_gguf_tensors' output changes
+
+
+def gguf_checkpoint(files) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """A GGUF model's config and its ``(hf_name, float32 tensor)`` pairs
+    (:func:`~tandem.engine.model.weights.iter_gguf_tensors`), dequantized once per file.
+
+    Opening a GGUF file parses every metadata field (the tokenizer's vocabulary and
+    merges element by element: seconds) and dequantizing takes seconds more, every
+    worker start. The first load saves the dequantized tensors and the config as one
+    safetensors file in the model-file cache
+    (:func:`~tandem.engine.model.model_files.derived_path`: keyed by the file's path,
+    size, mtime and the ``gguf`` version); later loads read that file (under a
+    second). The write is atomic; a cache that cannot be written is skipped.
+
+    Raises:
+        ValueError: not a Llama GGUF file (see :meth:`ModelConfig.from_gguf_fields`).
+        WeightLoadError: an unknown tensor name.
+    """
+    from importlib.metadata import version
+
+    from tandem.engine.model import weights
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tandem.engine.model.model_files import derived_path, publish
+
+    target = derived_path(files, "weights", version("gguf"), _DEQUANTIZED_CACHE_FORMAT)
+    if target is not None:
+        target += ".safetensors"
+        if os.path.isfile(target):
+            with safe_open(target, framework="pt") as f:
+                cfg = ModelConfig(**json.loads(f.metadata()["model_config"]))
+
+            def cached() -> Iterator[tuple[str, torch.Tensor]]:
+                with safe_open(target, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            return cfg, cached()
+    fields, reader = weights.read_gguf(files.path)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    cfg = ModelConfig.from_gguf_fields(fields, has_output)
+    if target is None:
+        return cfg, weights.iter_gguf_tensors(reader, cfg)
+    tensors = dict(weights.iter_gguf_tensors(reader, cfg))
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"model_config": json.dumps(dataclasses.asdict(cfg))})
+        publish(tmp, target)
+    except OSError as exc:
+        logger.debug("dequantized weight cache %s not written: %s", target, exc)
+    return cfg, iter(tensors.items())
+
+
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none"
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
@@ -200,7 +264,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     from tandem.engine.model import weights
 
     if files.format == "gguf":
-        cfg, tensors = weights.gguf_checkpoint(files)
+        cfg, tensors = gguf_checkpoint(files)
     else:
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)

@@ -10,13 +10,9 @@ how its format's tensors are laid out.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
-import logging
 import os
 import re
-import tempfile
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -24,11 +20,6 @@ import torch
 
 if TYPE_CHECKING:   # config imports the linear methods, which import this module
     from tandem.engine.config import ModelConfig
-    from tandem.engine.model.model_files import ModelFiles
-
-logger = logging.getLogger(__name__)
-
-_DEQUANTIZED_CACHE_FORMAT = "1"   # bump when iter_gguf_tensors' output changes
 
 
 class WeightLoadError(ValueError):
@@ -111,59 +102,6 @@ def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.
         elif hf_name.endswith("k_proj.weight"):
             w = _unpermute_rows(w, config.num_kv_heads)
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
-
-
-def gguf_checkpoint(files: ModelFiles) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """A GGUF model's config and its ``(hf_name, float32 tensor)`` pairs
-    (:func:`iter_gguf_tensors`), dequantized once per file.
-
-    Opening a GGUF file parses every metadata field (the tokenizer's vocabulary and
-    merges element by element: seconds) and dequantizing takes seconds more, every
-    worker start. The first load saves the dequantized tensors and the config as one
-    safetensors file in the model-file cache
-    (:func:`~tandem.engine.model.model_files.derived_path`: keyed by the file's path,
-    size, mtime and the ``gguf`` version); later loads read that file (under a
-    second). The write is atomic; a cache that cannot be written is skipped.
-
-    Raises:
-        ValueError: not a Llama GGUF file (see :meth:`ModelConfig.from_gguf_fields`).
-        WeightLoadError: an unknown tensor name.
-    """
-    from importlib.metadata import version
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from tandem.engine.config import ModelConfig
-    from tandem.engine.model.model_files import derived_path, publish
-
-    target = derived_path(files, "weights", version("gguf"), _DEQUANTIZED_CACHE_FORMAT)
-    if target is not None:
-        target += ".safetensors"
-        if os.path.isfile(target):
-            with safe_open(target, framework="pt") as f:
-                cfg = ModelConfig(**json.loads(f.metadata()["model_config"]))
-
-            def cached() -> Iterator[tuple[str, torch.Tensor]]:
-                with safe_open(target, framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-            return cfg, cached()
-    fields, reader = read_gguf(files.path)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    cfg = ModelConfig.from_gguf_fields(fields, has_output)
-    if target is None:
-        return cfg, iter_gguf_tensors(reader, cfg)
-    tensors = dict(iter_gguf_tensors(reader, cfg))
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-        os.close(fd)
-        save_file(tensors, tmp, metadata={"model_config": json.dumps(dataclasses.asdict(cfg))})
-        publish(tmp, target)
-    except OSError as exc:
-        logger.debug("dequantized weight cache %s not written: %s", target, exc)
-    return cfg, iter(tensors.items())
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

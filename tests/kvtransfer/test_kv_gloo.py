@@ -265,3 +265,47 @@ def test_receiver_and_sender_on_different_node_addresses(sender_host):
             peer.stop()
     finally:
         peer.stop()
+
+
+@pytest.mark.parametrize("peer_secret", ["wrong", None])
+def test_a_peer_without_the_cluster_secret_is_refused(monkeypatch, peer_secret):
+    """The receiver accepts only a sender that proves the cluster secret (an HMAC of
+    the pair name) before any data channel exists; the sender is told at once."""
+    from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
+
+    if peer_secret is None:
+        monkeypatch.delenv(CLUSTER_SECRET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CLUSTER_SECRET_ENV, peer_secret)
+    peer = Peer()                                   # spawned with that environment
+    try:
+        monkeypatch.setenv(CLUSTER_SECRET_ENV, "right")
+        layout = _layout()
+        with GlooReceiver.listen(connect_timeout_s=30) as receiver:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="refused this peer"):
+                peer.call("connect", "gloo", receiver.rendezvous)
+            assert time.monotonic() - start < 10
+            ticket = _ticket(layout, [0], num_cached_tokens=0, num_tokens=1, request_id="intruder")
+            with pytest.raises(KVTransferError, match="refused a peer without the cluster secret"):
+                receiver.receive(ticket, _dst_cache(layout), timeout_s=5)
+    finally:
+        peer.stop()
+
+
+def test_a_peer_with_the_cluster_secret_transfers(monkeypatch):
+    from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
+
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "shared")
+    peer = Peer()
+    try:
+        layout = _layout()
+        with GlooReceiver.listen(connect_timeout_s=30) as receiver:
+            peer.call("connect", "gloo", receiver.rendezvous)
+            ticket = _ticket(layout, [5], num_cached_tokens=0, num_tokens=16, request_id="friend")
+            peer.call("send", [(ticket.to_dict(), [2])], layout.to_dict(), SRC_NUM_BLOCKS, 3)
+            dst = _dst_cache(layout)
+            receiver.receive(ticket, dst, timeout_s=10)
+            _assert_only(dst, {5: make_cache(layout, SRC_NUM_BLOCKS, 3)[:, :, 2]})
+    finally:
+        peer.stop()

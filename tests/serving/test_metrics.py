@@ -48,7 +48,8 @@ def total(m: dict, name: str) -> float:
 def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
     """Every sample but ``_created`` and ``_bucket`` that a cluster with ``workers``
     (id -> role) exposes before its first request: all of them 0."""
-    from tandem.router.metrics import FINISH_REASONS, PREEMPTION_KINDS, REQUEST_FIELDS
+    from tandem.router.metrics import (FINISH_REASONS, PREEMPTION_KINDS, RATE_LIMIT_REASONS,
+                                       REQUEST_FIELDS)
 
     def key(name, **labels):
         return name, tuple(sorted({"model_name": MODEL, **labels}.items()))
@@ -56,6 +57,7 @@ def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
     want = [key(f"tandem:{n}_total") for n in ("prompt_tokens", "generation_tokens", "request_aborts")]
     want += [key("tandem:request_success_total", finished_reason=r) for r in FINISH_REASONS]
     want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
+    want += [key("tandem:requests_rate_limited_total", reason=r) for r in RATE_LIMIT_REASONS]
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds",

@@ -7,6 +7,7 @@ and their shapes, tokenize / detokenize, and a client disconnect freeing its blo
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import time
@@ -295,3 +296,56 @@ def test_client_disconnect_aborts_and_frees_blocks(cluster, base_url, stream):
         assert c["num_running"] == c["num_waiting"] == 0, (wid, c)
         assert c["num_free_blocks"] == c["num_blocks"], (wid, c)
     assert time.monotonic() - t0 < 30
+
+
+# -- rate limits -----------------------------------------------------------------------------
+
+@pytest.fixture
+def limited(cluster):
+    """Swap in a rate limiter on the cluster's Redis for one test."""
+    from tandem.control.rate_limits import RateLimiter, RateLimits
+
+    http = cluster.server.server.http
+
+    def set_limits(**kw) -> RateLimiter:
+        http.limiter = RateLimiter(cluster.server.server.state, RateLimits(**kw))
+        return http.limiter
+    yield set_limits
+    http.limiter = None
+
+
+def test_rate_limit_answers_429_then_recovers(api, limited, cluster, base_url):
+    limiter = limited(rate=0.5, burst=1)              # one request per 2 s
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:   # both admitted within ms
+        answers = list(pool.map(lambda _: httpx.post(f"{base_url}/v1/completions", json=body,
+                                                     timeout=60), range(2)))
+    assert sorted(a.status_code for a in answers) == [200, 429]
+    refused = next(a for a in answers if a.status_code == 429)
+    err = refused.json()["error"]
+    assert err["type"] == "RateLimitError" and "per second" in err["message"]
+    assert refused.headers["retry-after"] == "2"
+    time.sleep(2.05)                                  # one token refilled
+    assert api.completions.create(**body).choices[0].finish_reason == "length"
+    text = cluster.metrics_text()
+    assert 'tandem:requests_rate_limited_total{model_name="SmolLM2-135M-Instruct",reason="rate"} 1.0' \
+        in text
+    assert limiter.in_flight("anonymous") == 0
+
+
+def test_concurrency_cap_answers_429_while_a_stream_holds_the_slot(api, limited, base_url):
+    limiter = limited(max_concurrency=1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")       # the stream holds the slot
+        second = httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False})
+        assert second.status_code == 429 and "concurrent" in second.json()["error"]["message"]
+        assert limiter.in_flight("anonymous") == 1
+        assert [x for x in lines if x][-1] == "data: [DONE]"
+    deadline = time.monotonic() + 5
+    while limiter.in_flight("anonymous") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert limiter.in_flight("anonymous") == 0       # released when the stream ended
+    assert api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
