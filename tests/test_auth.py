@@ -1,4 +1,4 @@
-"""API key store, Bearer parsing and TLS settings; no server."""
+"""API key store, Bearer parsing, TLS settings and the security flags; no server."""
 
 from __future__ import annotations
 
@@ -146,6 +146,51 @@ def test_tls_config_from_flags():
         TLSConfig("s.pem", "s.key", "ca.pem", "optional")
     with pytest.raises(ValueError, match="ssl_certfile: cannot read"):
         TLSConfig("/nonexistent/s.pem", "s.key").read_pem()
+
+
+def test_serve_and_router_flags_build_the_config(tmp_path, monkeypatch):
+    import dataclasses
+
+    from tandem.router import cli
+
+    f = tmp_path / "keys"
+    f.write_text(KEYS[1] + "\n")
+    monkeypatch.setenv(auth.API_KEYS_ENV, KEYS[2])
+    tls_flags = ["--ssl-certfile", "s.pem", "--ssl-keyfile", "s.key", "--ssl-ca-certs", "ca.pem",
+                 "--ssl-cert-reqs", "required"]
+    for argv in (["serve", "--mode", "colocated"], ["router", "--redis-url", "redis://x"]):
+        args = cli.build_parser().parse_args(
+            argv + ["--api-key", KEYS[0], "--api-key-file", str(f), "--auth-health", *tls_flags])
+        sec = cli._security_config(args)
+        assert sec["api_keys"].key_ids == tuple(key_id(k) for k in KEYS)
+        assert sec["auth_health"] is True
+        assert sec["tls"] == TLSConfig("s.pem", "s.key", "ca.pem", "required")
+    args = cli.build_parser().parse_args(["serve", "--api-key", KEYS[0]])
+    cfg = dataclasses.replace(cli._serve_config(args), **cli._security_config(args))
+    assert cfg.api_keys.verify(KEYS[0]) == key_id(KEYS[0]) and cfg.tls is None
+    assert KEYS[0] not in repr(cfg)
+
+
+def test_auth_health_needs_keys():
+    from tandem.router.launcher import ServeConfig
+
+    with pytest.raises(ValueError, match="auth_health"):
+        ServeConfig(auth_health=True)
+    with pytest.raises(ValueError, match="auth_health"):
+        ServeConfig(auth_health=True, api_keys=APIKeyStore())
+    ServeConfig(auth_health=True, api_keys=APIKeyStore(KEYS))
+
+
+def test_the_banner_says_how_the_port_is_secured():
+    from tandem.router.launcher import RouterServer, ServeConfig
+
+    def summary(**kw) -> str:
+        return RouterServer(ServeConfig(**kw)).security_summary
+    assert summary() == "plaintext, no API key"
+    assert summary(api_keys=APIKeyStore(KEYS[:1])) == "plaintext, 1 API key"
+    assert summary(api_keys=APIKeyStore(KEYS), tls=TLSConfig("s.pem", "s.key")) == "TLS, 3 API keys"
+    assert summary(tls=TLSConfig("s.pem", "s.key", "ca.pem", "required")) == \
+        "TLS, client certificates required, no API key"
 
 
 def test_key_store_and_tls_settings_import_no_server_library():

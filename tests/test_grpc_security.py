@@ -289,6 +289,20 @@ def test_required_client_certificates(servers, pki):
                              keyfile=pki.client_key)) == PAST_AUTH
 
 
+def test_the_cli_client_presents_its_key_over_tls(servers, pki, monkeypatch, capsys):
+    from tandem.router import cli
+
+    def generate(*flags: str) -> str:
+        rc = cli.main(["generate", "--endpoint", servers["tls"], "--max-tokens", "2", *flags, "Hi"])
+        assert rc == 1          # no decode worker: the call fails, but after authentication
+        return capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert "UNAUTHENTICATED: missing API key" in generate("--ssl-ca", pki.ca)
+    assert "UNAVAILABLE: no decode worker" in generate("--ssl-ca", pki.ca, "--api-key", KEYS[2])
+    monkeypatch.setenv("TANDEM_API_KEY", KEYS[1])
+    assert "UNAVAILABLE: no decode worker" in generate("--ssl-ca", pki.ca)
+
+
 def test_an_interceptor_needs_keys():
     with pytest.raises(ValueError, match="empty"):
         APIKeyInterceptor(APIKeyStore())
