@@ -136,7 +136,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true",
                    help="connect over TLS (implied by --ssl-ca; without it the default roots "
                         "verify the server)")
-    p.add_argument("--ssl-ca", default=None, help="PEM CA bundle that signed the server's certificate")
+    p.add_argument("--ssl-ca", default=None,
+                   help="PEM CA bundle that signed the server's certificate")
     p.add_argument("--ssl-certfile", default=None,
                    help="this client's PEM certificate, for servers that require one")
     p.add_argument("--ssl-keyfile", default=None, help="this client's PEM private key")
