@@ -58,7 +58,8 @@ class ServeConfig:
             None or an empty store = no authentication. Health and reflection
             stay open unless ``auth_health``.
         auth_health: the health service requires a key too.
-        tls: serve the router's port over TLS (None = plaintext).
+        tls: serve the router's gRPC port over TLS (None = plaintext); needs
+            ``http_port`` None (the HTTP API has no TLS yet).
     """
 
     mode: str = "disaggregated"
@@ -95,6 +96,9 @@ class ServeConfig:
                              f"of {', '.join(ROUTING_POLICIES)}")
         if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
             raise ValueError("auth_health: health can require a key only when API keys are set")
+        if self.tls is not None and self.http_port is not None:
+            raise ValueError("tls: the OpenAI HTTP API does not serve TLS yet; turn it off "
+                             "(--http-port -1) or put a TLS proxy in front of it")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -168,7 +172,7 @@ class RouterServer:
     reader feeding prefix-aware routing. Starts no worker.
 
     Args:
-        config: ``host``, ``port``, ``metrics_port``, ``routing_policy``,
+        config: ``host``, ``port``, ``metrics_port``, ``http_port``, ``routing_policy``,
             ``redis_url`` (required here), ``namespace``, ``ray_address``,
             ``engine.model`` (the tokenizer), ``api_keys``, ``auth_health`` and
             ``tls`` are used.
@@ -264,10 +268,7 @@ class RouterServer:
             service, self.config.host, self.config.port, api_keys=self.config.api_keys,
             auth_health=self.config.auth_health, tls=self.config.tls)
         if self.config.http_port is not None:
-            from tandem.router.openai_api import OpenAIServer
-
-            self.http = OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
-                                     healthy=lambda: self.cluster.healthy)
+            self.http = self._http_front_end(orchestrator, tokenizer, model_info)
             self.http_port = await self.http.start(self.config.host, self.config.http_port)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port,
@@ -275,6 +276,16 @@ class RouterServer:
         self._set_health(self.cluster.healthy)
         logger.info("router %s serving on %s:%d (%s)", self.router_id, self.config.host,
                     self.port, self.security_summary)
+
+    def _http_front_end(self, orchestrator, tokenizer, model_info: dict):
+        """The OpenAI-compatible front end, behind the same API keys as the gRPC one
+        (``/metrics`` open, ``/health`` open unless ``auth_health``)."""
+        from tandem.router.openai_api import OpenAIServer
+
+        open_paths = ("/metrics",) if self.config.auth_health else ("/health", "/metrics")
+        return OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
+                            healthy=lambda: self.cluster.healthy, api_keys=self.config.api_keys,
+                            open_paths=open_paths)
 
     @property
     def security_summary(self) -> str:

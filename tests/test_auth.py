@@ -1,4 +1,5 @@
-"""API key store, Bearer parsing, TLS settings and the security flags; no server."""
+"""API key store, Bearer parsing, TLS settings, the security flags and how the launcher
+hands them to the front ends; no cluster."""
 
 from __future__ import annotations
 
@@ -180,6 +181,39 @@ def test_auth_health_needs_keys():
     with pytest.raises(ValueError, match="auth_health"):
         ServeConfig(auth_health=True, api_keys=APIKeyStore())
     ServeConfig(auth_health=True, api_keys=APIKeyStore(KEYS))
+
+
+def test_tls_is_refused_while_the_http_api_cannot_serve_it():
+    from tandem.router.launcher import ServeConfig
+
+    with pytest.raises(ValueError, match="--http-port -1"):
+        ServeConfig(tls=TLSConfig("s.pem", "s.key"), http_port=8000)
+    ServeConfig(tls=TLSConfig("s.pem", "s.key"), http_port=None)
+
+
+@pytest.mark.parametrize("auth_health", [False, True])
+def test_the_http_front_end_takes_the_same_keys(tokenizer, auth_health):
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from tandem.router.launcher import RouterServer, ServeConfig
+
+    router = RouterServer(ServeConfig(api_keys=APIKeyStore(KEYS), auth_health=auth_health,
+                                      http_port=0))
+    router.cluster = types.SimpleNamespace(healthy=True, can_serve=False)
+    info = {"model_name": "test", "max_model_len": 2048, "block_size": 16, "dtype": "float32",
+            "vocab_size": tokenizer.vocab_size}
+    http = router._http_front_end(types.SimpleNamespace(cluster=router.cluster), tokenizer, info)
+    with TestClient(http.app) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for key in KEYS:
+            assert client.get("/v1/models",
+                              headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert client.get("/health").status_code == (401 if auth_health else 200)
+        assert client.get("/health", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code \
+            == 200
 
 
 def test_the_banner_says_how_the_port_is_secured():
