@@ -41,7 +41,7 @@ def _check_key(key: str, where: str) -> None:
         raise ValueError(f"{where}: empty API key")
     if not all("!" <= c <= "~" for c in key):
         raise ValueError(f"{where}: an API key must be printable ASCII without spaces "
-                         f"(it travels in an HTTP/2 header)")
+                         f"(it travels in a request header)")
 
 
 class APIKeyStore:

@@ -98,7 +98,7 @@ class ServeConfig:
             raise ValueError("auth_health: health can require a key only when API keys are set")
         if self.tls is not None and self.http_port is not None:
             raise ValueError("tls: the OpenAI HTTP API does not serve TLS yet; turn it off "
-                             "(--http-port -1) or put a TLS proxy in front of it")
+                             "with --http-port -1, or terminate TLS in a proxy instead")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
