@@ -102,6 +102,47 @@ def _http_banner(server) -> str:
         if server.http_port is not None else ""
 
 
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[],
+                   help="a key clients must send as 'authorization: Bearer KEY' (repeatable; "
+                        "also --api-key-file and $TANDEM_API_KEYS, comma-separated; none = open)")
+    p.add_argument("--api-key-file", default=None,
+                   help="API keys, one per line ('#' starts a comment line)")
+    p.add_argument("--auth-health", action="store_true",
+                   help="the health service requires a key too (default: open, for probes)")
+    p.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate chain")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="PEM CA bundle that signs client certificates")
+    p.add_argument("--ssl-cert-reqs", default="none", choices=["none", "required"],
+                   help="required: clients must present a certificate signed by --ssl-ca-certs")
+
+
+def _security_config(args) -> dict:
+    """ServeConfig fields from the security flags and $TANDEM_API_KEYS (read here, at the
+    edge: the keys go no further than the store's digests)."""
+    from tandem.router.auth import APIKeyStore
+    from tandem.router.tls import TLSConfig
+
+    return {"api_keys": APIKeyStore.from_sources(args.api_key, args.api_key_file),
+            "auth_health": args.auth_health,
+            "tls": TLSConfig.from_args(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
+                                       args.ssl_cert_reqs)}
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None,
+                   help="API key of the server (default: $TANDEM_API_KEY)")
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS (implied by --ssl-ca; without it the default roots "
+                        "verify the server)")
+    p.add_argument("--ssl-ca", default=None,
+                   help="PEM CA bundle that signed the server's certificate")
+    p.add_argument("--ssl-certfile", default=None,
+                   help="this client's PEM certificate, for servers that require one")
+    p.add_argument("--ssl-keyfile", default=None, help="this client's PEM private key")
+
+
 def _serve_config(args):
     import dataclasses
 
@@ -122,13 +163,16 @@ def _serve_config(args):
 
 
 def _cmd_serve(args) -> int:
+    import dataclasses
+
     from tandem.router.launcher import TandemServer
 
     def banner(server) -> str:
         redis = server.redis.url if server.redis is not None else server.config.redis_url
         return f"tandem: serving {server.config.mode} on {args.host}:{server.port} (cluster " \
-               f"state {redis}){_http_banner(server)}"
-    return _run_until_signal(TandemServer(_serve_config(args)), banner, args)
+               f"state {redis}; {server.security_summary}){_http_banner(server)}"
+    cfg = dataclasses.replace(_serve_config(args), **_security_config(args))
+    return _run_until_signal(TandemServer(cfg), banner, args)
 
 
 def _cmd_router(args) -> int:
@@ -136,12 +180,13 @@ def _cmd_router(args) -> int:
     from tandem.router.launcher import RouterServer, ServeConfig
 
     cfg = ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                      http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
-                      redis_url=args.redis_url, engine=EngineConfig(model=args.model))
+                      http_port=_http_port(args), ray_address=args.ray_address,
+                      routing_policy=args.routing_policy, redis_url=args.redis_url,
+                      engine=EngineConfig(model=args.model), **_security_config(args))
 
     def banner(server) -> str:
-        return f"tandem: router {server.router_id} on {args.host}:{server.port}" \
-            f"{_http_banner(server)}"
+        return f"tandem: router {server.router_id} on {args.host}:{server.port} " \
+               f"({server.security_summary}){_http_banner(server)}"
     return _run_until_signal(RouterServer(cfg), banner, args)
 
 
@@ -180,21 +225,37 @@ def _request(args, text: str, chat: bool):
     return pb.GenerateRequest(prompt=text, sampling=sp, stream=True)
 
 
-def stream_over_grpc(endpoint: str, prompts: list[str], args, chat: bool, out=sys.stdout) -> int:
-    """Send each prompt to ``endpoint`` and print the streamed text as it arrives."""
+def stream_over_grpc(endpoint: str, prompts: list[str], args, chat: bool, out=None) -> int:
+    """Send each prompt to ``endpoint`` and print the streamed text as it arrives
+    (to ``out``, default: the current ``sys.stdout``).
+
+    ``args`` may carry the client flags (``api_key``, ``tls``, ``ssl_ca``,
+    ``ssl_certfile``, ``ssl_keyfile``); without ``api_key``, $TANDEM_API_KEY is sent.
+    """
+    import os
+
     import grpc
 
+    from tandem.router.auth import API_KEY_ENV
+    from tandem.router.grpc_security import bearer_metadata, open_channel
     from tandem.v1 import tandem_pb2 as pb
     from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(endpoint) as channel:
+    out = out if out is not None else sys.stdout
+    api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    metadata = bearer_metadata(api_key)
+    channel = open_channel(endpoint, tls=getattr(args, "tls", False),
+                           ca_certs=getattr(args, "ssl_ca", None),
+                           certfile=getattr(args, "ssl_certfile", None),
+                           keyfile=getattr(args, "ssl_keyfile", None))
+    with channel:
         stub = pb_grpc.TandemStub(channel)
         for text in prompts:
             print(f"\n>>> {text}", file=out, flush=True)
             t0 = time.perf_counter()
             ttft, final = None, None
             try:
-                for resp in stub.Generate(_request(args, text, chat)):
+                for resp in stub.Generate(_request(args, text, chat), metadata=metadata):
                     if ttft is None and resp.token_ids:
                         ttft = time.perf_counter() - t0
                     print(resp.text, end="", file=out, flush=True)
@@ -263,7 +324,8 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` argument parser (each subcommand sets ``func``)."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="start a cluster and serve gRPC until interrupted")
     _add_serve_args(s)
     _add_engine_args(s)
+    _add_security_args(s)
     s.set_defaults(func=_cmd_serve)
 
     r = sub.add_parser("router", help="run one more router over a running cluster's workers")
@@ -284,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"])
     r.add_argument("--model", default=None, help="the served model (for its tokenizer)")
+    _add_security_args(r)
     r.set_defaults(func=_cmd_router)
 
     d = sub.add_parser("demo", help="start a cluster, stream answers to prompts over gRPC, stop")
@@ -298,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="+")
     g.add_argument("--endpoint", default=None, help="a running server (host:port)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    _add_client_args(g)
     _add_engine_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
@@ -305,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="chat with a running server (messages from args or stdin)")
     c.add_argument("messages", nargs="*")
     c.add_argument("--endpoint", default="127.0.0.1:50051")
+    _add_client_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:

@@ -22,7 +22,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig
+from tandem.router.auth import APIKeyStore
 from tandem.router.registry import WorkerHandle
+from tandem.router.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ class ServeConfig:
         namespace: the cluster's key prefix in Redis (and its Ray actor names).
         lease_ttl_s: a worker's lease (seconds): a worker silent this long is dead.
         supervise: replace workers that die (pools keep their size).
+        api_keys: the keys clients must present (``authorization: Bearer <key>``);
+            None or an empty store = no authentication. Health and reflection
+            stay open unless ``auth_health``.
+        auth_health: the health service requires a key too.
+        tls: serve the router's gRPC port over TLS (None = plaintext); needs
+            ``http_port`` None (the HTTP API has no TLS yet).
     """
 
     mode: str = "disaggregated"
@@ -73,6 +81,9 @@ class ServeConfig:
     namespace: str = "tandem"
     lease_ttl_s: float = 10.0
     supervise: bool = True
+    api_keys: APIKeyStore | None = None
+    auth_health: bool = False
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -84,6 +95,11 @@ class ServeConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy: unknown {self.routing_policy!r}, expected one "
                              f"of {', '.join(ROUTING_POLICIES)}")
+        if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
+            raise ValueError("auth_health: health can require a key only when API keys are set")
+        if self.tls is not None and self.http_port is not None:
+            raise ValueError("tls: the OpenAI HTTP API does not serve TLS yet; turn it off "
+                             "with --http-port -1, or terminate TLS in a proxy instead")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -157,9 +173,10 @@ class RouterServer:
     reader feeding prefix-aware routing. Starts no worker.
 
     Args:
-        config: ``host``, ``port``, ``metrics_port``, ``routing_policy``,
-            ``redis_url`` (required here), ``namespace``, ``ray_address`` and
-            ``engine.model`` (the tokenizer) are used.
+        config: ``host``, ``port``, ``metrics_port``, ``http_port``, ``routing_policy``,
+            ``redis_url`` (required here), ``namespace``, ``ray_address``,
+            ``engine.model`` (the tokenizer), ``api_keys``, ``auth_health`` and
+            ``tls`` are used.
     """
 
     def __init__(self, config: ServeConfig):
@@ -249,18 +266,37 @@ class RouterServer:
                                     prefill_timeout_s=self.config.transfer_timeout_s + 1)
         service = TandemService(orchestrator, tokenizer, model_info, self.metrics)
         self.server, self.port, self.health = await start_grpc_server(
-            service, self.config.host, self.config.port)
+            service, self.config.host, self.config.port, api_keys=self.config.api_keys,
+            auth_health=self.config.auth_health, tls=self.config.tls)
         if self.config.http_port is not None:
-            from tandem.router.openai_api import OpenAIServer
-
-            self.http = OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
-                                     healthy=lambda: self.cluster.healthy)
+            self.http = self._http_front_end(orchestrator, tokenizer, model_info)
             self.http_port = await self.http.start(self.config.host, self.config.http_port)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port,
                                                        lambda: self.cluster.healthy)
         self._set_health(self.cluster.healthy)
-        logger.info("router %s serving on %s:%d", self.router_id, self.config.host, self.port)
+        logger.info("router %s serving on %s:%d (%s)", self.router_id, self.config.host,
+                    self.port, self.security_summary)
+
+    def _http_front_end(self, orchestrator, tokenizer, model_info: dict):
+        """The OpenAI-compatible front end, behind the same API keys as the gRPC one
+        (``/metrics`` open, ``/health`` open unless ``auth_health``)."""
+        from tandem.router.openai_api import OpenAIServer
+
+        open_paths = ("/metrics",) if self.config.auth_health else ("/health", "/metrics")
+        return OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
+                            healthy=lambda: self.cluster.healthy, api_keys=self.config.api_keys,
+                            open_paths=open_paths)
+
+    @property
+    def security_summary(self) -> str:
+        """``"TLS, 2 API keys"``, ``"plaintext, no API key"``, ...: for banners and logs."""
+        cfg = self.config
+        n = len(cfg.api_keys) if cfg.api_keys is not None else 0
+        transport = "plaintext" if cfg.tls is None else \
+            "TLS, client certificates required" if cfg.tls.require_client_cert else "TLS"
+        keys = "no API key" if n == 0 else f"{n} API key{'s' if n > 1 else ''}"
+        return f"{transport}, {keys}"
 
     def _start_kv_reader(self) -> None:
         """A thread reading the workers' KV event streams into the routing policy

@@ -8,6 +8,10 @@ and turn its sample events into ``GenerateResponse`` messages (streaming: one pe
 change; otherwise one per finished sample). A client that cancels or
 disconnects cancels the orchestrator's generator, which aborts the request on
 the workers.
+
+With API keys configured every call but health and reflection must present
+one (:mod:`tandem.router.grpc_security`: ``UNAUTHENTICATED`` otherwise, before the
+handler runs); with a certificate the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import grpc
 
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError
+from tandem.router.auth import APIKeyStore
 from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
 from tandem.router.stream import SampleStream
+from tandem.router.tls import TLSConfig
 from tandem.router.validation import InvalidRequestError, RequestValidator
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
@@ -108,16 +114,33 @@ class TandemService(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
-async def start_grpc_server(service: TandemService, host: str, port: int):
+async def start_grpc_server(service: TandemService, host: str, port: int,
+                            api_keys: APIKeyStore | None = None, auth_health: bool = False,
+                            tls: TLSConfig | None = None):
     """Serve ``service`` with health and reflection on ``host:port`` (0 = any free port).
+
+    Args:
+        api_keys: keys every call must present (``authorization: Bearer <key>``),
+            except to health and reflection; None or empty = no authentication.
+        auth_health: health requires a key too.
+        tls: serve over TLS (None = plaintext).
 
     Returns:
         ``(server, bound_port, health_servicer)``.
+
+    Raises:
+        OSError: the address cannot be bound.
+        ValueError: a TLS file cannot be read.
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    from tandem.router.grpc_security import APIKeyInterceptor, open_methods, server_credentials
+
+    interceptors = []
+    if api_keys is not None and api_keys.enabled:
+        interceptors.append(APIKeyInterceptor(api_keys, open_methods(auth_health)))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     pb_grpc.add_TandemServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -125,8 +148,10 @@ async def start_grpc_server(service: TandemService, host: str, port: int):
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, server_credentials(tls)) if tls is not None \
+        else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
     await server.start()
     return server, bound, health_servicer

@@ -67,3 +67,11 @@ def hf_greedy(hf_model):
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A test CA, a server certificate for 127.0.0.1 and client certificates (tests/tls_certs.py)."""
+    from tests.tls_certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
