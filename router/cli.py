@@ -98,7 +98,8 @@ def _http_port(args) -> int | None:
 
 
 def _http_banner(server) -> str:
-    return f" (OpenAI API on http://{server.config.host}:{server.http_port}/v1)" \
+    scheme = "http" if server.config.tls is None else "https"
+    return f" (OpenAI API on {scheme}://{server.config.host}:{server.http_port}/v1)" \
         if server.http_port is not None else ""
 
 
@@ -116,18 +117,28 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
                    help="PEM CA bundle that signs client certificates")
     p.add_argument("--ssl-cert-reqs", default="none", choices=["none", "required"],
                    help="required: clients must present a certificate signed by --ssl-ca-certs")
+    p.add_argument("--rate-limit", type=float, default=0.0,
+                   help="requests per second per API key (token bucket shared by every "
+                        "router through Redis; 0 = off); refused with 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--rate-burst", type=float, default=0.0,
+                   help="requests a key may save up (default: max(1, --rate-limit))")
+    p.add_argument("--max-concurrent-requests", type=int, default=0,
+                   help="requests in flight at once per API key (0 = no cap)")
 
 
 def _security_config(args) -> dict:
     """ServeConfig fields from the security flags and $TANDEM_API_KEYS (read here, at the
     edge: the keys go no further than the store's digests)."""
+    from tandem.control.rate_limits import RateLimits
     from tandem.router.auth import APIKeyStore
     from tandem.router.tls import TLSConfig
 
     return {"api_keys": APIKeyStore.from_sources(args.api_key, args.api_key_file),
             "auth_health": args.auth_health,
             "tls": TLSConfig.from_args(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs,
-                                       args.ssl_cert_reqs)}
+                                       args.ssl_cert_reqs),
+            "rate_limits": RateLimits(args.rate_limit, args.rate_burst,
+                                      args.max_concurrent_requests)}
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tandem.engine.config import EngineConfig
 from tandem.router.auth import APIKeyStore
 from tandem.router.registry import WorkerHandle
+from tandem.control.rate_limits import RateLimits
 from tandem.router.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class ServeConfig:
             None or an empty store = no authentication. Health and reflection
             stay open unless ``auth_health``.
         auth_health: the health service requires a key too.
-        tls: serve the router's gRPC port over TLS (None = plaintext); needs
-            ``http_port`` None (the HTTP API has no TLS yet).
+        tls: serve the router's gRPC port and its HTTP API over TLS (None = plaintext).
+        rate_limits: per-API-key request rate and concurrency limits, kept in the
+            cluster state (shared by every router; off by default).
     """
 
     mode: str = "disaggregated"
@@ -84,6 +86,7 @@ class ServeConfig:
     api_keys: APIKeyStore | None = None
     auth_health: bool = False
     tls: TLSConfig | None = None
+    rate_limits: RateLimits = field(default_factory=RateLimits)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -97,9 +100,6 @@ class ServeConfig:
                              f"of {', '.join(ROUTING_POLICIES)}")
         if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
             raise ValueError("auth_health: health can require a key only when API keys are set")
-        if self.tls is not None and self.http_port is not None:
-            raise ValueError("tls: the OpenAI HTTP API does not serve TLS yet; turn it off "
-                             "with --http-port -1, or terminate TLS in a proxy instead")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -191,6 +191,7 @@ class RouterServer:
         self.metrics_port: int | None = None
         self.health = None
         self.http = None               # the OpenAI-compatible front end, if any
+        self.limiter = None            # per-key rate limits, if configured
         self.http_port: int | None = None
         self._kv_reader_stop = threading.Event()
         self._kv_reader: threading.Thread | None = None
@@ -264,13 +265,19 @@ class RouterServer:
         orchestrator = Orchestrator(self.cluster, tokenizer, self.metrics,
                                     journal=RedisJournal(self.state),
                                     prefill_timeout_s=self.config.transfer_timeout_s + 1)
-        service = TandemService(orchestrator, tokenizer, model_info, self.metrics)
+        self.limiter = None
+        if self.config.rate_limits.enabled:
+            from tandem.control.rate_limits import RateLimiter
+
+            self.limiter = RateLimiter(self.state, self.config.rate_limits)
+        service = TandemService(orchestrator, tokenizer, model_info, self.metrics, self.limiter)
         self.server, self.port, self.health = await start_grpc_server(
             service, self.config.host, self.config.port, api_keys=self.config.api_keys,
             auth_health=self.config.auth_health, tls=self.config.tls)
         if self.config.http_port is not None:
             self.http = self._http_front_end(orchestrator, tokenizer, model_info)
-            self.http_port = await self.http.start(self.config.host, self.config.http_port)
+            self.http_port = await self.http.start(self.config.host, self.config.http_port,
+                                                   self.config.tls)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port,
                                                        lambda: self.cluster.healthy)
@@ -286,7 +293,7 @@ class RouterServer:
         open_paths = ("/metrics",) if self.config.auth_health else ("/health", "/metrics")
         return OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
                             healthy=lambda: self.cluster.healthy, api_keys=self.config.api_keys,
-                            open_paths=open_paths)
+                            limiter=self.limiter, open_paths=open_paths)
 
     @property
     def security_summary(self) -> str:

@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_PROMPTS = 64
 """Prompts per ``/v1/completions`` request (a list prompt)."""
+MAX_HEADER_BYTES = 64 * 1024
+"""The request line and headers together; a larger head is refused (431/400)."""
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""A request body; a larger one is refused with 413 before it is read whole."""
 
 
 # -- request schemas (OpenAI + vLLM extras) ----------------------------------------------------
@@ -132,7 +136,8 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  retry_after_s: float = 0.0):
@@ -372,14 +377,16 @@ class OpenAIServer:
     def _needs_key(self, path: str) -> bool:
         return bool(self.api_keys) and not any(path == p for p in self.open_paths)
 
-    def _check_key(self, header: str | None) -> tuple[APIError | None, str | None]:
-        """``(error, key id)`` for an ``Authorization`` header value."""
-        if not header:
+    def _check_key(self, headers: list[str]) -> tuple[APIError | None, str | None]:
+        """``(error, key id)`` for the request's ``Authorization`` header values."""
+        from tandem.router.auth import parse_bearer
+
+        if not headers:
             return APIError(401, "missing API key: send 'Authorization: Bearer <key>'"), None
-        scheme, _, key = header.strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return APIError(401, "the Authorization header must be 'Bearer <key>'"), None
-        key_id = self.api_keys.verify(key.strip())
+        key = parse_bearer(headers[0]) if len(headers) == 1 else None
+        if key is None:
+            return APIError(401, "send exactly one 'Authorization: Bearer <key>' header"), None
+        key_id = self.api_keys.verify(key)
         if key_id is None:
             return APIError(401, "invalid API key"), None
         return None, key_id
@@ -413,8 +420,12 @@ class OpenAIServer:
             task = asyncio.ensure_future(asyncio.to_thread(self.limiter.release, key_id, request_id))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, tls=None) -> int:
         """Serve on ``host:port`` (0 = any free port) on the running event loop.
+
+        Args:
+            tls: a :class:`~tandem.router.tls.TLSConfig` to serve HTTPS (client
+                certificates verified when it requires them); None: plain HTTP.
 
         Returns:
             The bound port.
@@ -431,9 +442,12 @@ class OpenAIServer:
         sock.listen(128)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
+        ssl = {} if tls is None else dict(
+            ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile, ssl_ca_certs=tls.ca_certs,
+            ssl_cert_reqs=tls.ssl_cert_reqs)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=2,
-                                h11_max_incomplete_event_size=64 * 1024)
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES, **ssl)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None   # the owner handles signals
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -811,27 +825,47 @@ def _check_failed(s) -> None:
 
 
 class _AuthMiddleware:
-    """Checks ``Authorization: Bearer <key>`` before any route runs (a plain ASGI
-    middleware, so request bodies and disconnects pass through untouched)."""
+    """Checks ``Authorization: Bearer <key>`` before any route runs, and refuses a
+    body over :data:`MAX_BODY_BYTES` (413) by its Content-Length or while it streams
+    in (a plain ASGI middleware, so bodies and disconnects pass through untouched)."""
 
     def __init__(self, app, server: OpenAIServer):
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.server._needs_key(scope["path"]):
-            header = next((v.decode("latin-1") for k, v in scope["headers"]
-                           if k == b"authorization"), None)
-            err, key_id = self.server._check_key(header)
+        from starlette.responses import JSONResponse
+
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            err = APIError(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > MAX_BODY_BYTES:
+                    raise APIError(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+            return message
+
+        receive_ = counted_receive
+        if self.server._needs_key(scope["path"]):
+            err, key_id = self.server._check_key(
+                [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"])
             if err is None:
                 scope.setdefault("state", {})["api_key_id"] = key_id
             else:
-                from starlette.responses import JSONResponse
-
                 response = JSONResponse(err.body(), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive_, send)
 
 
 class _Usage:

@@ -16,7 +16,9 @@ handler runs); with a certificate the port speaks TLS only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 
 import grpc
 
@@ -32,6 +34,11 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20
+"""The largest request message accepted (RESOURCE_EXHAUSTED beyond it, before parsing)."""
+MAX_METADATA_BYTES = 16 << 10
+"""The largest request metadata (headers) accepted."""
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -72,11 +79,38 @@ class TandemService(pb_grpc.TandemServicer):
         metrics: optional recorder (see router.metrics).
     """
 
-    def __init__(self, orchestrator: Orchestrator, tokenizer, model_info: dict, metrics=None):
+    def __init__(self, orchestrator: Orchestrator, tokenizer, model_info: dict, metrics=None,
+                 limiter=None):
         self.orchestrator = orchestrator
         self.info = model_info
         self.validator = RequestValidator(tokenizer, model_info["max_model_len"])
         self.metrics = metrics
+        self.limiter = limiter
+
+    async def _admit(self, request_id: str, context) -> str | None:
+        """Take the call's rate-limit token and concurrency slot (its API key's, or
+        ``anonymous``); aborts with RESOURCE_EXHAUSTED when refused. Returns the key
+        id to release under (None: nothing held). Should Redis be unreachable, the
+        call is admitted (and a warning logged)."""
+        if self.limiter is None:
+            return None
+        from tandem.router.grpc_security import current_key_id
+
+        key_id = current_key_id() or "anonymous"
+        try:
+            verdict = await asyncio.to_thread(self.limiter.admit, key_id, request_id)
+        except Exception as exc:
+            logger.warning("rate limiter unavailable, admitting %s: %s", request_id, exc)
+            return None
+        if not verdict.allowed:
+            if self.metrics:
+                self.metrics.request_rate_limited(verdict.reason)
+            what = ("too many requests per second" if verdict.reason == "rate"
+                    else "too many concurrent requests")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"rate limit exceeded for this API key: {what} (retry after "
+                                f"{verdict.retry_after_s:.1f} s)")
+        return key_id
 
     async def GetModelInfo(self, request, context):
         i = self.info
@@ -96,6 +130,8 @@ class TandemService(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is alive")
             return
         num_prompt = len(v.prompt_token_ids)
+        slot = uuid.uuid4().hex          # client request ids may repeat; slots must not
+        key_id = await self._admit(slot, context)
         try:
             async for ev in self.orchestrator.generate(v):
                 s, upd = ev.sample, ev.update
@@ -112,6 +148,9 @@ class TandemService(pb_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (ServiceUnavailable, WorkerError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            if key_id is not None:
+                await asyncio.shield(asyncio.to_thread(self.limiter.release, key_id, slot))
 
 
 async def start_grpc_server(service: TandemService, host: str, port: int,
@@ -140,7 +179,10 @@ async def start_grpc_server(service: TandemService, host: str, port: int,
     interceptors = []
     if api_keys is not None and api_keys.enabled:
         interceptors.append(APIKeyInterceptor(api_keys, open_methods(auth_health)))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_metadata_size", MAX_METADATA_BYTES)],
+                             interceptors=interceptors)
     pb_grpc.add_TandemServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

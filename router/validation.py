@@ -32,6 +32,8 @@ MAX_N = 128
 # string after each delta, so both the count and the length are bounded.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
+# Text is tokenized before the context length can be checked: bound the work first.
+MAX_PROMPT_BYTES = 1 << 20
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")
@@ -196,6 +198,20 @@ class RequestValidator:
                                       str(e).removeprefix(f"{e.field}: ")) from None
 
     def _tokenize(self, request, kind: str) -> list[int]:
+        if kind == "prompt" and len(request.prompt.encode()) > MAX_PROMPT_BYTES:
+            raise InvalidRequestError("prompt", f"must be at most {MAX_PROMPT_BYTES} bytes of "
+                                                f"UTF-8, got {len(request.prompt.encode())}")
+        if kind == "token_ids" and len(request.token_ids.ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "token_ids", f"the prompt is {len(request.token_ids.ids)} tokens, but "
+                             f"max_model_len is {self.max_model_len}: at least one token must "
+                             "fit after it")
+        if kind == "chat":
+            size = sum(len(m.content.encode()) for m in request.chat.messages)
+            if size > MAX_PROMPT_BYTES:
+                raise InvalidRequestError("chat.messages", f"the contents must be at most "
+                                                           f"{MAX_PROMPT_BYTES} bytes of UTF-8 "
+                                                           f"together, got {size}")
         if kind == "prompt":
             ids = self.tokenizer.encode(request.prompt)
             if not ids:

@@ -183,12 +183,17 @@ def test_auth_health_needs_keys():
     ServeConfig(auth_health=True, api_keys=APIKeyStore(KEYS))
 
 
-def test_tls_is_refused_while_the_http_api_cannot_serve_it():
-    from tandem.router.launcher import ServeConfig
+def test_rate_limit_flags_build_the_limits(monkeypatch):
+    from tandem.control.rate_limits import RateLimits
+    from tandem.router import cli
 
-    with pytest.raises(ValueError, match="--http-port -1"):
-        ServeConfig(tls=TLSConfig("s.pem", "s.key"), http_port=8000)
-    ServeConfig(tls=TLSConfig("s.pem", "s.key"), http_port=None)
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_serve", lambda args: seen.append(args) or 0)
+    assert cli.main(["serve", "--rate-limit", "2.5", "--rate-burst", "5",
+                     "--max-concurrent-requests", "3"]) == 0
+    assert cli._security_config(seen[0])["rate_limits"] == RateLimits(2.5, 5.0, 3)
+    assert cli.main(["serve"]) == 0
+    assert not cli._security_config(seen[1])["rate_limits"].enabled
 
 
 @pytest.mark.parametrize("auth_health", [False, True])

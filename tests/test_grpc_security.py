@@ -308,3 +308,18 @@ def test_an_interceptor_needs_keys():
         APIKeyInterceptor(APIKeyStore())
     with pytest.raises(ValueError, match="open_methods"):
         APIKeyInterceptor(STORE, ["grpc.health.v1.Health/*"])
+
+
+def test_oversized_messages_and_metadata_are_refused_and_the_server_keeps_serving(servers):
+    from tandem.router.server import MAX_MESSAGE_BYTES, MAX_METADATA_BYTES
+
+    big = pb.GenerateRequest(prompt="x" * (MAX_MESSAGE_BYTES + 1), stream=True)
+    with open_channel(servers["open"]) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        code, _ = call_status(lambda: stub.Generate(big, timeout=TIMEOUT))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        code, details = call_status(lambda: stub.Generate(
+            generate_req(), metadata=[("x-pad", "y" * (4 * MAX_METADATA_BYTES))], timeout=TIMEOUT))
+        # Past the hard limit (1.25 x the soft one): always refused, before any handler.
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "metadata size" in details
+    assert list(tandem_calls(servers["open"], None)) == PAST_AUTH

@@ -295,3 +295,19 @@ def test_invalid_parameter_error_survives_pickling():
     err = pickle.loads(pickle.dumps(InvalidParameterError("top_p", "must be in (0, 1]")))
     assert type(err) is InvalidParameterError
     assert err.field == "top_p" and str(err) == "top_p: must be in (0, 1]"
+
+
+# --- size caps before tokenization -------------------------------------------------------
+
+def test_prompt_bytes_are_capped_before_tokenizing(validator):
+    from tandem.router.validation import MAX_PROMPT_BYTES
+
+    big = "é" * (MAX_PROMPT_BYTES // 2 + 1)                  # 2 bytes each in UTF-8
+    error = refused(validator, pb.GenerateRequest(prompt=big))
+    assert (error.field, error.message) == (
+        "prompt", f"must be at most {MAX_PROMPT_BYTES} bytes of UTF-8, got {MAX_PROMPT_BYTES + 2}")
+    error = refused(validator, pb.GenerateRequest(chat=chat(("user", big[:len(big) // 2]),
+                                                            ("user", big[:len(big) // 2 + 1]))))
+    assert error.field == "chat.messages" and "bytes of UTF-8 together" in error.message
+    error = refused(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * MAX_MODEL_LEN)))
+    assert error.field == "token_ids" and "at least one token must fit" in error.message

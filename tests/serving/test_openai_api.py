@@ -349,3 +349,12 @@ def test_concurrency_cap_answers_429_while_a_stream_holds_the_slot(api, limited,
         time.sleep(0.05)
     assert limiter.in_flight("anonymous") == 0       # released when the stream ended
     assert api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+
+
+def test_an_oversized_body_is_413(base_url):
+    from tandem.router.openai_api import MAX_BODY_BYTES
+
+    r = httpx.post(f"{base_url}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 1)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert httpx.get(f"{base_url}/health").status_code == 200        # still serving
