@@ -31,9 +31,10 @@ class Sampler:
     """Samples one token per row of a logits batch.
 
     A seeded request (``sampling_params.seed`` set) draws from its own
-    ``torch.Generator``, created at its first draw from ``seed + sample_index``
-    (so the ``n`` samples of one seeded prompt differ, and each reproduces) and
-    kept until :meth:`free`. Unseeded requests share ``generator``.
+    ``torch.Generator``, created at its first draw from
+    ``sampling_params.sample_seed(sample_index)`` (``(seed + sample_index) mod
+    2**64``: the ``n`` samples of one seeded prompt differ, each reproduces, and
+    no seed overflows) and kept until :meth:`free`. Unseeded requests share ``generator``.
 
     Args:
         generator: the source of randomness for unseeded requests.
@@ -59,7 +60,8 @@ class Sampler:
             return self.generator
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(seed + request.sample_index)
+            gen = torch.Generator().manual_seed(
+                request.sampling_params.sample_seed(request.sample_index))
             self._generators[request.request_id] = gen
         return gen
 
