@@ -92,6 +92,27 @@ def test_temperature_sharpens():
     check_within_5_sigma(_draw(SamplingParams(temperature=0.5), n), p / p.sum(), n)
 
 
+def test_tiny_temperature_tends_to_greedy_instead_of_nan():
+    # 30 / 1e-40 overflows float32: softmax of several +inf was NaN and the
+    # exponential race then returned token 0 whatever the logits.
+    logits = torch.tensor([1.0, 30.0, 29.0, 30.0, -5.0])
+    freq = _draw(SamplingParams(temperature=1e-40), 400, logits)
+    assert freq[0] == freq[2] == freq[4] == 0
+    assert 0.3 < freq[1] < 0.7 and freq[1] + freq[3] == 1        # the tied maxima
+
+
+def test_tiny_repetition_penalty_keeps_logits_finite():
+    # 1e-45 divides seen positive logits to +inf; they are clamped to the largest
+    # float, so sampling picks among them instead of NaN's token 0.
+    row = torch.tensor([[2.0, 1.0, -1.0, 3.0, 0.5]])
+    p = SamplingParams(repetition_penalty=1e-45)
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    picks = {sampler(row.clone(), [_req(p, prompt=(1, 3))])[0].token_id for _ in range(200)}
+    assert picks == {1, 3}
+    greedy = SamplingParams(repetition_penalty=1e-45, temperature=0.0)
+    assert Sampler()(row.clone(), [_req(greedy, prompt=(1, 3))])[0].token_id == 1
+
+
 def test_top_k_top_p_min_p_truncate():
     n = 3000
     check_within_5_sigma(_draw(SamplingParams(top_k=2), n), torch.tensor([2 / 3, 1 / 3, 0, 0]), n)

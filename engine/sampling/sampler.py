@@ -148,7 +148,12 @@ def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
         seen = torch.tensor(sorted({t for t in r.all_token_ids if t < vocab}), dtype=torch.long)
         if seen.numel():
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            penalized = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+            # An extreme penalty (1e-45, 1e38) overflows to +-inf; several +inf
+            # would make softmax NaN, so stay finite (the order is kept).
+            finfo = torch.finfo(row.dtype)
+            row[seen] = penalized.clamp(finfo.min, finfo.max)
     if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
         out = torch.tensor(r.output_token_ids, dtype=torch.long)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
@@ -165,6 +170,11 @@ def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
 def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> int:
     p = r.sampling_params
     x = row / p.temperature
+    if torch.isposinf(x).any():
+        # A tiny temperature overflowed float32, and softmax of several +inf is NaN.
+        # softmax is shift-invariant: with the maximum at 0 nothing overflows, and
+        # the distribution tends to the greedy one as it should.
+        x = (row - row.max()) / p.temperature
     if 0 < p.top_k < x.shape[0]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
