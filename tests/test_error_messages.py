@@ -206,4 +206,5 @@ def test_a_validator_crash_gets_an_error_id_to_quote(caplog):
 def test_a_refusal_by_the_validator_is_unchanged():
     err = _call(RuntimeError("unused"), pb.GenerateRequest(token_ids=pb.TokenIds(ids=[VOCAB])))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details() == f"token_ids.ids[0]: token id {VOCAB} is not below the vocabulary size {VOCAB}"
+    assert err.details() == (
+        f"token_ids.ids[0]: token id {VOCAB} is not below the vocabulary size {VOCAB}")
