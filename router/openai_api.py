@@ -537,7 +537,11 @@ class OpenAIServer:
         if isinstance(exc, InvalidParameterError):
             field = getattr(exc, "field", None)
             return APIError(400, str(exc), field)
-        if isinstance(exc, (ServiceUnavailable, WorkerError)):
+        if isinstance(exc, WorkerError):       # its text is the worker's, for the log only
+            logger.warning("HTTP request: %s", exc)
+            return APIError(503, f"worker {exc.worker_id} failed while serving the request; "
+                                 "try again")
+        if isinstance(exc, ServiceUnavailable):
             return APIError(503, str(exc))
         if isinstance(exc, RequestFailed):
             return APIError(500, str(exc))

@@ -12,18 +12,25 @@ the workers.
 With API keys configured every call but health and reflection must present
 one (:mod:`tandem.router.grpc_security`: ``UNAUTHENTICATED`` otherwise, before the
 handler runs); with a certificate the port speaks TLS only.
+
+Error messages reach clients, so they carry only what the router wrote for
+them: a field path and why, or a short status with the request id. A
+worker's exception text (a Ray error's holds the worker's traceback and file
+paths) and any unexpected exception are logged here, with the request id, and
+never sent; an unexpected exception is ``INTERNAL``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
 import grpc
 
 from tandem.engine.scheduling.request import TokenLogprobs
-from tandem.engine.sampling.sampling_params import InvalidParameterError
+from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
 from tandem.router.auth import APIKeyStore
 from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
 from tandem.router.stream import SampleStream
@@ -47,6 +54,25 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def refused_field_path(exc: InvalidParameterError, input_field: str | None) -> str | None:
+    """The proto path of the field a worker refused (its engine names
+    ``SamplingParams`` fields and ``prompt_token_ids``), or None when the field is
+    not one the client sent (``output_token_ids``, ``kv_transfer_params``: the
+    router's own doing, a bug rather than bad input).
+
+    Args:
+        input_field: which input the request set (``prompt``, ``token_ids``, ``chat``).
+    """
+    if exc.field in _SAMPLING_FIELDS:
+        return f"sampling.{exc.field}"
+    if exc.field == "prompt_token_ids":
+        return input_field
+    return None
 
 
 def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int],
@@ -119,20 +145,29 @@ class TandemService(pb_grpc.TandemServicer):
                                        vocab_size=i["vocab_size"])
 
     async def Generate(self, request, context):
+        """Serve one ``GenerateRequest``; every failure ends the call with a status:
+
+        - ``INVALID_ARGUMENT``: ``"<field path>: <why>"`` (the router's validation,
+          or a worker refusing a field the client sent);
+        - ``UNAVAILABLE``: no worker can serve it now, or its worker failed (retry);
+        - ``FAILED_PRECONDITION``: the cluster cannot serve it as configured;
+        - ``INTERNAL``: anything else (a bug), with the request id to quote; the
+          traceback is logged, never sent.
+        """
+        request_id = key_id = None
         try:
-            v = self.validator.validate(request)
-        except InvalidRequestError as exc:
-            if self.metrics:
-                self.metrics.invalid_request(exc.field)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        if not self.orchestrator.cluster.can_serve:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is alive")
-            return
-        num_prompt = len(v.prompt_token_ids)
-        slot = uuid.uuid4().hex          # client request ids may repeat; slots must not
-        key_id = await self._admit(slot, context)
-        try:
+            try:
+                v = self.validator.validate(request)
+            except InvalidRequestError as exc:
+                if self.metrics:
+                    self.metrics.invalid_request(exc.field)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            request_id = v.request_id
+            if not self.orchestrator.cluster.can_serve:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is alive")
+            num_prompt = len(v.prompt_token_ids)
+            slot = uuid.uuid4().hex      # client request ids may repeat; slots must not
+            key_id = await self._admit(slot, context)
             async for ev in self.orchestrator.generate(v):
                 s, upd = ev.sample, ev.update
                 if v.stream:
@@ -142,15 +177,39 @@ class TandemService(pb_grpc.TandemServicer):
                 elif s.finished:
                     yield to_response(v.request_id, s, "".join(s.pieces), s.token_ids,
                                       s.logprobs, num_prompt)
+        except grpc.aio.AbortError:
+            raise                                # context.abort() above: the call is answered
         except InvalidParameterError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            path = refused_field_path(exc, request.WhichOneof("input"))
+            if path is None:
+                await self._internal_error(context, request_id)
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {exc.message}")
         except RequestFailed as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except (ServiceUnavailable, WorkerError) as exc:
+        except ServiceUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except WorkerError as exc:
+            # Its text is the worker's exception, for the operator only.
+            logger.warning("request %s: %s", request_id, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"worker {exc.worker_id} failed while serving request "
+                                f"{request_id}; try again")
+        except Exception:
+            await self._internal_error(context, request_id)
         finally:
             if key_id is not None:
                 await asyncio.shield(asyncio.to_thread(self.limiter.release, key_id, slot))
+
+    @staticmethod
+    async def _internal_error(context, request_id: str | None) -> None:
+        """Answer ``INTERNAL`` for the exception being handled, which is a bug, not
+        the client's doing: logged with its traceback, never sent. Validation may
+        not have named the request yet; an error id then ties the answer to the log."""
+        request_id = request_id or f"error-{uuid.uuid4().hex}"
+        logger.exception("request %s: unexpected error", request_id)
+        await context.abort(grpc.StatusCode.INTERNAL,
+                            f"internal error while serving request {request_id}")
 
 
 async def start_grpc_server(service: TandemService, host: str, port: int,

@@ -17,7 +17,6 @@ set one to a Python string that cannot be encoded (a lone surrogate raises
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ MAX_STOP_STRING_CHARS = 256
 # Text is tokenized before the context length can be checked: bound the work first.
 MAX_PROMPT_BYTES = 1 << 20
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
 # Proto fields declared `optional`: absent means SamplingParams' default.
 _OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
                     "repetition_penalty", "seed", "logprobs")
@@ -165,11 +162,6 @@ class RequestValidator:
     def _sampling_params(self, sampling) -> SamplingParams:
         if sampling is None:
             return SamplingParams()
-        for name in _FLOAT_FIELDS:
-            value = getattr(sampling, name)
-            if not math.isfinite(value):
-                raise InvalidRequestError(f"sampling.{name}",
-                                          f"must be a finite number, got {value}")
         if sampling.HasField("n") and sampling.n > MAX_N:
             raise InvalidRequestError("sampling.n", f"must be at most {MAX_N}, got {sampling.n}")
         if len(sampling.stop) > MAX_STOP_STRINGS:

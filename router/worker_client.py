@@ -5,7 +5,10 @@ A worker method that raises one of the exceptions the router acts on
 (:data:`TYPED_ERRORS`) reaches the caller as that exception itself; a worker
 that is gone raises :class:`WorkerDiedError`; anything else a worker raises is
 a :class:`WorkerError` whose message names the worker and the method, never
-a traceback. Nothing in the router matches on message strings.
+a traceback (a Ray task error's text holds the worker's one, with file paths:
+only the cause's type and first line are kept). That message is for logs; the
+front end answers clients without it. Nothing in the router matches on message
+strings.
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ TYPED_ERRORS: tuple[type[BaseException], ...] = (
     KVLayoutMismatchError, KVTransferError, InvalidParameterError, KeyError, WorkerFencedError)
 
 
+MAX_SUMMARY_CHARS = 300
+
+
+def summary(exc: BaseException | None) -> str:
+    """``"<type>: <first line of the message>"``, at most :data:`MAX_SUMMARY_CHARS`
+    characters of message: what a :class:`WorkerError` keeps of a worker's exception."""
+    if exc is None:
+        return "failed"
+    first = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:MAX_SUMMARY_CHARS]}"
+
+
 def _ray_exceptions():
     import ray.exceptions as rex
 
@@ -63,7 +78,7 @@ async def call_worker(worker_id: str, actor: Any, method: str, *args: Any) -> An
         except TYPED_ERRORS:
             raise
         except Exception as exc:
-            raise WorkerError(worker_id, method, f"{type(exc).__name__}: {exc}") from exc
+            raise WorkerError(worker_id, method, summary(exc)) from exc
     died, task_error = _ray_exceptions()
     try:
         return await bound.remote(*args)
@@ -73,6 +88,4 @@ async def call_worker(worker_id: str, actor: Any, method: str, *args: Any) -> An
         cause = exc.cause
         if isinstance(cause, TYPED_ERRORS):
             raise cause from None
-        raise WorkerError(worker_id, method,
-                          f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
-                          if cause is not None else "failed") from None
+        raise WorkerError(worker_id, method, summary(cause)) from None

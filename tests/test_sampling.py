@@ -21,12 +21,39 @@ from tandem.engine.sampling.sampling_params import InvalidParameterError, Sampli
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logprobs": 21}, "logprobs"), ({"stop": ("",)}, "stop"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"n": True}, "n"), ({"logprobs": 2.5}, "logprobs"), ({"top_k": 4.0}, "top_k"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": "0.5"}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"min_p": float("nan")}, "min_p"), ({"stop_token_ids": ("2",)}, "stop_token_ids"),
+    ({"stop_token_ids": (2.0,)}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop": 5}, "stop"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field
     assert str(e.value).startswith(field + ":")
+
+
+def test_params_normalise_numpy_scalars_and_none():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), seed=np.uint64(2**64 - 1),
+                       stop_token_ids=np.array([3, 4]), stop=None)
+    assert (p.n, p.temperature, p.seed, p.stop_token_ids, p.stop) == (2, 0.5, 2**64 - 1, (3, 4), ())
+    assert all(type(v) is int for v in (p.n, p.seed, *p.stop_token_ids))
+    assert type(p.temperature) is float
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+
+
+def test_sample_seeds_wrap_modulo_2_64():
+    assert [SamplingParams(seed=2**64 - 2).sample_seed(i) for i in range(4)] == [
+        2**64 - 2, 2**64 - 1, 0, 1]
+    assert SamplingParams(seed=7).sample_seed(0) == 7
+    with pytest.raises(ValueError, match="no seed"):
+        SamplingParams().sample_seed(0)
+    with pytest.raises(ValueError, match="sample_index"):
+        SamplingParams(seed=1).sample_seed(-1)
 
 
 def _req(params: SamplingParams, prompt=(5, 6), output=(), rid="r") -> Request:
@@ -63,6 +90,27 @@ def test_temperature_sharpens():
     n = 4000
     p = PROBS.pow(1 / 0.5)
     check_within_5_sigma(_draw(SamplingParams(temperature=0.5), n), p / p.sum(), n)
+
+
+def test_tiny_temperature_tends_to_greedy_instead_of_nan():
+    # 30 / 1e-40 overflows float32: softmax of several +inf was NaN and the
+    # exponential race then returned token 0 whatever the logits.
+    logits = torch.tensor([1.0, 30.0, 29.0, 30.0, -5.0])
+    freq = _draw(SamplingParams(temperature=1e-40), 400, logits)
+    assert freq[0] == freq[2] == freq[4] == 0
+    assert 0.3 < freq[1] < 0.7 and freq[1] + freq[3] == 1        # the tied maxima
+
+
+def test_tiny_repetition_penalty_keeps_logits_finite():
+    # 1e-45 divides seen positive logits to +inf; they are clamped to the largest
+    # float, so sampling picks among them instead of NaN's token 0.
+    row = torch.tensor([[2.0, 1.0, -1.0, 3.0, 0.5]])
+    p = SamplingParams(repetition_penalty=1e-45)
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    picks = {sampler(row.clone(), [_req(p, prompt=(1, 3))])[0].token_id for _ in range(200)}
+    assert picks == {1, 3}
+    greedy = SamplingParams(repetition_penalty=1e-45, temperature=0.0)
+    assert Sampler()(row.clone(), [_req(greedy, prompt=(1, 3))])[0].token_id == 1
 
 
 def test_top_k_top_p_min_p_truncate():
@@ -146,6 +194,18 @@ def test_seeded_samples_of_one_prompt_are_seeded_by_sample_index():
     t0, t1, tb = (sampler(logits, [r])[0].token_id for r in (a0, a1, b))
     assert t1 == tb                                  # 11 + index 1 == seed 12
     assert t0 != t1
+
+
+def test_samples_of_the_largest_seed_wrap_to_seed_zero():
+    # seed + index overflowed torch.Generator.manual_seed before: sample 1 of
+    # seed 2**64 - 1 now draws exactly as sample 0 of seed 0.
+    logits = torch.zeros(1, 1000)
+    top = _req(SamplingParams(temperature=1.0, seed=2**64 - 1), rid="t#1")
+    top.sample_index = 1
+    zero = _req(SamplingParams(temperature=1.0, seed=0), rid="z")
+    sampler = Sampler()
+    draws = [[sampler(logits, [r])[0].token_id for _ in range(5)] for r in (top, zero)]
+    assert draws[0] == draws[1]
 
 
 def test_skip_draws_continues_as_in_one_engine():

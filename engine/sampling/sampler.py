@@ -31,9 +31,10 @@ class Sampler:
     """Samples one token per row of a logits batch.
 
     A seeded request (``sampling_params.seed`` set) draws from its own
-    ``torch.Generator``, created at its first draw from ``seed + sample_index``
-    (so the ``n`` samples of one seeded prompt differ, and each reproduces) and
-    kept until :meth:`free`. Unseeded requests share ``generator``.
+    ``torch.Generator``, created at its first draw from
+    ``sampling_params.sample_seed(sample_index)`` (``(seed + sample_index) mod
+    2**64``: the ``n`` samples of one seeded prompt differ, each reproduces, and
+    no seed overflows) and kept until :meth:`free`. Unseeded requests share ``generator``.
 
     Args:
         generator: the source of randomness for unseeded requests.
@@ -59,7 +60,8 @@ class Sampler:
             return self.generator
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(seed + request.sample_index)
+            gen = torch.Generator().manual_seed(
+                request.sampling_params.sample_seed(request.sample_index))
             self._generators[request.request_id] = gen
         return gen
 
@@ -146,7 +148,12 @@ def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
         seen = torch.tensor(sorted({t for t in r.all_token_ids if t < vocab}), dtype=torch.long)
         if seen.numel():
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            penalized = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+            # An extreme penalty (1e-45, 1e38) overflows to +-inf; several +inf
+            # would make softmax NaN, so stay finite (the order is kept).
+            finfo = torch.finfo(row.dtype)
+            row[seen] = penalized.clamp(finfo.min, finfo.max)
     if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
         out = torch.tensor(r.output_token_ids, dtype=torch.long)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
@@ -163,6 +170,11 @@ def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
 def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> int:
     p = r.sampling_params
     x = row / p.temperature
+    if torch.isposinf(x).any():
+        # A tiny temperature overflowed float32, and softmax of several +inf is NaN.
+        # softmax is shift-invariant: with the maximum at 0 nothing overflows, and
+        # the distribution tends to the greedy one as it should.
+        x = (row - row.max()) / p.temperature
     if 0 < p.top_k < x.shape[0]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -6,9 +6,17 @@ vLLM or SGLang finds what they expect.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1
+"""Largest seed: seeds are unsigned 64-bit integers, as ``torch.Generator`` keeps them."""
+_INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
 
 
 class InvalidParameterError(ValueError):
@@ -29,6 +37,12 @@ class InvalidParameterError(ValueError):
 class SamplingParams:
     """How to pick the next tokens of one request.
 
+    Every float field must be a finite number and every integer field an
+    integer (not a bool); NumPy scalars are stored as Python ``int`` / ``float``.
+
+    Raises:
+        InvalidParameterError: at construction, naming the first bad field.
+
     Attributes:
         n: number of independent samples (completions) of the prompt; they share
             the prompt's KV blocks.
@@ -44,11 +58,15 @@ class SamplingParams:
         presence_penalty: in [-2, 2], subtracted once from the logit of every token
             already generated (OpenAI API semantics).
         frequency_penalty: in [-2, 2], subtracted per occurrence of a generated token.
-        seed: makes this request's samples reproducible whatever else is batched
-            with it (the sampler keeps one ``torch.Generator`` per seeded
-            request, seeded with ``seed + sample index``).
-        stop_token_ids: generation ends (finish reason ``stop``) on any of these.
-        stop: stop strings, applied to the detokenized text.
+        seed: an integer in [0, 2**64 - 1] (:data:`MAX_SEED`); makes this
+            request's samples reproducible whatever else is batched with it. The
+            sampler keeps one ``torch.Generator`` per seeded sample, seeded with
+            :meth:`sample_seed` (``(seed + sample index) mod 2**64``), so every
+            seed is valid for every ``n``.
+        stop_token_ids: generation ends (finish reason ``stop``) on any of these
+            (integers >= 0; None means none).
+        stop: stop strings, applied to the detokenized text (one string, a
+            sequence of non-empty strings, or None for none).
         include_stop_str_in_output: keep the matched stop string in the text.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: if set, return this many top log-probabilities (0..20) per
@@ -74,21 +92,39 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        # Frozen: normalise sequences through object.__setattr__ once, at build time.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        # Frozen: normalise through object.__setattr__ once, at build time (NumPy
+        # scalars become Python numbers: the parameters are journaled as JSON).
+        for name in _INT_FIELDS:
+            if _is_int(value := getattr(self, name)):
+                object.__setattr__(self, name, operator.index(value))
+        for name in _FLOAT_FIELDS:
+            if _is_real(value := getattr(self, name)):
+                object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else _sequence("stop", stop)
         object.__setattr__(self, "stop", stop)
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`InvalidParameterError` naming the first bad field."""
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (value is None and name in ("seed", "logprobs")) and not _is_int(value):
+                raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_real(value):
+                raise InvalidParameterError(name, f"must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise InvalidParameterError(name, f"must be a finite number, got {value}")
+        if self.n < 1:
             raise InvalidParameterError("n", f"must be >= 1, got {self.n}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise InvalidParameterError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+        if not (self.temperature >= 0.0):
             raise InvalidParameterError("temperature", f"must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise InvalidParameterError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
@@ -103,18 +139,33 @@ class SamplingParams:
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise InvalidParameterError(
                 "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidParameterError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
+            raise InvalidParameterError("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParameterError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+        if not (0 <= self.min_tokens <= self.max_tokens):
             raise InvalidParameterError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParameterError("stop_token_ids", "token ids must be >= 0")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidParameterError("stop", "stop strings must be non-empty strings")
+
+    def sample_seed(self, sample_index: int) -> int:
+        """The seed of sample ``sample_index``'s generator: ``(seed + sample_index)
+        mod 2**64``, so the samples of one request differ, each reproduces, and a
+        seed near :data:`MAX_SEED` wraps to 0, 1, ... instead of overflowing
+        (the seed of sample 0 is ``seed`` itself).
+
+        Raises:
+            ValueError: the request is unseeded, or ``sample_index`` is negative.
+        """
+        if self.seed is None:
+            raise ValueError("sample_seed: the request has no seed")
+        if sample_index < 0:
+            raise ValueError(f"sample_index must be >= 0, got {sample_index}")
+        return (self.seed + sample_index) % (MAX_SEED + 1)
 
     @property
     def greedy(self) -> bool:
@@ -125,3 +176,33 @@ class SamplingParams:
         """Logits depend on the tokens generated so far (penalties, ``min_tokens``'s EOS mask)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.min_tokens > 0)
+
+
+def _is_int(value) -> bool:
+    """A Python or NumPy integer; bool is not one (``n=True`` is a mistake, not 1)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _sequence(name: str, value) -> tuple:
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidParameterError(name, f"must be a sequence, got {value!r}") from None
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    ids = () if value is None else _sequence("stop_token_ids", value)
+    bad = next((t for t in ids if not _is_int(t)), None)
+    if bad is not None:
+        raise InvalidParameterError("stop_token_ids", f"token ids must be integers, got {bad!r}")
+    return tuple(operator.index(t) for t in ids)

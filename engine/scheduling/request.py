@@ -61,7 +61,7 @@ class Request:
 
     Plain Python, no torch: a seeded request's random generator is the
     :class:`~tandem.engine.sampling.sampler.Sampler`'s, keyed by ``request_id`` and
-    seeded with ``sampling_params.seed + sample_index``.
+    seeded with ``sampling_params.sample_seed(sample_index)``.
 
     Attributes:
         num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.

@@ -57,7 +57,10 @@ class TandemServicer:
         single message per sample carries the whole output.
 
         Errors: INVALID_ARGUMENT with a message that starts with the offending
-        field's path (e.g. "sampling.top_p: must be in (0, 1], got 1.5").
+        field's path (e.g. "sampling.top_p: must be in (0, 1], got 1.5");
+        UNAVAILABLE when no worker can serve the request now (retry);
+        INTERNAL for a fault of the server, whose message gives the request id
+        to quote. No message carries a traceback or the server's file paths.
         Cancelling the call aborts the request and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
