@@ -54,6 +54,12 @@ class SamplingParams:
         logprobs: if set, return this many top log-probabilities (0..20) per
             generated token, plus the sampled token's own.
         min_tokens: EOS and stop token ids are masked until this many tokens exist.
+        prompt_logprobs: if set (0..20), return for every prompt position p >= 1 the
+            log-probability of prompt token p given the tokens before it, plus this
+            many top alternatives (the first position has none, None, as in vLLM).
+            Same distribution as ``logprobs``: the raw model's ``log_softmax``,
+            without temperature or penalties. Such a request takes no prefix-cache
+            hits (cached positions would have no logits).
     """
 
     n: int = 1
@@ -72,6 +78,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalise sequences through object.__setattr__ once, at build time.
@@ -105,9 +112,12 @@ class SamplingParams:
                 "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidParameterError("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidParameterError(
-                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParameterError(
+                    name, f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
         if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
             raise InvalidParameterError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
