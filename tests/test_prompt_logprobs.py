@@ -249,3 +249,27 @@ def test_sampling_params_round_trip_keeps_the_field():
     p = SamplingParams(prompt_logprobs=0)
     assert dataclasses.replace(p, n=2).prompt_logprobs == 0
     assert SamplingParams(**dataclasses.asdict(p)) == p
+
+
+def test_grpc_responses_carry_them_on_each_samples_first_message(tokenizer):
+    from tandem.engine.runtime.outputs import RequestDelta
+    from tandem.router.server import to_response
+    from tandem.router.stream import new_sample_streams
+
+    prompt = (11, 12, 13)
+    entries = (None, TokenLogprobs(12, -1.5, ((7, -0.5),)), TokenLogprobs(13, -2.0, ((13, -2.0),)))
+    s = new_sample_streams(tokenizer, prompt, SamplingParams(prompt_logprobs=1), True)[0]
+    first = s.add(RequestDelta("r", (42,), prompt_logprobs=entries))
+    assert first.prompt_logprobs == entries == s.prompt_logprobs
+    msg = to_response("r", s, first.text, first.token_ids, first.logprobs, len(prompt))
+    assert [(p.token_id, p.HasField("logprob")) for p in msg.prompt_logprobs] == \
+        [(11, False), (12, True), (13, True)]
+    assert msg.prompt_logprobs[1].logprob == -1.5 and not msg.prompt_logprobs[0].top_logprobs
+    assert [(t.token_id, t.logprob) for t in msg.prompt_logprobs[2].top_logprobs] == [(13, -2.0)]
+    second = s.add(RequestDelta("r", (43,), finish_reason="length"))
+    assert second.prompt_logprobs is None
+    assert not to_response("r", s, second.text, second.token_ids, second.logprobs,
+                           len(prompt)).prompt_logprobs
+    # Not streamed: the one message per sample carries them.
+    final = to_response("r", s, "".join(s.pieces), s.token_ids, s.logprobs, len(prompt))
+    assert len(final.prompt_logprobs) == len(prompt)
