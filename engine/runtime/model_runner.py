@@ -265,7 +265,6 @@ class ModelRunner:
             sampled.setdefault(owner, []).append(res)
         return sampled
 
-
     def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledRequest],
                          meta: AttentionMetadata) -> dict[str, list[TokenLogprobs]]:
         """Score the prompt tokens this step's chunks reach, for requests that asked.

@@ -56,7 +56,7 @@ class SamplingParams:
         min_tokens: EOS and stop token ids are masked until this many tokens exist.
         prompt_logprobs: if set (0..20), return for every prompt position p >= 1 the
             log-probability of prompt token p given the tokens before it, plus this
-            many top alternatives (the first position has none, None, as in vLLM).
+            many top alternatives (the first prompt token has none: None, as in vLLM).
             Same distribution as ``logprobs``: the raw model's ``log_softmax``,
             without temperature or penalties. Such a request takes no prefix-cache
             hits (cached positions would have no logits).
