@@ -115,6 +115,9 @@ class LLM:
         results = []
         for rid, reqs in groups:
             outs = [processor.completion(r) for r in reqs]
-            results.append(RequestOutput(rid, reqs[0].prompt_token_ids, outs,
-                                         reqs[0].num_cached_tokens))
+            first = reqs[0]
+            prompt_lps = (list(first.prompt_logprobs)
+                          if first.sampling_params.prompt_logprobs is not None else None)
+            results.append(RequestOutput(rid, first.prompt_token_ids, outs,
+                                         first.num_cached_tokens, prompt_lps))
         return results

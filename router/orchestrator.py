@@ -169,10 +169,16 @@ class Orchestrator:
 
     def _pick_prefill(self, v: ValidatedRequest) -> WorkerHandle | None:
         """The prefill worker of a disaggregated ``n == 1`` request; None when the
-        decode worker computes the prompt itself (colocated, ``n > 1``, or no
-        prefill worker alive: degraded, not refused)."""
+        decode worker computes the prompt itself (colocated, ``n > 1``, prompt
+        logprobs, or no prefill worker alive: degraded, not refused).
+
+        Prompt logprobs come from the logits of every prompt position, which only
+        the engine that runs the prompt has; the KV transfer carries KV and the
+        first token alone. So such a request is prefilled on its decode worker,
+        like a colocated one, and the KV transfer protocol is unchanged."""
         cluster = self.cluster
-        if not cluster.disaggregated or v.sampling_params.n != 1:
+        params = v.sampling_params
+        if not cluster.disaggregated or params.n != 1 or params.prompt_logprobs is not None:
             return None
         try:
             return cluster.pick_prefill(v.prompt_token_ids)

@@ -77,13 +77,17 @@ def refused_field_path(exc: InvalidParameterError, input_field: str | None) -> s
 
 def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int],
                 logprobs: list[TokenLogprobs], num_prompt_tokens: int) -> pb.GenerateResponse:
-    """Build one ``GenerateResponse``; usage and the stop reason ride on the final one."""
+    """Build one ``GenerateResponse``; usage and the stop reason ride on the final one,
+    prompt logprobs on the first (the one whose ``token_ids`` are all of the sample's
+    tokens so far: the first streamed message, or the only one)."""
     resp = pb.GenerateResponse(request_id=request_id, index=s.index, text=text,
                                token_ids=token_ids, finish_reason=FINISH_REASONS[s.finish_reason])
     for lp in logprobs:
         resp.logprobs.append(pb.TokenLogprobs(
             token_id=lp.token_id, logprob=lp.logprob,
             top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    if s.prompt_logprobs is not None and token_ids and len(token_ids) == s.num_tokens:
+        resp.prompt_logprobs.extend(prompt_logprobs_pb(s.prompt_token_ids, s.prompt_logprobs))
     if s.finished:
         if isinstance(s.stop_reason, str) and s.finish_reason == "stop":
             resp.stop_str = s.stop_reason
@@ -93,6 +97,17 @@ def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int
                                      completion_tokens=s.num_tokens,
                                      cached_tokens=s.num_cached_tokens))
     return resp
+
+
+def prompt_logprobs_pb(prompt_token_ids, entries) -> list[pb.PromptLogprob]:
+    """``entries`` (None for the first prompt token, then :class:`TokenLogprobs`) as
+    ``PromptLogprob`` messages, one per prompt token; the first has no ``logprob``."""
+    out = [pb.PromptLogprob(token_id=prompt_token_ids[0])]
+    for lp in entries[1:]:
+        out.append(pb.PromptLogprob(
+            token_id=lp.token_id, logprob=lp.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    return out
 
 
 class TandemService(pb_grpc.TandemServicer):

@@ -18,7 +18,10 @@ from tandem.engine.sampling.sampling_params import SamplingParams
 
 @dataclass
 class SampleUpdate:
-    """What one delta added to a sample: text, ids, logprobs and whether it ended."""
+    """What one delta added to a sample: text, ids, logprobs and whether it ended.
+
+    ``prompt_logprobs`` is set on the sample's first update only, when they were
+    asked for (see :attr:`SampleStream.prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
@@ -27,11 +30,19 @@ class SampleUpdate:
     stop_reason: int | str | None = None
     # True when the router ended the sample (stop string) while the worker still runs it.
     needs_abort: bool = False
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass
 class SampleStream:
-    """Text state of one sample (index) of a request."""
+    """Text state of one sample (index) of a request.
+
+    ``prompt_logprobs``: once the first delta arrived, when ``prompt_logprobs`` was
+    asked for, one entry per prompt token (``prompt_token_ids``): None for the
+    first, then its :class:`TokenLogprobs` given the tokens before it (see
+    :class:`~tandem.engine.runtime.outputs.RequestDelta`). A migrated request keeps
+    the ones its first attempt delivered.
+    """
 
     index: int
     detokenizer: IncrementalDetokenizer
@@ -43,6 +54,8 @@ class SampleStream:
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +73,8 @@ class SampleStream:
             text += self.detokenizer.flush()
         emit, stop = self.matcher.process(text)
         upd = SampleUpdate(emit, ids, list(delta.new_logprobs))
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            upd.prompt_logprobs = self.prompt_logprobs = delta.prompt_logprobs
         if stop is not None:
             upd.finish_reason, upd.stop_reason = "stop", stop
             upd.needs_abort = delta.finish_reason is None
@@ -82,6 +97,8 @@ class SampleStream:
 
 def new_sample_streams(tokenizer, prompt_token_ids, params: SamplingParams,
                        skip_special_tokens: bool) -> list[SampleStream]:
+    prompt = tuple(prompt_token_ids)
     return [SampleStream(i, IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens),
-                         StopStringMatcher(params.stop, params.include_stop_str_in_output))
+                         StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                         prompt_token_ids=prompt)
             for i in range(params.n)]

@@ -36,7 +36,7 @@ MAX_PROMPT_BYTES = 1 << 20
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 # Proto fields declared `optional`: absent means SamplingParams' default.
 _OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
-                    "repetition_penalty", "seed", "logprobs")
+                    "repetition_penalty", "seed", "logprobs", "prompt_logprobs")
 _PLAIN_FIELDS = ("min_p", "presence_penalty", "frequency_penalty",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens")
 _DEFAULT_MAX_TOKENS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}["max_tokens"]

@@ -96,6 +96,7 @@ def test_c12_a_refused_request_leaves_the_validator_serving(validator, tok):
     (dict(presence_penalty=2.5), "sampling.presence_penalty", "must be in [-2, 2], got 2.5"),
     (dict(frequency_penalty=-3.0), "sampling.frequency_penalty", "must be in [-2, 2], got -3.0"),
     (dict(logprobs=21), "sampling.logprobs", "must be in [0, 20], got 21"),
+    (dict(prompt_logprobs=21), "sampling.prompt_logprobs", "must be in [0, 20], got 21"),
     (dict(max_tokens=4, min_tokens=5), "sampling.min_tokens",
      "must be in [0, max_tokens=4], got 5"),
     (dict(min_tokens=17), "sampling.min_tokens", "must be in [0, max_tokens=16], got 17"),
@@ -247,7 +248,8 @@ def test_every_sampling_field_reaches_sampling_params(validator):
         n=3, max_tokens=100, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5, seed=2**64 - 1,
         stop_token_ids=[2, 7], stop=["\n\n", "User:"], include_stop_str_in_output=True,
-        ignore_eos=True, logprobs=5, min_tokens=3, skip_special_tokens=False)
+        ignore_eos=True, logprobs=5, min_tokens=3, skip_special_tokens=False,
+        prompt_logprobs=4)
     accepted = validator.validate(pb.GenerateRequest(
         request_id="client-42", prompt="Hi", sampling=sampling, priority=-3, stream=True))
     assert accepted == ValidatedRequest(
@@ -257,18 +259,21 @@ def test_every_sampling_field_reaches_sampling_params(validator):
             n=3, max_tokens=100, temperature=f32(0.7), top_k=40, top_p=f32(0.9), min_p=f32(0.05),
             repetition_penalty=f32(1.1), presence_penalty=0.5, frequency_penalty=-0.5,
             seed=2**64 - 1, stop_token_ids=(2, 7), stop=("\n\n", "User:"),
-            include_stop_str_in_output=True, ignore_eos=True, logprobs=5, min_tokens=3))
+            include_stop_str_in_output=True, ignore_eos=True, logprobs=5, min_tokens=3,
+            prompt_logprobs=4))
 
 
 def test_explicit_zero_is_not_the_default(validator):
     accepted = validator.validate(pb.GenerateRequest(
-        prompt="Hi", sampling=pb.SamplingParams(temperature=0.0, logprobs=0, top_k=0, seed=0)))
+        prompt="Hi", sampling=pb.SamplingParams(temperature=0.0, logprobs=0, top_k=0, seed=0,
+                                                prompt_logprobs=0)))
     params = accepted.sampling_params
-    assert (params.temperature, params.greedy, params.logprobs, params.top_k, params.seed) == (
-        0.0, True, 0, 0, 0)
+    assert (params.temperature, params.greedy, params.logprobs, params.top_k, params.seed,
+            params.prompt_logprobs) == (0.0, True, 0, 0, 0, 0)
     unset = validator.validate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams()))
     assert (unset.sampling_params.temperature, unset.sampling_params.logprobs,
-            unset.sampling_params.top_k, unset.sampling_params.seed) == (1.0, None, -1, None)
+            unset.sampling_params.top_k, unset.sampling_params.seed,
+            unset.sampling_params.prompt_logprobs) == (1.0, None, -1, None, None)
 
 
 # --- what protobuf guarantees about text -----------------------------------------------

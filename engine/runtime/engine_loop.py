@@ -205,9 +205,13 @@ class EngineLoop:
             self.subscribers.publish(StepOutput((), stats, kv_events=kv_events))
 
     def delta(self, r: Request) -> RequestDelta:
-        """The request's output tokens not yet published."""
+        """The request's output tokens not yet published (and its prompt logprobs, with
+        the first of them)."""
         sent = self._published.get(r.request_id, 0)
         new = tuple(r.output_token_ids[sent:])
+        prompt_lps = None
+        if new and sent == 0 and r.sampling_params.prompt_logprobs is not None:
+            prompt_lps = tuple(r.prompt_logprobs)
         lps = ()
         if new and r.sampling_params.logprobs is not None:
             # The last ones: tokens that reached the client another way (a resumed
@@ -220,7 +224,7 @@ class EngineLoop:
         ticket, r.kv_load_ticket = r.kv_load_ticket, None      # published once
         return RequestDelta(r.request_id, new, lps, r.status.finish_reason, r.stop_reason,
                             r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens,
-                            ticket)
+                            ticket, prompt_lps)
 
     def mark_published(self, request_id: str, num_tokens: int) -> None:
         """Tokens of a request that reached the client another way (the prefill's first token)."""

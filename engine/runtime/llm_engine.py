@@ -3,6 +3,7 @@ execute -> update."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Sequence
@@ -113,7 +114,11 @@ class LLMEngine:
         is computed here (prefix-cache hits reused) and generation goes on as if
         never interrupted: ``max_tokens`` and ``min_tokens`` count them, the
         penalties see them as output, a seeded request's random stream skips one
-        draw per token, and stop tokens are checked on new tokens only.
+        draw per token, and stop tokens are checked on new tokens only. Its
+        prompt logprobs went out with its first token: they are not computed again.
+
+        With ``params.prompt_logprobs`` the prompt is computed here whole (no
+        prefix-cache hits) and its logprobs fill :attr:`Request.prompt_logprobs`.
 
         Args:
             output_token_ids: tokens already generated for this request (n == 1).
@@ -122,8 +127,9 @@ class LLMEngine:
         Raises:
             InvalidParameterError: empty prompt, unknown token ids, or prompt +
                 max_tokens over the context limit (``field`` names the culprit);
-                ``kv_transfer_params`` on an engine without a KV connector, or
-                with ``n > 1``; ``output_token_ids`` with ``n > 1``, with
+                ``kv_transfer_params`` on an engine without a KV connector, with
+                ``n > 1`` or with ``prompt_logprobs`` (they come from the engine
+                that computes the prompt); ``output_token_ids`` with ``n > 1``, with
                 ``kv_transfer_params``, with ids out of the vocabulary or as many
                 as ``max_tokens``; ``output_logprobs`` of another length.
             ValueError: ``request_id`` is already in use.
@@ -141,11 +147,15 @@ class LLMEngine:
             raise InvalidParameterError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                               f"exceeds the maximum context length {self.max_model_len}")
-        if kv_transfer_params is not None and (self.kv_connector is None or params.n > 1):
+        if kv_transfer_params is not None and (self.kv_connector is None or params.n > 1
+                                               or params.prompt_logprobs is not None):
             raise InvalidParameterError("kv_transfer_params",
-                                        "needs an engine with a KV connector and n == 1")
+                                        "needs an engine with a KV connector, n == 1 and "
+                                        "no prompt_logprobs")
         if outputs:
             self._check_resumed(outputs, output_logprobs, params, kv_transfer_params)
+            if params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=None)
         elif output_logprobs:
             raise InvalidParameterError("output_logprobs", "given without output_token_ids")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -252,7 +262,8 @@ class LLMEngine:
         for req in failed:
             sch.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                result.kv_save_failures[req.request_id])
-        changed = out.kv_loads_to_start + sch.update(out, result.sampled) + failed
+        changed = (out.kv_loads_to_start
+                   + sch.update(out, result.sampled, result.prompt_logprobs) + failed)
         for r in changed:
             if r.is_finished:
                 self.runner.sampler.free(r.request_id)

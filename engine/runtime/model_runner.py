@@ -12,13 +12,19 @@ import torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv.kv_connector import KVConnector, KVSave
 from tandem.engine.model.llama import LlamaForCausalLM
-from tandem.engine.scheduling.request import Request
-from tandem.engine.sampling.sampler import SampleResult, Sampler
+from tandem.engine.scheduling.request import Request, TokenLogprobs
+from tandem.engine.sampling.sampler import SampleResult, Sampler, gather_logprobs
 from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 
 _HUGE_PAGE = 2 << 20
+
+PROMPT_LOGITS_SLICE_BYTES = 64 << 20
+"""Prompt logprobs: float32 logits computed per slice of rows (64 MiB: 341 rows at
+SmolLM2's 49,152-token vocabulary, 130 at Llama 3's 128,256; their log_softmax
+takes as much again), so a 2,048-token prefill chunk (402 MiB of logits at 49,152)
+never holds its ``[T, V]`` logits at once."""
 
 
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -118,10 +124,14 @@ class ModelRunnerOutput:
             its last token (a parent with pending forks gets ``1 + len(forks)``).
         kv_save_failures: request id -> error message, for prompts whose KV the
             connector failed to send in this step.
+        prompt_logprobs: request id -> :class:`TokenLogprobs` of the prompt positions
+            this step scored, in order, continuing the request's
+            :attr:`~Request.prompt_logprobs` (requests that asked for them only).
     """
 
     sampled: dict[str, list[SampleResult]] = field(default_factory=dict)
     kv_save_failures: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -216,7 +226,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
                             self.kv_connector.save_kv_layer if saves else None)
         failures = self.kv_connector.wait_for_save() if saves else {}
-        return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures)
+        return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures,
+                                 self._prompt_logprobs(hidden, ordered, meta))
 
     def _kv_saves(self, out: SchedulerOutput) -> list[KVSave]:
         """Requests whose prompt completes in this step and whose KV goes to a consumer."""
@@ -253,6 +264,58 @@ class ModelRunner:
         for owner, res in zip(owners, results):
             sampled.setdefault(owner, []).append(res)
         return sampled
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledRequest],
+                         meta: AttentionMetadata) -> dict[str, list[TokenLogprobs]]:
+        """Score the prompt tokens this step's chunks reach, for requests that asked.
+
+        The logits at position ``q`` give prompt token ``q + 1``'s logprob, so a chunk
+        over positions ``[start, end)`` scores tokens ``[start + 1, min(end + 1, P))``
+        (``P`` prompt tokens; the last position's logits sample the first output
+        token instead). Positions a request already has (it was preempted and is
+        recomputed) are skipped. Logits are computed :data:`PROMPT_LOGITS_SLICE_BYTES`
+        at a time.
+
+        Raises:
+            RuntimeError: a chunk starts past the positions scored so far (a prompt
+                position would be missing: its KV came from somewhere else).
+        """
+        rows: list[int] = []
+        token_ids: list[int] = []
+        num_top: list[int] = []
+        spans: list[tuple[str, int]] = []      # (request id, rows) in row order
+        for i, s in enumerate(ordered):
+            req = s.request
+            if not req.needs_prompt_logprobs:
+                continue
+            start = s.num_computed_tokens
+            first = len(req.prompt_logprobs)
+            if first < start + 1:
+                raise RuntimeError(f"request {req.request_id!r}: prompt logprobs of positions "
+                                   f"{first}..{start} were never computed")
+            stop = min(start + s.num_new_tokens + 1, req.num_prompt_tokens)
+            if first >= stop:
+                continue
+            base = meta.query_start_loc_cpu[i] - start
+            rows.extend(base + t - 1 for t in range(first, stop))
+            token_ids.extend(req.prompt_token_ids[first:stop])
+            num_top.extend([req.sampling_params.prompt_logprobs] * (stop - first))
+            spans.append((req.request_id, stop - first))
+        if not rows:
+            return {}
+        per_slice = max(1, PROMPT_LOGITS_SLICE_BYTES // (4 * self.model.cfg.vocab_size))
+        scored: list[TokenLogprobs] = []
+        for lo in range(0, len(rows), per_slice):
+            idx = torch.tensor(rows[lo:lo + per_slice], device=hidden.device)
+            scored.extend(gather_logprobs(self.model.compute_logits(hidden[idx]),
+                                          token_ids[lo:lo + per_slice],
+                                          num_top[lo:lo + per_slice]))
+        out: dict[str, list[TokenLogprobs]] = {}
+        pos = 0
+        for rid, n in spans:
+            out[rid] = scored[pos:pos + n]
+            pos += n
+        return out
 
 
 def _token_at(req: Request, pos: int) -> int:

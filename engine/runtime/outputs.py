@@ -62,6 +62,14 @@ class RequestDelta:
         kv_transfer_ticket: a remote-prefill request's KV ticket (plain dict), once,
             in the step that reserved its blocks; the router hands it to the prefill
             worker.
+        prompt_logprobs: when ``sampling_params.prompt_logprobs`` was set, on the
+            sample's first delta with tokens only (None on every other delta): one
+            entry per prompt token, None for the first (it has no context), then
+            the :class:`TokenLogprobs` of prompt token p given tokens < p
+            (``token_id`` is the prompt's, ``top`` the ``prompt_logprobs`` most
+            likely tokens). Every sample of an ``n > 1`` request carries the same.
+            A resumed request (``WorkerRequest.output_token_ids``) sent them with
+            its first token already and carries none.
     """
 
     request_id: str
@@ -73,6 +81,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     kv_transfer_ticket: dict | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)

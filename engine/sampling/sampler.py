@@ -191,6 +191,35 @@ def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> in
     return int((probs / q).argmax())
 
 
+def gather_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+                    ) -> list[TokenLogprobs]:
+    """The log-probabilities of given tokens, rows at once, on the logits' device.
+
+    Same distribution as the sampled tokens' logprobs: the raw ``log_softmax`` of the
+    model's logits (no temperature, penalties or masks), values clamped to finite.
+
+    Args:
+        logits: ``[N, V]`` (cast to float32).
+        token_ids: ``N`` ids, the token whose logprob each row reports.
+        num_top: ``N`` counts (0..V) of most likely tokens to list per row.
+
+    Returns:
+        ``N`` :class:`TokenLogprobs`, in row order; ``top`` best first.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    finfo_min = torch.finfo(lp.dtype).min
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].clamp(min=finfo_min).tolist()
+    k = max(num_top, default=0)
+    top_vals: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if k > 0:
+        vals, idx = torch.topk(lp, k, dim=-1)
+        top_vals, top_ids = vals.clamp(min=finfo_min).tolist(), idx.tolist()
+    return [TokenLogprobs(t, c, tuple(zip(i[:n], v[:n])))
+            for t, c, i, v, n in zip(token_ids, chosen, top_ids, top_vals, num_top)]
+
+
 def _row_logprobs(row: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
     # Finite by construction: the raw log-softmax of finite logits; clamp guards -inf.
     finfo_min = torch.finfo(row.dtype).min

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 """Largest seed: seeds are unsigned 64-bit integers, as ``torch.Generator`` keeps them."""
-_INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs")
+_INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs",
+               "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")
 
@@ -72,6 +73,12 @@ class SamplingParams:
         logprobs: if set, return this many top log-probabilities (0..20) per
             generated token, plus the sampled token's own.
         min_tokens: EOS and stop token ids are masked until this many tokens exist.
+        prompt_logprobs: if set (0..20), return for every prompt position p >= 1 the
+            log-probability of prompt token p given the tokens before it, plus this
+            many top alternatives (the first prompt token has none: None, as in vLLM).
+            Same distribution as ``logprobs``: the raw model's ``log_softmax``,
+            without temperature or penalties. Such a request takes no prefix-cache
+            hits (cached positions would have no logits).
     """
 
     n: int = 1
@@ -90,6 +97,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ once, at build time (NumPy
@@ -110,7 +118,8 @@ class SamplingParams:
         """Raise :class:`InvalidParameterError` naming the first bad field."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not (value is None and name in ("seed", "logprobs")) and not _is_int(value):
+            optional = name in ("seed", "logprobs", "prompt_logprobs")
+            if not (value is None and optional) and not _is_int(value):
                 raise InvalidParameterError(name, f"must be an integer, got {value!r}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
@@ -141,9 +150,10 @@ class SamplingParams:
                 "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
             raise InvalidParameterError("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidParameterError(
-                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise InvalidParameterError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if not (0 <= self.min_tokens <= self.max_tokens):
             raise InvalidParameterError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")

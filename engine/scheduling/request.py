@@ -39,10 +39,11 @@ _arrival_seq = itertools.count()
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log-probabilities at one generated position (raw model distribution).
+    """Log-probabilities at one position (raw model distribution, natural log).
 
     Attributes:
-        token_id: the sampled token; logprob: its log-probability (finite float).
+        token_id: the sampled token (a prompt position: the prompt's token);
+            logprob: its log-probability (finite float).
         top: ``[(token_id, logprob), ...]`` the N most likely tokens, best first.
     """
 
@@ -80,6 +81,11 @@ class Request:
         spec_token_ids: draft tokens proposed to follow the request's last token,
             verified in its next decode step (see :mod:`tandem.engine.scheduling.scheduler`);
             cleared by that step.
+        prompt_logprobs: with ``sampling_params.prompt_logprobs`` set, entry p for
+            every prompt position computed so far: None for position 0, then the
+            :class:`TokenLogprobs` of prompt token p given tokens < p. Filled chunk
+            by chunk during prefill, kept across preemption (positions are never
+            computed twice); forks share their parent's. Empty otherwise.
     """
 
     request_id: str
@@ -104,7 +110,12 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Children to fork from this request once its prompt is computed (n > 1).
     pending_forks: list["Request"] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_seq))
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]     # the first prompt token has no context
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -126,6 +137,13 @@ class Request:
     def sort_key(self) -> tuple[int, float, int]:
         """Admission order: priority, then arrival. Preemption takes the largest."""
         return (self.priority, self.arrival_time, self.arrival_seq)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some positions are still to be computed:
+        the request's prefill must run over every prompt token (no prefix-cache hits)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def needs_remote_kv(self) -> bool:

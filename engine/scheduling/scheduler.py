@@ -319,7 +319,7 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Start a waiting request's (next) prefill chunk; returns its tokens (None: no room)."""
-        blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+        blocks, num_cached = self._computed_blocks(req)
         num_new = req.num_tokens - num_cached
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
@@ -335,6 +335,16 @@ class Scheduler:
         bisect.insort(self.running, req, key=_sort_key)
         out.scheduled.append(ScheduledRequest(req, num_cached, num_new))
         return num_new
+
+    def _computed_blocks(self, req: Request) -> tuple[list, int]:
+        """``req``'s prefix-cache hits, as :meth:`KVCacheManager.get_computed_blocks`.
+
+        None while its prompt logprobs are incomplete: a cached position has no
+        logits to take them from (as in vLLM). Its blocks are still cached for
+        others once computed."""
+        if req.needs_prompt_logprobs:
+            return [], 0
+        return self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Step 1: make room for a waiting request more important than running ones.
@@ -363,7 +373,7 @@ class Scheduler:
         if req.status is RequestStatus.SWAPPED:
             return self._blocks_to_swap_in(
                 req, min(req.num_tokens - req.num_computed_tokens, self.token_budget))
-        hits = self.kv.find_cached_prefix(req.all_token_ids)
+        hits = [] if req.needs_prompt_logprobs else self.kv.find_cached_prefix(req.all_token_ids)
         num_cached = len(hits) * self.kv.block_size
         num_new = min(req.num_tokens - num_cached, self.token_budget)
         return self.kv.num_new_blocks_needed(req.request_id, num_cached, num_new, hits)
@@ -394,7 +404,8 @@ class Scheduler:
         out.preempted.append(req)
 
     # -- after the forward pass ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, list]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list],
+               prompt_logprobs: dict[str, list] | None = None) -> list[Request]:
         """Advance requests by the step's results.
 
         Args:
@@ -402,6 +413,8 @@ class Scheduler:
             sampled: request id -> list of :class:`~tandem.engine.sampling.sampler.SampleResult`;
                 one per sampling request, ``1 + len(pending_forks)`` for a parent
                 whose prompt just finished (the forks' first tokens follow its own).
+            prompt_logprobs: request id -> the :class:`TokenLogprobs` of the prompt
+                positions this step computed, continuing :attr:`Request.prompt_logprobs`.
 
         Returns:
             Requests that got a new token or finished this step (forks included).
@@ -416,6 +429,8 @@ class Scheduler:
                 changed.append(req)
                 continue
             req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
             self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if not s.samples:
                 continue
@@ -427,6 +442,7 @@ class Scheduler:
                 self.kv.fork(req.request_id, child.request_id)
                 child.num_computed_tokens = req.num_computed_tokens
                 child.num_cached_tokens = req.num_cached_tokens
+                child.prompt_logprobs = req.prompt_logprobs     # complete: shared, not copied
                 child.status = RequestStatus.RUNNING
                 bisect.insort(self.running, child, key=_sort_key)
                 self._append_token(child, res)

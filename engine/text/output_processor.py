@@ -47,12 +47,25 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What ``LLM.generate`` returns for one prompt."""
+    """What ``LLM.generate`` returns for one prompt.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        prompt_token_ids: the prompt.
+        outputs: one :class:`CompletionOutput` per sample, in index order.
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per
+            prompt token (as vLLM's): None for the first, then the
+            :class:`TokenLogprobs` of prompt token p given tokens < p (natural log,
+            raw model distribution; ``top`` holds ``prompt_logprobs`` entries).
+            Shared by all samples. None when not requested.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputProcessor:

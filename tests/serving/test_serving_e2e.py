@@ -262,3 +262,38 @@ def _counter(text: str, name: str) -> float:
             if s.name == name:
                 total += s.value
     return total
+
+
+@pytest.fixture(scope="module")
+def offline_prompt_logprobs(f32_weights, tokenizer):
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    ids = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    llm = LLM(dtype="float32", num_blocks=16, weights_from=f32_weights)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                             prompt_logprobs=2))[0]
+    return ids, out
+
+
+@pytest.mark.parametrize("mode", ["disagg", "coloc"])
+def test_prompt_logprobs_over_grpc_equal_the_offline_engines(mode, request,
+                                                             offline_prompt_logprobs):
+    client = request.getfixturevalue(mode)
+    ids, want = offline_prompt_logprobs
+    moved = lambda: {wid: c.get("kv_transfer_bytes") for wid, c in client.block_counts().items()}
+    before = moved()
+    resp = client.generate(greedy_req(ids=ids, max_tokens=2, prompt_logprobs=2))
+    assert token_ids_of(resp) == want.outputs[0].token_ids
+    first = resp[0].prompt_logprobs
+    assert [p.token_id for p in first] == ids
+    assert not first[0].HasField("logprob") and not first[0].top_logprobs
+    for p, (got, exp) in enumerate(zip(first[1:], want.prompt_logprobs[1:]), start=1):
+        assert abs(got.logprob - exp.logprob) <= 1e-4, p
+        assert [t.token_id for t in got.top_logprobs] == [t for t, _ in exp.top], p
+        assert all(abs(t.logprob - v) <= 1e-4 for t, (_, v) in zip(got.top_logprobs, exp.top))
+    assert all(not r.prompt_logprobs for r in resp[1:])
+    # Disaggregated, the decode worker prefilled it: no KV moved.
+    assert moved() == before
+    counts = client.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
