@@ -584,9 +584,6 @@ class OpenAIServer:
             raise APIError(400, "suffix: not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of: only best_of == n is supported", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo: echo with logprobs (prompt logprobs) is not supported",
-                           "echo")
         p = body.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -600,6 +597,8 @@ class OpenAIServer:
             raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
                                 f"got {len(prompts)}", "prompt")
         sampling = _sampling_message(body, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:     # the prompt's own, as vLLM echoes them
+            sampling.prompt_logprobs = body.logprobs
         base = uuid.uuid4().hex
         out = []
         for i, prompt in enumerate(prompts):
@@ -622,14 +621,24 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, logprobs, offset: int) -> dict:
-        tokens = [self._token_str(lp.token_id) for lp in logprobs]
+    def _completion_logprobs(self, logprobs, offset: int, prompt_ids=None) -> dict:
+        """OpenAI completion logprobs of ``logprobs`` (generated tokens'), after the
+        prompt's when ``prompt_ids`` is given (echo: the prompt's own entries, None
+        for the first token, which nothing precedes)."""
+        entries = []
+        if prompt_ids is not None:
+            entries = [(t, None, None) if lp is None else (t, lp.logprob, lp.top)
+                       for t, lp in zip(prompt_ids, logprobs[0])]
+            logprobs = logprobs[1]
+        entries += [(lp.token_id, lp.logprob, lp.top) for lp in logprobs]
+        tokens = [self._token_str(t) for t, _, _ in entries]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in logprobs],
+        return {"tokens": tokens, "token_logprobs": [v for _, v, _ in entries],
+                "top_logprobs": [None if top is None else {self._token_str(t): v for t, v in top}
+                                 for _, _, top in entries],
                 "text_offset": offsets}
 
     async def _completions(self, body: CompletionRequest, request):
@@ -652,8 +661,12 @@ class OpenAIServer:
                 s = finals[(i, j)]
                 usage.add_sample(s, i)
                 text = prompt_text + "".join(s.pieces)
-                lps = (self._completion_logprobs(s.logprobs, len(prompt_text))
-                       if body.logprobs is not None else None)
+                lps = None
+                if body.logprobs is not None and body.echo:
+                    lps = self._completion_logprobs((s.prompt_logprobs, s.logprobs), 0,
+                                                    list(v.prompt_token_ids))
+                elif body.logprobs is not None:
+                    lps = self._completion_logprobs(s.logprobs, 0)
                 choices.append({"index": i * n + j, "text": text, "logprobs": lps,
                                 "finish_reason": s.finish_reason,
                                 "stop_reason": _stop_reason(s)})
@@ -670,17 +683,24 @@ class OpenAIServer:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         offsets: dict[int, int] = {}
-        if body.echo:
+        scored_echo = body.echo and body.logprobs is not None
+        if body.echo and not scored_echo:
             for i, v in enumerate(requests):
                 text = self._prompt_text(v)
                 for j in range(n):
-                    offsets[i * n + j] = len(text)
                     yield {**base, "choices": [{"index": i * n + j, "text": text,
                                                 "logprobs": None, "finish_reason": None}]}
         async for i, ev in self._run(requests, request):
             s, upd = ev.sample, ev.update
             idx = i * n + s.index
             _check_failed(s)
+            if scored_echo and upd.prompt_logprobs is not None:
+                # The prompt's scores come with the sample's first tokens: echo it now.
+                ids = list(requests[i].prompt_token_ids)
+                lps = self._completion_logprobs((upd.prompt_logprobs, ()), 0, ids)
+                offsets[idx] = sum(len(t) for t in lps["tokens"])
+                yield {**base, "choices": [{"index": idx, "text": self._prompt_text(requests[i]),
+                                            "logprobs": lps, "finish_reason": None}]}
             if not (upd.text or upd.token_ids or s.finished):
                 continue
             lps = None

@@ -358,3 +358,25 @@ def test_an_oversized_body_is_413(base_url):
                    json={"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 1)})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
     assert httpx.get(f"{base_url}/health").status_code == 200        # still serving
+
+
+def test_echo_with_logprobs_scores_the_prompt(api, base_url):
+    """lm-eval-harness's loglikelihood request: echo + logprobs + max_tokens 1."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.0, logprobs=3,
+              extra_body={"ignore_eos": True})
+    plain = api.completions.create(**kw).choices[0]
+    echoed = api.completions.create(echo=True, **kw).choices[0]
+    n_prompt = _count(base_url, PROMPT)
+    lp = echoed.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 3 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == echoed.text == PROMPT + plain.text
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(PROMPT)
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    chunks = [c.choices[0] for c in api.completions.create(echo=True, stream=True, **kw)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == echoed.text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
