@@ -78,7 +78,8 @@ def offline_scores(dtype: str) -> tuple[float, list[list[float]]]:
             # lm-eval's pair encoding: the whole string at once, the continuation being
             # what follows the context's own tokens.
             ctx = tok.encode(context(doc), add_special_tokens=False)
-            whole = tok.encode(context(doc) + choice, add_special_tokens=False)
+            # lm-eval joins context and choice with the task's target_delimiter (" ").
+            whole = tok.encode(context(doc) + " " + choice, add_special_tokens=False)
             prompts.append(whole)
             spans.append((len(ctx), len(whole) - len(ctx)))
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0,
@@ -151,10 +152,14 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGKILL)
     acc, offline = offline_scores(args.dtype)
     diffs = [abs(a - b) for da, db in zip(served["per_doc"], offline) for a, b in zip(da, db)]
+    worst = sorted(((abs(a - b), i, j, a, b) for i, (da, db) in enumerate(zip(served["per_doc"], offline))
+                    for j, (a, b) in enumerate(zip(da, db))), reverse=True)[:5]
     result = {"task": "tandem_capitals", "docs": len(offline), "mode": args.mode,
               "dtype": args.dtype, "served_acc": served["acc"],
               "served_acc_stderr": served["acc_stderr"], "offline_acc": acc,
-              "max_abs_loglikelihood_diff": max(diffs), "lm_eval_seconds": served["seconds"]}
+              "max_abs_loglikelihood_diff": max(diffs), "lm_eval_seconds": served["seconds"],
+              "largest_differences": [{"doc": i, "choice": j, "served": a, "offline": b}
+                                      for _, i, j, a, b in worst]}
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
