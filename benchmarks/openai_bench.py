@@ -348,8 +348,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--num-warmups", type=int, default=None, help="default: --max-concurrency")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction, default=True,
                    help="tandem serve --cpu-affinity")
     p.add_argument("--tandem-model", default=None, help="tandem serve --model (default: its default GGUF)")

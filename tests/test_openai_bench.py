@@ -33,7 +33,7 @@ def test_goodput_counts_as_vllm_bench_serve_does():
 
 
 def test_client_command_and_defaults():
-    args = ob.parse_args(["--num-prompts", "8", "--slo-ttft-ms", "1500"])
+    args = ob.parse_args(["--num-prompts", "8", "--slo-ttft-ms", "1200"])
     assert args.systems == list(ob.SYSTEMS) and args.dtype == "float32"
     assert args.num_warmups == args.max_concurrency == 4
     assert args.out.endswith("benchmarks/results/openai_bench_float32.json")
@@ -47,7 +47,7 @@ def test_client_command_and_defaults():
     assert flag("--model") == "SmolLM2-135M-Instruct" and flag("--tokenizer") == "/work/smollm2-hf"
     assert (flag("--random-input-len"), flag("--random-output-len"), flag("--num-prompts"),
             flag("--max-concurrency")) == ("256", "64", "8", "4")
-    assert flag("--goodput", 2) == ["ttft:1500", "tpot:100"]
+    assert flag("--goodput", 2) == ["ttft:1200", "tpot:150"]
     assert flag("--percentile-metrics") == "ttft,tpot,itl,e2el"
     assert {"--ignore-eos", "--save-result", "--save-detailed"} <= set(cmd)
     with pytest.raises(SystemExit):
