@@ -790,14 +790,26 @@ class OpenAIServer:
         usage.add_prompt(len(v.prompt_token_ids))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        for j in range(body.n):
-            yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
+        # The role chunks go out with the first output, as vLLM sends them: clients take
+        # the first chunk's arrival as TTFT (`vllm bench serve` does), so sent before
+        # the prefill they would report a TTFT of ~0 and fold the prefill into TPOT.
+        # A request that fails first gets its error frame first.
+        role_sent = False
+
+        def role_chunks():
+            return [{**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+                    for j in range(body.n)]
+
         async for _, ev in self._run([v], request):
             s, upd = ev.sample, ev.update
             _check_failed(s)
             if not (upd.text or upd.token_ids or s.finished):
                 continue
+            if not role_sent:
+                role_sent = True
+                for chunk in role_chunks():
+                    yield chunk
             delta = {"content": upd.text} if upd.text or not s.finished else {}
             choice = {"index": s.index, "delta": delta,
                       "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,

@@ -162,6 +162,25 @@ def test_chat_include_usage(api):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
+def test_chat_stream_role_chunk_comes_with_the_first_token(base_url):
+    """As vLLM sends it: clients take TTFT at the first chunk (``vllm bench serve``
+    does), so a role chunk sent before the prefill would report a TTFT of ~0."""
+    prompt = "Repeat: " + " ".join(f"w{i}" for i in range(600))     # ~1,800 tokens of prefill
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+            "stream": True, "temperature": 0.0, "ignore_eos": True}
+    times, chunks = [], []
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter() - t0)
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"]["content"]
+    # The prefill lies before the role chunk, not between it and the first token.
+    assert times[1] - times[0] < 0.5 * times[0], times
+
+
 def test_n_and_batched_prompts(api, base_url):
     prompts = [PROMPT, "One, two, three,"]
     r = api.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=3, temperature=1.0,
