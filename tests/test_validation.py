@@ -316,3 +316,14 @@ def test_prompt_bytes_are_capped_before_tokenizing(validator):
     assert error.field == "chat.messages" and "bytes of UTF-8 together" in error.message
     error = refused(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * MAX_MODEL_LEN)))
     assert error.field == "token_ids" and "at least one token must fit" in error.message
+
+
+def test_fill_max_tokens_gives_an_unset_max_tokens_the_room_left(validator):
+    """OpenAI chat completions' default (the HTTP front end asks for it)."""
+    req = pb.GenerateRequest(chat=chat(("user", "Name three colours.")))
+    filled = validator.validate(req, fill_max_tokens=True)
+    assert filled.sampling_params.max_tokens == MAX_MODEL_LEN - len(filled.prompt_token_ids)
+    assert validator.validate(req).sampling_params.max_tokens == 16
+    req.sampling.max_tokens = 5                       # an explicit value is kept
+    assert validator.validate(req, fill_max_tokens=True).sampling_params.max_tokens == 5
+

@@ -26,7 +26,7 @@ from tandem.v1 import tandem_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 64
-FUZZ = settings(max_examples=15, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=10, deadline=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
 
@@ -123,7 +123,7 @@ ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 
 
 @given(request=_request)
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_grpc_fuzz_finds_no_unknown_or_internal(cluster, request):
     try:
