@@ -23,9 +23,13 @@ A limit of 0 (or None) disables it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 from tandem.control.state import ClusterState, ttl_ms
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,3 +168,21 @@ class RateLimiter:
         now_s, now_us = self.state.redis.time()
         return self.state.redis.zcount(self.state.key("concurrency", key_id),
                                        f"({now_s * 1000 + now_us // 1000}", "+inf")
+
+    async def admit_or_pass(self, key_id: str, request_id: str) -> Admission | None:
+        """:meth:`admit` off the event loop, for a front end. None when Redis is
+        unreachable: the request is admitted holding nothing (logged), since the
+        limits protect capacity and must not refuse everyone while Redis is down."""
+        try:
+            return await asyncio.to_thread(self.admit, key_id, request_id)
+        except Exception as exc:
+            logger.warning("rate limiter unavailable, admitting %s: %s", request_id, exc)
+            return None
+
+
+def refusal_message(verdict: Admission) -> str:
+    """What a front end tells a client that ``verdict`` refused."""
+    what = ("too many requests per second" if verdict.reason == "rate"
+            else "too many concurrent requests")
+    return f"rate limit exceeded for this API key: {what}"
+

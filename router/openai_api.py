@@ -400,19 +400,16 @@ class OpenAIServer:
         """
         if self.limiter is None:
             return None
+        from tandem.control.rate_limits import refusal_message
+
         key_id = request.scope.get("state", {}).get("api_key_id") or "anonymous"
-        try:
-            verdict = await asyncio.to_thread(self.limiter.admit, key_id, request_id)
-        except Exception as exc:          # Redis down: serve rather than refuse everyone
-            logger.warning("rate limiter unavailable, admitting %s: %s", request_id, exc)
+        verdict = await self.limiter.admit_or_pass(key_id, request_id)
+        if verdict is None:
             return None
         if not verdict.allowed:
             if self.metrics:
                 self.metrics.request_rate_limited(verdict.reason)
-            what = ("too many requests per second" if verdict.reason == "rate"
-                    else "too many concurrent requests")
-            raise APIError(429, f"rate limit exceeded for this API key: {what}",
-                           retry_after_s=verdict.retry_after_s)
+            raise APIError(429, refusal_message(verdict), retry_after_s=verdict.retry_after_s)
         return key_id
 
     def _release(self, key_id: str | None, request_id: str) -> None:

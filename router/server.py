@@ -137,19 +137,17 @@ class TandemService(pb_grpc.TandemServicer):
             return None
         from tandem.router.grpc_security import current_key_id
 
+        from tandem.control.rate_limits import refusal_message
+
         key_id = current_key_id() or "anonymous"
-        try:
-            verdict = await asyncio.to_thread(self.limiter.admit, key_id, request_id)
-        except Exception as exc:
-            logger.warning("rate limiter unavailable, admitting %s: %s", request_id, exc)
+        verdict = await self.limiter.admit_or_pass(key_id, request_id)
+        if verdict is None:
             return None
         if not verdict.allowed:
             if self.metrics:
                 self.metrics.request_rate_limited(verdict.reason)
-            what = ("too many requests per second" if verdict.reason == "rate"
-                    else "too many concurrent requests")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"rate limit exceeded for this API key: {what} (retry after "
+                                f"{refusal_message(verdict)} (retry after "
                                 f"{verdict.retry_after_s:.1f} s)")
         return key_id
 
