@@ -253,6 +253,14 @@ class EngineConfig:
         num_threads: torch intra-op threads of the process running this engine
             (None = leave as is); applied by the process's entry point with
             :func:`tandem.engine.runtime.threads.apply_thread_settings`, never by the engine.
+        batch_invariant: compute every token the same way whatever else is batched
+            (CPU; float32 or bfloat16; the ``auto``/``cpu`` attention backend): linear
+            layers through the batch-invariant kernel of
+            :func:`tandem.kernels.cpu.linear.invariant_linear`, and attention of every
+            query token (prefill chunks too) through the paged decode kernel, one
+            fixed-order pass over its cached context. A request's tokens then do not
+            depend on batch composition, chunking, prefix-cache hits or preemption
+            (see docs/batch_invariance.md).
     """
 
     model: str | None = None
@@ -262,6 +270,7 @@ class EngineConfig:
     quantization: str = "none"
     max_model_len: int | None = None
     num_threads: int | None = None
+    batch_invariant: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -278,6 +287,14 @@ class EngineConfig:
         if self.quantization not in LINEAR_METHODS:
             raise ValueError(f"quantization: unknown {self.quantization!r}, "
                              f"expected one of {', '.join(LINEAR_METHODS)}")
+        if self.batch_invariant:
+            if not self.device.startswith("cpu"):
+                raise ValueError(f"batch_invariant: runs on the CPU only, not {self.device!r}")
+            if self.attention_backend not in ("auto", "cpu"):
+                raise ValueError("batch_invariant: needs the compiled CPU kernels "
+                                 f"(attention_backend auto or cpu), not {self.attention_backend!r}")
+            if self.dtype not in ("float32", "bfloat16"):
+                raise ValueError(f"batch_invariant: float32 or bfloat16, not {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -31,6 +31,8 @@ class LLM:
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
             building its engine; None leaves them as they are.
+        batch_invariant: see :class:`EngineConfig` (outputs independent of batch
+            composition; CPU).
         weights_from: an existing ``LLM`` whose loaded weights to share.
     """
 
@@ -41,10 +43,12 @@ class LLM:
                  enable_chunked_prefill: bool = True, attention_backend: str = "auto",
                  max_model_len: int | None = None, num_threads: int | None = None,
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
-                 num_host_blocks: int | None = None, weights_from: "LLM | None" = None):
+                 num_host_blocks: int | None = None, batch_invariant: bool = False,
+                 weights_from: "LLM | None" = None):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             max_model_len=max_model_len, num_threads=num_threads,
+            batch_invariant=batch_invariant,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,

@@ -61,7 +61,8 @@ def attention_backend_names() -> list[str]:
 
 
 def get_attention_backend(name: str, device: torch.device,
-                          dtype: torch.dtype | None = None) -> AttentionBackend:
+                          dtype: torch.dtype | None = None,
+                          batch_invariant: bool = False) -> AttentionBackend:
     """Build the backend named by config (see :data:`ATTENTION_BACKENDS`).
 
     ``auto`` picks ``triton`` on CUDA; on CPU it picks the compiled ``cpu``
@@ -72,12 +73,20 @@ def get_attention_backend(name: str, device: torch.device,
         name: ``auto``, ``torch``, ``cpu`` or ``triton``.
         device: where the model runs.
         dtype: the model's dtype (None: not known, treated like float32).
+        batch_invariant: attention computed per query token the same way whatever
+            the batch (``EngineConfig.batch_invariant``): the compiled CPU kernels only.
 
     Raises:
         ValueError: unknown name.
-        tandem.kernels.cpu.build.CpuKernelsUnavailable: ``cpu`` asked for explicitly
-            and no compiler could build it.
+        tandem.kernels.cpu.build.CpuKernelsUnavailable: ``cpu`` asked for explicitly,
+            or ``batch_invariant`` asked for, and no compiler could build it.
     """
+    if batch_invariant:
+        if name not in ("auto", "cpu") or device.type != "cpu":
+            raise ValueError("batch_invariant: needs the compiled CPU kernels "
+                             f"(attention_backend auto or cpu on the CPU), not {name!r} on {device}")
+        from tandem.kernels.cpu.backend import CpuAttentionBackend
+        return CpuAttentionBackend(batch_invariant=True)
     try:
         factory = ATTENTION_BACKENDS[name]
     except KeyError:

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
+from tandem.kernels.cpu.linear import (invariant_linear, pack_invariant_weight, pack_weight,
+                                       packed_linear, packing_available)
 
 
 class LinearMethodBase(ABC):
@@ -94,9 +95,15 @@ class LinearMethodBase(ABC):
 class UnquantizedLinearMethod(LinearMethodBase):
     """Dense weight ``[out_features, in_features]`` in the model's dtype.
 
-    The matmul is ``F.linear``, except for bfloat16 on the CPU, where the weight is
-    packed once for oneDNN (:mod:`tandem.kernels.cpu.linear`: bit-identical, and it
-    saves a re-layout of every weight on every step).
+    The matmul is ``F.linear``, except on the CPU:
+
+    - with ``layer.batch_invariant`` (``EngineConfig.batch_invariant``), the
+      compiled batch-invariant kernel (:func:`~tandem.kernels.cpu.linear.invariant_linear`:
+      each output one float32 FMA chain over ``k`` in order, so a row's result does
+      not depend on the batch), its weight packed once into 16-column panels;
+    - otherwise for bfloat16, oneDNN's matmul with the weight packed once
+      (:mod:`tandem.kernels.cpu.linear`: bit-identical, and it saves a re-layout of
+      every weight on every step).
     """
 
     name = "none"
@@ -109,6 +116,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         layer.register_parameter("weight", weight)
         layer.packed_weight = None
+        layer.invariant_weight = None
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         if param_name != "weight":
@@ -119,9 +127,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         copy_checked(target, loaded)
 
     def process_weights_after_loading(self, layer):
-        if layer.packed_weight is not None:
+        if layer.packed_weight is not None or layer.invariant_weight is not None:
             return
         w = layer.weight
+        if layer.batch_invariant:
+            if w.device.type != "cpu":
+                raise ValueError("batch_invariant: the batch-invariant linear kernel runs on "
+                                 f"the CPU only, not on {w.device}")
+            layer.invariant_weight = pack_invariant_weight(w)
+            del layer.weight            # as below: only the packed copy is read
+            return
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and packing_available():
             layer.packed_weight = pack_weight(w)
             # The packed copy is all apply() reads: drop this layer's plain one (a
@@ -129,6 +144,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             del layer.weight
 
     def apply(self, layer, x):
+        if layer.invariant_weight is not None:
+            return invariant_linear(x, layer.invariant_weight, layer.out_features)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight)
         return F.linear(x, layer.weight)
@@ -165,6 +182,11 @@ class Linear(nn.Module):
         quant_method: the :class:`LinearMethodBase`; dense when None.
         params_dtype: dtype of its floating-point parameters (None: torch's default).
 
+    ``batch_invariant`` (set before the weights are processed, see
+    :func:`process_weights_after_loading`) asks the method for a kernel whose row
+    results do not depend on the batch; a method without one raises ``ValueError``
+    there.
+
     Shapes: ``x`` ``[T, in_features]`` -> ``[T, out_features]``.
     """
 
@@ -175,6 +197,7 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.batch_invariant = False
         self.quant_method.create_weights(self, in_features, self.output_sizes,
                                          params_dtype or torch.get_default_dtype())
 
@@ -202,11 +225,22 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
                 f"quant_method={self.quant_method.name}"
-                + (", packed" if getattr(self, "packed_weight", None) is not None else ""))
+                + (", packed" if getattr(self, "packed_weight", None) is not None else "")
+                + (", batch-invariant" if self.batch_invariant else ""))
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Run every :class:`Linear` layer's post-loading step (idempotent)."""
+def process_weights_after_loading(model: nn.Module, batch_invariant: bool = False) -> None:
+    """Run every :class:`Linear` layer's post-loading step (idempotent).
+
+    Args:
+        batch_invariant: give every layer a batch-invariant kernel
+            (``EngineConfig.batch_invariant``).
+
+    Raises:
+        ValueError: ``batch_invariant`` where a layer's method or device has no such kernel.
+    """
     for module in model.modules():
         if isinstance(module, Linear):
+            if batch_invariant:
+                module.batch_invariant = True
             module.process_weights_after_loading()

@@ -240,8 +240,8 @@ def gguf_checkpoint(files) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
     return cfg, iter(tensors.items())
 
 
-def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none"
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               batch_invariant: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The module is created on the ``meta`` device (no random init), materialised on
@@ -253,12 +253,13 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         dtype: weights and activations dtype.
         device: where the weights live.
         quantization: the linear method's config string (``EngineConfig.quantization``).
+        batch_invariant: batch-invariant linear kernels (``EngineConfig.batch_invariant``).
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
 
     Raises:
-        ValueError: unknown ``quantization``.
+        ValueError: unknown ``quantization``; ``batch_invariant`` off the CPU.
         WeightLoadError: the checkpoint does not match the architecture.
     """
     from tandem.engine.model import weights
@@ -273,7 +274,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         model = LlamaForCausalLM(cfg, linear_method)
     model = model.to_empty(device=device).to(dtype)
     weights.load_weights(model, tensors)
-    process_weights_after_loading(model)
+    process_weights_after_loading(model, batch_invariant)
     model.init_rope(device)
     model.eval()
     return model, cfg

@@ -53,14 +53,17 @@ class LLMEngine:
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
             if (weights_from.model_files, weights_from.config.dtype, weights_from.device,
-                    weights_from.config.quantization) != \
-                    (self.model_files, config.dtype, self.device, config.quantization):
-                raise ValueError("weights_from: model, dtype, device and quantization must match")
+                    weights_from.config.quantization, weights_from.config.batch_invariant) != \
+                    (self.model_files, config.dtype, self.device, config.quantization,
+                     config.batch_invariant):
+                raise ValueError("weights_from: model, dtype, device, quantization and "
+                                 "batch_invariant must match")
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
         else:
             self.model, self.model_config = load_model(self.model_files, config.torch_dtype,
-                                                       self.device, config.quantization)
+                                                       self.device, config.quantization,
+                                                       config.batch_invariant)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
         bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size,
@@ -83,7 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    bytes_per_block)
         self.backend = get_attention_backend(config.attention_backend, self.device,
-                                             config.torch_dtype)
+                                             config.torch_dtype, config.batch_invariant)
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,

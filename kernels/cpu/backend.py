@@ -20,6 +20,14 @@ from tandem.kernels.cpu import ops
 class CpuAttentionBackend(TorchAttentionBackend):
     """Compiled CPU kernels for the per-layer hot path; stateless, one per engine.
 
+    Args:
+        batch_invariant: attend every query token, prefill chunks' too, with the
+            paged decode kernel over its own cached context (the first ``p + 1``
+            tokens for position ``p``), so that a token's attention is one fixed
+            computation whatever the batch, the chunking or which of its context
+            came from the prefix cache. Prefill attention then costs a pass over
+            the context per query token instead of a tiled FlashAttention loop.
+
     Raises:
         tandem.kernels.cpu.build.CpuKernelsUnavailable: at construction, when the
             kernels cannot be built on this machine.
@@ -27,8 +35,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         from tandem.kernels.cpu.build import load_library
+        self.batch_invariant = batch_invariant
         # Whether this build has the bf16 prefill kernel: fixed per process, so
         # decided once here rather than on every layer of every step.
         self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
@@ -46,6 +55,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         runs (bfloat16, AVX-512 BF16), else through :meth:`TorchAttentionBackend.attend`."""
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decodes
+        if self.batch_invariant:
+            return self.attend_per_token(query, key_cache, value_cache, meta, scale)
         if (nd == meta.num_seqs or not self._bf16_prefill or query.dtype != torch.bfloat16
                 or not ops.prefill_head_dim_ok(query.shape[2])):
             return self.attend(query, key, value, key_cache, value_cache, meta, scale)
@@ -60,6 +71,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                     meta.seq_lens_cpu[nd:], scale, out=out[qsl[0]:])
         return out
 
+    @staticmethod
+    def attend_per_token(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of the batch-invariant mode, after the cache write: every query
+        token ``[T, Hq, D]`` through the paged decode kernel over its own context
+        (:func:`per_token_context`), so that its result is the same computation
+        whether the token is a decode, in a prefill chunk, or after cached blocks.
+        Returns ``[T, Hq, D]``."""
+        if meta.num_decodes == meta.num_seqs:
+            return ops.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                              meta.seq_lens, scale)
+        tables, lens = per_token_context(meta)
+        return ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+
     def rms_norm(self, x, weight, eps, residual=None):
         return ops.rms_norm(x, weight, eps, residual)
 
@@ -68,3 +93,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def silu_and_mul(self, x):
         return ops.silu_and_mul(x)
+
+
+def per_token_context(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every packed query token as a sequence of its own: the block table of its
+    sequence and its context length (its position + 1). Computed once per step and
+    kept on ``meta`` (every layer asks).
+
+    Returns:
+        ``(block_tables [T, max_blocks] int32, seq_lens [T] int32)``.
+    """
+    cached = meta.__dict__.get("_per_token_context")
+    if cached is None:
+        qsl = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        seq = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)     # [T]
+        # A token `back` places before its sequence's last query token sees
+        # seq_len - back tokens (itself included).
+        back = qsl[1:][seq] - 1 - torch.arange(meta.num_tokens)
+        lens = (torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)[seq] - back).to(torch.int32)
+        cached = (meta.block_tables.index_select(0, seq).contiguous(), lens)
+        object.__setattr__(meta, "_per_token_context", cached)   # frozen: a per-step cache
+    return cached

@@ -116,6 +116,7 @@ _SIGNATURES = {
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "linear": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
 }
 # Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
 _BF16_ONLY = {

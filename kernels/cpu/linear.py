@@ -88,3 +88,76 @@ def pack_linear_weights(model: nn.Module) -> int:
                 setattr(module, name, PackedLinear(child.weight))
                 count += 1
     return count
+
+
+# -- batch-invariant linear (csrc/linear.cpp) ---------------------------------------------
+INVARIANT_PANEL = 16   # output columns per packed panel of csrc/linear.cpp
+
+
+def pack_invariant_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Copy ``weight`` ``[N, K]`` (float32 or bfloat16, CPU) into the panel layout of
+    the batch-invariant kernel (see ``csrc/linear.cpp``): float32 ``[P, K, 16]``,
+    bfloat16 ``[P, Kp / 2, 16, 2]`` (``P = ceil(N / 16)``, ``Kp`` = ``K`` rounded up
+    to even), zero-padded. The result is only meaningful to :func:`invariant_linear`.
+
+    Raises:
+        ValueError: another dtype or device, or not 2-D.
+    """
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in (
+            torch.float32, torch.bfloat16):
+        raise ValueError(f"weight: expected a 2-D float32/bfloat16 CPU tensor, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    p = -(-n // INVARIANT_PANEL)
+    w = weight.detach()
+    if weight.dtype == torch.float32:
+        padded = w.new_zeros(p * INVARIANT_PANEL, k)
+        padded[:n] = w
+        return padded.view(p, INVARIANT_PANEL, k).transpose(1, 2).contiguous()
+    kp = k + (k & 1)
+    padded = w.new_zeros(p * INVARIANT_PANEL, kp)
+    padded[:n, :k] = w
+    return padded.view(p, INVARIANT_PANEL, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def invariant_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T`` whose every row is computed the same way whatever the batch:
+    ``[T, K]`` -> ``[T, N]`` in ``x``'s dtype (float32 or bfloat16, that of the
+    packed weight), each element one float32 fused-multiply-add chain over ``k`` in
+    order, rounded once (``csrc/linear.cpp``). Row ``t`` of the result is
+    bit-identical for any ``T`` and any other rows.
+
+    Args:
+        x: ``[T, K]`` CPU, rows may be strided, the last dim contiguous.
+        packed_weight: from :func:`pack_invariant_weight` of a ``[N, K]`` weight.
+        out_features: ``N``.
+        out: optional ``[T, N]`` destination (rows may be strided).
+
+    Raises:
+        ValueError: dtype, device or shape mismatch.
+    """
+    from tandem.kernels.cpu.build import load_library
+
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != packed_weight.dtype:
+        raise ValueError(f"x: expected a 2-D CPU tensor of {packed_weight.dtype}, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    t, k = x.shape
+    kw = packed_weight.shape[1] * (2 if x.dtype == torch.bfloat16 else 1)
+    if kw != k + (k & 1 if x.dtype == torch.bfloat16 else 0) or out_features > (
+            packed_weight.shape[0] * INVARIANT_PANEL):
+        raise ValueError(f"x: in_features {k} does not fit the packed weight "
+                         f"{tuple(packed_weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = x.new_empty(t, out_features)
+    elif out.shape != (t, out_features) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out: expected [{t}, {out_features}] {x.dtype} with a contiguous "
+                         f"last dim, got {tuple(out.shape)} {out.dtype}")
+    if t:
+        suffix = "f32" if x.dtype == torch.float32 else "bf16"
+        getattr(load_library(), f"tandem_linear_{suffix}")(
+            out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+            packed_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
+    return out

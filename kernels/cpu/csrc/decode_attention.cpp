@@ -1,6 +1,8 @@
 // Paged decode attention (one query token per sequence) reading K/V blocks where
-// they lie in the cache, in three tiers: AVX-512 BF16 dot products (bfloat16,
-// head_dim % 32 == 0), AVX-512F float32 math (head_dim % 16 == 0), portable loops.
+// they lie in the cache, in four tiers: AVX-512 BF16 dot products (bfloat16,
+// head_dim % 32 == 0), AVX-512F float32 math (head_dim % 16 == 0), AVX2 + FMA
+// float32 math (head_dim % 8 == 0, CPUs without AVX-512), portable loops. The
+// tier depends on the CPU and the model's shape only, never on the batch.
 // C ABI for ../ops.py: pointers, sizes and row strides in elements.
 
 #include "common.h"
@@ -188,6 +190,72 @@ void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
 }
 #endif  // __AVX512BF16__
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 float32 lanes from 8 elements of T.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Sum of the 8 lanes, always in the same order: (0+4, 1+5, 2+6, 3+7), then pairs.
+inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+constexpr int kMaxGroup2 = 8;    // query heads per KV head handled in registers
+constexpr int kMaxChunks2 = 32;  // head_dim / 8 (head_dim <= 256)
+
+// decode_one for AVX2 + FMA (head_dim % 8 == 0): the G scaled query rows as
+// float32 in a small buffer, each K row read once and scored against all G rows
+// (an FMA chain over the D / 8 chunks, then a fixed-order lane sum), an exact
+// float32 softmax, and the values summed token by token into float32
+// accumulators. Every step is the same for any batch: the result for one
+// (sequence, head) depends only on its query, its cached K/V and `len`.
+template <typename T>
+void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+                     int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
+                     float scale, float* scores, float* acc) {
+    const int64_t row = hkv * d, chunks = d / 8;
+    alignas(32) float qf[kMaxGroup2 * kMaxChunks2 * 8];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+            _mm256_storeu_ps(qf + (g * chunks + c) * 8,
+                             _mm256_mul_ps(load8(q + (h * g_size + g) * d + 8 * c), _mm256_set1_ps(scale)));
+    for (int64_t t = 0; t < len; ++t) {
+        const T* kp = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        __m256 kv[kMaxChunks2];
+        for (int64_t c = 0; c < chunks; ++c) kv[c] = load8(kp + 8 * c);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float* qg = qf + g * chunks * 8;
+            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), kv[0]);
+            for (int64_t c = 1; c < chunks; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kv[c], s);
+            scores[g * len + t] = hsum8(s);
+        }
+    }
+    softmax_rows(scores, g_size, len);
+    for (int64_t i = 0; i < g_size * d; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+    for (int64_t t = 0; t < len; ++t) {
+        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const __m256 v = load8(vp + 8 * c);
+            for (int64_t g = 0; g < g_size; ++g) {
+                float* a = acc + g * d + 8 * c;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + t]), v,
+                                                    _mm256_loadu_ps(a)));
+            }
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i]);
+    }
+}
+#endif  // AVX2 without AVX-512
+
 template <typename T>
 void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                 int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs, float scale,
@@ -208,6 +276,13 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* tab
     if (d % 16 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
         decode_one_avx512<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
                              stride);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (d % 8 == 0 && d / 8 <= kMaxChunks2 && g_size <= kMaxGroup2) {
+        decode_one_avx2<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
+                           scores + g_size * len);
         return;
     }
 #endif
