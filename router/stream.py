@@ -2,7 +2,8 @@
 
 One :class:`SampleStream` per sample of a request turns the worker's token
 deltas into text with :class:`~tandem.engine.text.detokenizer.IncrementalDetokenizer`
-(never a split UTF-8 character, spaces kept) and applies stop strings with
+(never a split UTF-8 character, spaces kept; a character that the end of the
+sample cuts short is dropped, not shown as U+FFFD) and applies stop strings with
 :class:`~tandem.engine.text.detokenizer.StopStringMatcher` (text that might start a
 stop string is held back and released exactly once).
 """

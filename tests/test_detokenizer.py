@@ -13,6 +13,60 @@ from tandem.engine.text.tokenizer import Tokenizer
 STRATEGIES = ["bytes", "window"]
 FFFD = "\ufffd"
 C07_TEXT = "你好，世界 🎉👍🏽🇯🇵"
+# The tracker's reproduction: greedy, max_tokens 40 ends after the first two of
+# 👍's four bytes (decode shows them as U+FFFD).
+CUT_PROMPT = "你好，世界 🎉👍🏽🇯🇵\n" * 6
+CUT_ANSWER = "你好，世界 🎉👍🏽🇯🇵\n你好，世界 🎉"
+
+_PRINTABLE = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+              + list(range(ord("®"), ord("ÿ") + 1)))
+# GPT-2's byte alphabet: the character that stands for each byte in the vocabulary.
+BYTE_CHAR = {b: chr(b) if b in _PRINTABLE else chr(256 + [x for x in range(256)
+                                                         if x not in _PRINTABLE].index(b))
+             for b in range(256)}
+CHAR_BYTE = {c: b for b, c in BYTE_CHAR.items()}
+
+
+def _proper_prefixes() -> frozenset[bytes]:
+    """Every proper prefix of the UTF-8 encoding of a Unicode scalar value. The
+    prefix of a k-byte sequence fixes all but its last 6 bits, so one code point
+    per 64 reaches them all."""
+    out = set()
+    for lo, hi in ((0x80, 0x800), (0x800, 0x10000), (0x10000, 0x110000)):
+        for cp in range(lo, hi, 64):
+            if 0xD800 <= cp < 0xE000:
+                continue  # surrogates have no UTF-8
+            enc = chr(cp).encode("utf-8")
+            out.update(enc[:k] for k in range(1, len(enc)))
+    return frozenset(out)
+
+
+PROPER_PREFIXES = _proper_prefixes()
+
+
+def last_run_bytes(tok, ids, skip_special_tokens=True) -> bytes:
+    """The raw bytes after the last added token that stays in the text (decode
+    renders each run of vocabulary bytes on its own)."""
+    added = tok.hf_tokenizer.added_tokens_decoder
+    run = bytearray()
+    for token_id, token in zip(ids, tok.convert_ids_to_tokens(ids)):
+        if token_id in added:
+            if not (added[token_id].special and skip_special_tokens):
+                run.clear()
+        elif token is not None:
+            run += bytes(CHAR_BYTE[c] for c in token)
+    return bytes(run)
+
+
+def without_cut_character(tok, ids, skip_special_tokens=True) -> str:
+    """``decode(ids)`` minus the U+FFFD that stands for a character cut short at
+    the end: the text a finished sample must have."""
+    decoded = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    tail = last_run_bytes(tok, ids, skip_special_tokens)
+    if any(tail[-k:] in PROPER_PREFIXES for k in (1, 2, 3) if len(tail) >= k):
+        assert decoded.endswith(FFFD)
+        return decoded[:-1]
+    return decoded
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +81,16 @@ def stream(tok, output_ids, chunk=1, prompt_ids=(), skip_special_tokens=True, st
     return deltas, d.flush()
 
 
+_VOCABS: dict = {}  # tokenizer -> its vocabulary
+
+
 def single_byte_token(tok, byte: int) -> int | None:
     """The id of the vocabulary token that is exactly one raw byte (GPT-2 byte
     alphabet), or None: this vocabulary lacks a few bytes that never occur in
     UTF-8 text."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    unprintable = [b for b in range(256) if b not in printable]
-    char = chr(byte) if byte in printable else chr(256 + unprintable.index(byte))
-    return tok.hf_tokenizer.get_vocab().get(char)
+    if tok not in _VOCABS:
+        _VOCABS[tok] = tok.hf_tokenizer.get_vocab()  # ~0.05 s a call: once per tokenizer
+    return _VOCABS[tok].get(BYTE_CHAR[byte])
 
 
 # --- multi-byte characters (C07) -------------------------------------------------
@@ -99,12 +154,44 @@ def test_special_tokens_skipped_or_kept(tok, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_flush_releases_an_incomplete_character_as_decode_does(tok, strategy):
+def test_flush_drops_an_incomplete_trailing_character(tok, strategy):
     ids = tok.encode("ok 你")[:-1]  # the last byte of 你 never arrives
     assert tok.convert_ids_to_tokens(ids) == ["ok", "Ġ", "ä½"]
     deltas, tail = stream(tok, ids, strategy=strategy)
-    assert (deltas, tail) == (["ok", " ", ""], FFFD)
-    assert "".join(deltas) + tail == tok.decode(ids) == "ok " + FFFD
+    assert (deltas, tail) == (["ok", " ", ""], "")
+    assert tok.decode(ids) == "ok " + FFFD     # decode shows the cut 你 as U+FFFD
+    # The end-of-sequence token after it (skipped) does not change that.
+    deltas, tail = stream(tok, ids + [tok.eos_token_id], strategy=strategy)
+    assert "".join(deltas) + tail == "ok "
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_generated_replacement_character_is_kept(tok, strategy):
+    real = tok.encode("ok \ufffd")        # U+FFFD as a character: EF BF BD, one token
+    assert tok.convert_ids_to_tokens(real) == ["ok", "Ġ", "ï¿½"]
+    e4 = single_byte_token(tok, 0xE4)
+    for ids, text in [(real, "ok " + FFFD),
+                      (real + [e4], "ok " + FFFD),          # then a cut character: dropped
+                      (real + [e4, tok.encode("a")[0]], "ok " + FFFD * 2 + "a")]:
+        deltas, tail = stream(tok, ids, strategy=strategy)
+        assert "".join(deltas) + tail == text == without_cut_character(tok, ids)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_invalid_bytes_at_the_end_still_decode_as_replacement(tok, strategy):
+    # Not a cut character but bytes no character starts with: as decode renders them.
+    a = tok.encode("a")[0]
+    for tail_bytes in ([0x80], [0xBD, 0xA0], [0xED, 0xA0], [0xE0, 0x80], [0xF4, 0x90]):
+        ids = [a] + [single_byte_token(tok, b) for b in tail_bytes]
+        decoded = tok.decode(ids)
+        assert decoded.startswith("a" + FFFD)
+        deltas, tail = stream(tok, ids, strategy=strategy)
+        assert "".join(deltas) + tail == decoded, tail_bytes
+    # A surrogate's would-be prefix ED 9F *is* a character's (U+D7FF): dropped.
+    ids = [a] + [single_byte_token(tok, b) for b in (0xED, 0x9F)]
+    assert tok.decode(ids) == "a" + FFFD
+    deltas, tail = stream(tok, ids, strategy=strategy)
+    assert "".join(deltas) + tail == "a"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -115,6 +202,11 @@ def test_added_token_splits_an_incomplete_character(tok, strategy):
     for skip, expected in [(False, FFFD + "<|im_start|>" + FFFD * 2 + "你"), (True, "你你")]:
         deltas, tail = stream(tok, ids, skip_special_tokens=skip, strategy=strategy)
         assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip) == expected
+    # A character cut by a kept added token is in the middle of the text: as decode.
+    ids = tok.encode("ok") + [e4, bd, 2]
+    for skip, expected in [(False, "ok" + FFFD + "<|im_end|>"), (True, "ok")]:
+        deltas, tail = stream(tok, ids, skip_special_tokens=skip, strategy=strategy)
+        assert "".join(deltas) + tail == expected == without_cut_character(tok, ids, skip)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -125,10 +217,18 @@ def test_out_of_vocabulary_ids_decode_to_nothing(tok, strategy):
 
 
 def test_every_single_token_decodes_like_the_tokenizer(tok):
+    # ... except a token that is only the start of a character: decode shows U+FFFD,
+    # a finished sample nothing.
+    cut = {True: set(), False: set()}
     for skip in (True, False):
         for token_id in range(tok.vocab_size):
             d = IncrementalDetokenizer(tok, [], skip)
-            assert d.add_tokens([token_id]) + d.flush() == tok.decode([token_id], skip)
+            text = d.add_tokens([token_id]) + d.flush()
+            assert text == without_cut_character(tok, [token_id], skip)
+            if text != tok.decode([token_id], skip):
+                cut[skip].add(token_id)
+    assert cut[True] == cut[False] and len(cut[True]) == 239
+    assert {"ä½", "ðŁ", "ĠðŁ"} <= set(tok.convert_ids_to_tokens(sorted(cut[True])))
 
 
 def test_add_after_flush_is_an_error(tok):
@@ -179,7 +279,32 @@ def test_property_any_ids_concatenate_to_decode(tok, raw_byte_ids, data, chunk, 
                          st.integers(0, tok.vocab_size - 1), st.integers(tok.vocab_size, 2**32 - 1))
     ids = data.draw(st.lists(token_id, max_size=24))
     deltas, tail = stream(tok, ids, chunk=chunk, skip_special_tokens=skip, strategy=strategy)
-    assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) + tail == without_cut_character(tok, ids, skip_special_tokens=skip)
+
+
+# Characters of several bytes and tokens: CJK, kana, hangul, accents, emoji with
+# skin tones, ZWJ families, flags, a variation selector, a 4-byte CJK/musical symbol.
+GRAPHEMES = ["你", "好", "，", "世", "界", "漢", "字", "か", "カ", "한", "é", "ß", "𝄞", "𠀋",
+             "🎉", "👍🏽", "👩‍👩‍👧‍👦", "👨🏿‍💻", "🏳️‍🌈", "❤️", "🇯🇵", "🇫🇷", "🇺🇦",
+             " ", "a", "\n", "—"]
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.sampled_from(GRAPHEMES), min_size=1, max_size=12),
+       chunk=st.integers(1, 3), strategy=st.sampled_from(STRATEGIES))
+def test_property_cut_anywhere_never_ends_in_replacement(tok, parts, chunk, strategy):
+    full = "".join(parts)
+    ids = tok.encode(full)
+    assert tok.decode(ids) == full
+    for k in range(len(ids) + 1):          # a sample ended after every token count
+        deltas, tail = stream(tok, ids[:k], chunk=chunk, strategy=strategy)
+        text = "".join(deltas) + tail
+        assert all(FFFD not in d for d in deltas + [tail]), (k, deltas, tail)
+        one_shot = stream(tok, ids[:k], chunk=max(k, 1), strategy=strategy)  # not streamed
+        assert "".join(one_shot[0]) + one_shot[1] == text
+        assert full.startswith(text)
+        assert text == without_cut_character(tok, ids[:k])
 
 
 # --- stop strings --------------------------------------------------------------------
@@ -300,3 +425,69 @@ def test_property_streaming_equals_one_shot_and_reference(text, stop, cuts, incl
     assert ("".join(emitted) + tail, matched) == expected
     if not include:
         assert not any(s in expected[0] for s in stop)
+
+
+# --- a sample ended inside a character: the offline engine, a byte-fallback tokenizer ---
+
+@pytest.mark.slow
+def test_greedy_answer_cut_inside_a_character_ends_whole(f32_weights):
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", num_blocks=32, weights_from=f32_weights)
+    tok = llm.tokenizer
+    # A stop string whose start ("🎉") is held back at the end and then released.
+    [out] = llm.generate(CUT_PROMPT, SamplingParams(temperature=0, max_tokens=40,
+                                                    stop=["🎉!"]))[0].outputs
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 40)
+    assert tok.convert_ids_to_tokens(out.token_ids[-1:]) == ["ðŁ"]   # 👍's F0 9F
+    assert tok.decode(out.token_ids) == CUT_ANSWER + FFFD
+    assert out.text == CUT_ANSWER == without_cut_character(tok, out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tok(tmp_path_factory) -> Tokenizer:
+    """A SentencePiece-style tokenizer (Llama 2's decoder: metaspace, byte
+    fallback, one U+FFFD per byte of an invalid run): the window strategy's kind."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tandem.engine.model.model_files import ModelFiles
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "a", "b", "你", FFFD]:
+        vocab[piece] = len(vocab)
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True,
+                                  unk_token="<unk>", fuse_unk=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    path = tmp_path_factory.mktemp("byte_fallback_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+    return Tokenizer(ModelFiles(str(path), "hf", "byte-fallback"))
+
+
+def test_byte_fallback_cut_anywhere_ends_whole(byte_fallback_tok):
+    tok = byte_fallback_tok
+    ids = tok.encode("a 你好 🎉 b" + FFFD, add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids) == [
+        "▁", "a", "▁", "你", "<0xE5>", "<0xA5>", "<0xBD>", "▁",
+        "<0xF0>", "<0x9F>", "<0x8E>", "<0x89>", "▁", "b", FFFD]
+    assert tok.decode(ids[:6]) == "a 你" + FFFD * 2      # decode: one U+FFFD per cut byte
+    finals = []
+    for k in range(len(ids) + 1):
+        deltas, tail = stream(tok, ids[:k])
+        assert all(FFFD not in d for d in deltas[:14] + [tail if k < 15 else ""]), k
+        finals.append("".join(deltas) + tail)
+    assert finals == ["", "", "a", "a ", "a 你", "a 你", "a 你", "a 你好", "a 你好 ",
+                      "a 你好 ", "a 你好 ", "a 你好 ", "a 你好 🎉", "a 你好 🎉 ",
+                      "a 你好 🎉 b", "a 你好 🎉 b" + FFFD]   # the last: a U+FFFD piece, kept
+    f0 = ids[8]
+    for more, text in [([f0], "a 你好 🎉 b" + FFFD),           # a generated U+FFFD, then a cut
+                       ([3 + 0x80], "a 你好 🎉 b" + FFFD * 2),  # a stray continuation byte
+                       ([2], "a 你好 🎉 b" + FFFD)]:            # end of sequence (skipped)
+        deltas, tail = stream(tok, ids + more)
+        assert "".join(deltas) + tail == text

@@ -6,16 +6,34 @@ imports gRPC.
 
 Two invariants the tests check on the real tokenizer:
 
-* ``"".join(deltas) + flush() == tokenizer.decode(output_ids)``, and no delta
-  ever carries half of a multi-byte character (no spurious U+FFFD).
+* ``"".join(deltas) + flush()`` equals ``tokenizer.decode(output_ids)`` less
+  the U+FFFD that ``decode`` shows for an incomplete character at the very end
+  of the bytes (see below), and no delta ever carries half of a multi-byte character (no
+  spurious U+FFFD).
 * Stop strings cut the text at the same place whether it arrives in one piece
   or in many, and text held back as a possible stop string is released exactly
   once.
+
+The end of a text. A sample can end (max_tokens, a stop token, an abort, any
+finish) between two tokens of one character: its last bytes are a proper
+prefix of a well-formed UTF-8 sequence (``你`` is E4 BD A0; the text ends after
+E4 BD). ``tokenizer.decode`` renders such a tail as U+FFFD (one per byte for a
+SentencePiece byte-fallback tokenizer); :meth:`IncrementalDetokenizer.flush`
+drops it instead, so the final text is cut to its last complete character and
+never ends in a U+FFFD that stands for a cut character (the public API promises
+text that never splits a UTF-8 character). The sample's token ids, and so
+usage and token counts, still include every token. Only that incomplete tail
+goes: bytes that no character can start with (a stray continuation byte, an
+encoded surrogate; in the middle or at the end) and a character cut by a kept
+added token such as ``<|im_end|>`` still decode to U+FFFD exactly as
+``decode`` renders them, and a U+FFFD the model generated itself (the bytes
+EF BF BD) is text like any other.
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 import weakref
 from typing import Sequence
 
@@ -27,6 +45,20 @@ __all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
 # same number: enough for a SentencePiece "▁" prefix to be resolved.
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# SentencePiece's byte-fallback pieces, one raw byte each (tokenizers' ByteFallback).
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_truncated_character(pending: bytes) -> bool:
+    """True when ``pending`` (what an incremental UTF-8 decoder still buffers) is
+    a proper prefix of a well-formed UTF-8 sequence: a character cut short.
+
+    CPython's decoder also buffers some prefixes that can no longer become a
+    character (``ED A0``, the start of an encoded surrogate); those are invalid
+    bytes, not a cut character, and decode to more than one U+FFFD under the
+    maximal-subpart rule that both CPython and ``tokenizers`` follow.
+    """
+    return bool(pending) and pending.decode("utf-8", "replace") == _REPLACEMENT_CHAR
 
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
@@ -98,12 +130,13 @@ class IncrementalDetokenizer:
     """Turns one sample's generated token ids into text deltas as they arrive.
 
     ``"".join(add_tokens(...) for each step) + flush()`` equals
-    ``tokenizer.decode(all_output_ids, skip_special_tokens)``, and a delta never
-    ends inside a multi-byte UTF-8 character: the bytes of an incomplete
-    character are held back until the tokens that complete it arrive (or until
-    :meth:`flush`, which decodes them as ``tokenizer.decode`` would, i.e. as
-    U+FFFD). Invalid byte sequences that cannot become valid are emitted as
-    U+FFFD at once, exactly as ``decode`` renders them.
+    ``tokenizer.decode(all_output_ids, skip_special_tokens)`` with a trailing
+    incomplete character removed, and a delta never ends inside a multi-byte
+    UTF-8 character: the bytes of an incomplete character are held back until
+    the tokens that complete it arrive; if generation ends first, :meth:`flush`
+    drops them (where ``decode`` would show U+FFFD; see the module docstring).
+    Invalid byte sequences that cannot become valid are emitted as U+FFFD at
+    once, exactly as ``decode`` renders them.
 
     Two strategies, picked from the tokenizer:
 
@@ -176,8 +209,9 @@ class IncrementalDetokenizer:
         return self._advance_window(final=False)
 
     def flush(self) -> str:
-        """End of generation: the text still held back (an incomplete character
-        decodes to U+FFFD, as in ``tokenizer.decode``). Later calls return ""."""
+        """End of generation: the text still held back, without the bytes of a
+        trailing incomplete character (dropped, so the text never ends in a
+        U+FFFD that stands for a cut character). Later calls return ""."""
         if self._finished:
             return ""
         self._finished = True
@@ -205,11 +239,18 @@ class IncrementalDetokenizer:
                 out.append(text)
             elif 0 <= token_id < len(pieces):
                 run += pieces[token_id]
-        out.append(utf8.decode(bytes(run), final=final))
+        out.append(utf8.decode(bytes(run)))
+        if final:
+            pending = utf8.getstate()[0]
+            utf8.reset()
+            if not _is_truncated_character(pending):
+                out.append(pending.decode("utf-8", "replace"))  # invalid, not cut: as decode
         return "".join(out)
 
     def _advance_window(self, final: bool) -> str:
         text = self._decode(self._window)
+        if final and text.endswith(_REPLACEMENT_CHAR):
+            text = self._without_cut_character(text)
         if len(text) <= len(self._read_text):
             return ""  # e.g. only skipped special tokens so far
         if text.endswith(_REPLACEMENT_CHAR) and not final:
@@ -220,6 +261,62 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._read_text = self._decode(self._window)
         return delta
+
+    def _without_cut_character(self, text: str) -> str:
+        """``text`` (the window's decode) without the U+FFFD of an incomplete
+        character at the end of the window's bytes, if there is one.
+
+        The window strategy sees tokens, not bytes, so the bytes are read back
+        from the token strings: SentencePiece byte-fallback pieces (``<0xE4>``)
+        carry one byte, a byte-level BPE token its GPT-2 byte alphabet, any
+        other token its text (whole characters). When the cut character's bytes
+        are exactly the last tokens' (byte fallback, where ``decode`` shows one
+        U+FFFD per byte), the text is decoded again without those tokens;
+        when it starts inside a token (byte-level BPE, one U+FFFD), that
+        U+FFFD is removed.
+        """
+        hf = self._tokenizer.hf_tokenizer
+        added = getattr(hf, "added_tokens_decoder", {})
+        backend = getattr(hf, "backend_tokenizer", None)
+        byte_level = False
+        if backend is not None:
+            from tokenizers import decoders
+
+            byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        to_byte = _gpt2_unicode_to_byte() if byte_level else {}
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        window = self._window
+        run_len = 0
+        starts: dict[int, int] = {}  # the last run's tokens: index -> offset of their first byte
+        for i, (token_id, token) in enumerate(
+                zip(window, self._tokenizer.convert_ids_to_tokens(window))):
+            if token_id in added:
+                if added[token_id].special and self._skip_special_tokens:
+                    continue      # skipped before decoding: the bytes around it join
+                utf8.reset()      # decoded on its own: it ends the run of bytes before it
+                run_len, starts = 0, {}
+                continue
+            starts[i] = run_len
+            if token is None:     # outside the vocabulary: decodes to nothing
+                continue
+            match = _BYTE_FALLBACK_PIECE.fullmatch(token)
+            if match:
+                piece = bytes([int(match.group(1), 16)])
+            elif byte_level:
+                piece = b"".join(bytes([to_byte[c]]) if c in to_byte else c.encode("utf-8")
+                                 for c in token)
+            else:
+                piece = token.encode("utf-8")
+            utf8.decode(piece)
+            run_len += len(piece)
+        pending = utf8.getstate()[0]
+        if not _is_truncated_character(pending):
+            return text
+        tail_start = run_len - len(pending)
+        cut = next((i for i, offset in starts.items() if offset == tail_start), None)
+        if cut is not None:   # the cut character is the last tokens' bytes and nothing else
+            return self._decode(window[:cut])
+        return text[:-1]      # it starts inside a token: decode shows one U+FFFD for it
 
 
 class StopStringMatcher:

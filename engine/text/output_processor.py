@@ -31,7 +31,9 @@ class CompletionOutput:
     Attributes:
         index: sample index (0..n-1).
         token_ids: generated ids (a matched stop string's tokens are kept).
-        text: detokenized output, cut before a matched stop string.
+        text: detokenized output, cut before a matched stop string; a character
+            that the end of generation cut short (its first bytes only) is
+            dropped, not shown as U+FFFD (``token_ids`` keep its tokens).
         finish_reason: ``stop``, ``length`` or ``abort``.
         stop_reason: the matched stop string or stop token id; None for EOS/length.
         logprobs: per generated token, when requested.

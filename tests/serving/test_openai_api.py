@@ -138,6 +138,23 @@ def test_stream_text_equals_non_stream_text(api):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_completion_cut_inside_a_character_ends_at_the_last_whole_one(api):
+    # max_tokens ends the answer after two of 👍's four bytes: decode would show U+FFFD.
+    answer = "你好，世界 🎉👍🏽🇯🇵\n你好，世界 🎉"
+    kw = dict(model=MODEL, prompt="你好，世界 🎉👍🏽🇯🇵\n" * 6, max_tokens=40, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:   # one batch: as cheap as one
+        whole = pool.submit(api.completions.create, **kw)
+        chunks = list(api.completions.create(**kw, stream=True,
+                                             stream_options={"include_usage": True}))
+        whole = whole.result()
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (answer, "length")
+    assert whole.usage.completion_tokens == 40
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert all("\ufffd" not in t for t in texts) and "".join(texts) == answer
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+
+
 @pytest.mark.parametrize("include_usage", [None, False, True])
 def test_include_usage_matrix(api, include_usage):
     opts = None if include_usage is None else {"include_usage": include_usage}

@@ -149,6 +149,25 @@ def test_c07_multibyte_utf8_stream(disagg, tokenizer):
     assert s in text      # Chinese, emoji with a skin-tone modifier and a flag came through whole
 
 
+def test_answer_cut_inside_a_character_ends_at_the_last_whole_one(disagg, tokenizer):
+    # max_tokens ends the answer after two of 👍's four bytes: decode would show U+FFFD.
+    answer = "你好，世界 🎉👍🏽🇯🇵\n你好，世界 🎉"
+    prompt = "你好，世界 🎉👍🏽🇯🇵\n" * 6
+    # Streamed, and (batched with it) not streamed with a stop string that holds
+    # back the final "🎉" until the end: the same text.
+    reqs = [greedy_req(prompt=prompt, max_tokens=40),
+            greedy_req(prompt=prompt, max_tokens=40, stream=False, stop=["🎉!"])]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streamed, [whole] = pool.map(disagg.generate, reqs)
+    assert all("\ufffd" not in r.text for r in streamed)
+    assert "".join(r.text for r in streamed) == answer
+    assert tokenizer.decode(token_ids_of(streamed)) == answer + "\ufffd"
+    assert (whole.text, list(whole.token_ids)) == (answer, token_ids_of(streamed))
+    for final in (streamed[-1], whole):
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 40
+
+
 def test_c08_spaces_in_streamed_text(coloc, tokenizer):
     req = greedy_req(chat="Write one sentence about the ocean.", max_tokens=30)
     streamed = coloc.generate(req)
