@@ -69,6 +69,16 @@ inline float fast_exp(float x) {
     return p * scale;
 }
 
+// Threads worth waking for `work` units (multiply-adds, or elements touched): 1 for
+// small work, at most `num_threads`. Waking a team costs more than a small kernel,
+// and far more when the cores are shared with another process (a parallel region
+// waits for its slowest thread to be scheduled). The split never changes a
+// result: every kernel divides independent outputs only.
+inline int threads_for(int64_t work, int num_threads, int64_t grain) {
+    const int64_t n = work / grain;
+    return n < 1 ? 1 : (n < num_threads ? static_cast<int>(n) : num_threads);
+}
+
 // In place: each of the `rows` rows of `x` ([rows, n], float32) becomes its softmax.
 inline void softmax_rows(float* x, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; ++r) {

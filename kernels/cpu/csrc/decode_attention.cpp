@@ -296,7 +296,9 @@ void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, 
                       const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
                       int64_t bs, float scale, int num_threads) {
     const int64_t g_size = hq / hkv;
-#pragma omp parallel num_threads(num_threads)
+    int64_t tokens = 0;
+    for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
+#pragma omp parallel num_threads(threads_for(tokens * hq * d, num_threads, 1 << 16))
     {
         std::vector<float> buf;
 #pragma omp for collapse(2) schedule(dynamic, 1)

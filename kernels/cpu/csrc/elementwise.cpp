@@ -20,7 +20,7 @@ void reshape_and_cache(const T* key, int64_t key_stride, const T* value, int64_t
 template <typename T>
 void rms_norm(T* out, const T* x, const T* residual, T* residual_out, const T* weight,
               int64_t n, int64_t hidden, float eps, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads_for(n * hidden, num_threads, 1 << 15))
     {
         std::vector<float> tmp(static_cast<size_t>(hidden));
 #pragma omp for schedule(static)
@@ -65,7 +65,8 @@ template <typename T>
 void rotary_embedding(const int64_t* positions, T* query, int64_t q_stride, int64_t hq, T* key,
                       int64_t k_stride, int64_t hkv, int64_t d, const float* cos_sin,
                       int64_t n, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(threads_for(n * (hq + hkv) * d, num_threads, 1 << 15)) \
+    schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         const float* cs = cos_sin + positions[t] * d;
         rotate<T>(query + t * q_stride, hq, d, cs);
@@ -75,7 +76,7 @@ void rotary_embedding(const int64_t* positions, T* query, int64_t q_stride, int6
 
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t n, int64_t f, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(threads_for(n * f, num_threads, 1 << 14)) schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         const T* gate = x + t * 2 * f;
         const T* up = gate + f;

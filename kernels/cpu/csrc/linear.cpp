@@ -132,7 +132,8 @@ void linear(T* out, int64_t out_stride, const float* x, int64_t xs, const W* pac
             int64_t m_len, int64_t n_len, int64_t panel_elems, int64_t k_steps,
             int num_threads) {
     const int64_t panels = (n_len + kNR - 1) / kNR;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(m_len * n_len * k_steps, num_threads, 1 << 17))
     for (int64_t p = 0; p < panels; ++p) {
         const W* wp = packed + p * panel_elems;
         const int64_t n0 = p * kNR, cols = std::min(kNR, n_len - n0);
@@ -174,7 +175,7 @@ void tandem_linear_bf16(bf16* out, int64_t out_stride, const bf16* x, int64_t x_
                         const bf16* packed, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t kp = k + (k & 1);
     float* x32 = scratch(static_cast<size_t>(m * kp));
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * k, num_threads, 1 << 15))
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t i = 0; i < k; ++i) x32[r * kp + i] = to_float(x[r * x_stride + i]);
         if (kp != k) x32[r * kp + k] = 0.0f;
