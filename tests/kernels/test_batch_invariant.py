@@ -166,3 +166,32 @@ def test_per_token_attention_is_the_same_chunked_or_decoded(dtype):
     whole = run(0, 40, 0)
     assert torch.equal(run(23, 40, 0), whole[23:])
     assert torch.equal(run(39, 40, 1), whole[39:])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(device="cuda"), "CPU only"),
+    (dict(attention_backend="torch"), "compiled CPU kernels"),
+    (dict(dtype="float16"), "float32 or bfloat16"),
+])
+def test_config_refuses_what_the_mode_cannot_run(kw, match):
+    from tandem.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"batch_invariant: .*{match}"):
+        EngineConfig(batch_invariant=True, **kw)
+
+
+def test_linear_layers_switch_to_the_invariant_kernel():
+    """process_weights_after_loading(batch_invariant=True) packs every layer and
+    keeps no plain copy; the layer then computes what the kernel computes."""
+    from tandem.engine.model.linear import Linear, process_weights_after_loading
+
+    torch.manual_seed(0)
+    layer = Linear(24, [16, 8, 8], params_dtype=torch.float32)
+    w = layer.weight.detach().clone()
+    model = torch.nn.Sequential(layer)
+    process_weights_after_loading(model, batch_invariant=True)
+    assert layer.invariant_weight is not None and not hasattr(layer, "weight")
+    x = torch.randn(5, 24)
+    assert torch.equal(layer(x), invariant_linear(x, pack_invariant_weight(w), 32))
+    process_weights_after_loading(model, batch_invariant=True)        # idempotent
+    assert torch.equal(layer(x), invariant_linear(x, pack_invariant_weight(w), 32))
