@@ -227,7 +227,7 @@ class Cluster:
             except Exception as exc:
                 self.mark_dead(w, exc)
                 return
-            current = self.registry.get(w.worker_id) is w   # not a replaced incarnation
+            current = self._is_current(w)   # not a replaced (or removed) incarnation
             for step in steps:
                 if not current:
                     break
@@ -246,6 +246,12 @@ class Cluster:
             if not current or not w.alive:
                 return
 
+    def _is_current(self, w: WorkerHandle) -> bool:
+        try:
+            return self.registry.get(w.worker_id) is w
+        except KeyError:                 # removed
+            return False
+
     def feed_kv_events(self, worker_id: str, events: Sequence) -> None:
         """KV cache events of ``worker_id`` read from the cluster state (Redis streams)."""
         try:
@@ -258,7 +264,7 @@ class Cluster:
     def mark_dead(self, w: WorkerHandle, exc: BaseException) -> None:
         """A call to worker ``w`` failed because it is gone: mark it dead (its
         requests' queues get a :class:`WorkerLost`)."""
-        if self.registry.get(w.worker_id) is not w or not w.alive:
+        if not self._is_current(w) or not w.alive:
             return
         logger.error("worker %s is gone: %s", w.worker_id, exc)
         self.registry.mark_dead(w.worker_id)
@@ -267,11 +273,7 @@ class Cluster:
         """A future that completes when worker ``w`` (this incarnation) is marked dead,
         replaced or removed; done at once if it already is. Cancel it when done with it."""
         fut = asyncio.get_running_loop().create_future()
-        try:
-            current = self.registry.get(w.worker_id) is w
-        except KeyError:
-            current = False
-        if not current or not w.alive:
+        if not self._is_current(w) or not w.alive:
             fut.set_result(w.worker_id)
         else:
             waiters = self._down_waiters.setdefault(w.worker_id, [])

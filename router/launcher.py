@@ -251,10 +251,7 @@ class RouterServer:
         model_info = {k: first[k] for k in ("model_name", "max_model_len", "block_size", "dtype")}
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
-        for h in self.registry.workers():
-            self.metrics.register_worker(h.worker_id, h.role)
-        self.registry.add_worker_up_listener(
-            lambda h: self.metrics.register_worker(h.worker_id, h.role))
+        self.metrics.follow(self.registry)
         self.cluster = Cluster(self.registry, make_routing_policy(self.config.routing_policy),
                                on_step=self.metrics.worker_step, on_health=self._set_health,
                                reservations=RedisReservations(self.state),

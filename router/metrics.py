@@ -46,9 +46,27 @@ FINISH_REASONS = _finish_reasons()
 PREEMPTION_KINDS = ("swap", "recompute")
 """``kind`` values of ``tandem:num_preemptions``."""
 REQUEST_FIELDS = _request_fields()
-RATE_LIMIT_REASONS = ("rate", "concurrency")
 """``field`` values of ``tandem:invalid_requests``: the top-level fields (and the
 ``input`` oneof) of ``GenerateRequest``, which is what a refusal's field path starts with."""
+RATE_LIMIT_REASONS = ("rate", "concurrency")
+"""``reason`` values of ``tandem:requests_rate_limited``."""
+ABORT_SOURCES = ("grpc_cancel", "http_disconnect", "worker")
+"""``source`` values of ``tandem:request_aborts``: who ended the request early.
+
+- ``grpc_cancel``: the gRPC client cancelled the call, disconnected or let its
+  deadline pass, at any point from the call's arrival (before its request
+  message was read, during admission, prefill, KV transfer or decoding);
+- ``http_disconnect``: the OpenAI HTTP client went away (streaming or not);
+  one count per prompt of a batched completion;
+- ``worker``: a worker's delta ended it as aborted without the router asking.
+  No worker sends one today (a worker that drops a silent router's requests,
+  ``EngineLoop(subscriber_timeout_s)``, no longer talks to that router): the
+  value keeps every ``request_success{finished_reason="abort"}`` counted here too.
+
+There is no Abort RPC: a client aborts by cancelling. The requests of a router
+that died are aborted by the workers and counted nowhere (the router that would
+count them is gone).
+"""
 
 
 @dataclass
@@ -106,9 +124,11 @@ class Metrics:
         self.kv_transfer_failures = Counter("tandem:kv_transfer_failures",
                                             "KV transfers that failed or timed out.",
                                             m + ["worker"], registry=r)
-        self.request_aborts = Counter("tandem:request_aborts",
-                                      "Requests aborted (client cancel or disconnect).", m,
-                                      registry=r)
+        self.request_aborts = Counter(
+            "tandem:request_aborts",
+            "Requests that ended early, aborted, by who ended them (grpc_cancel, "
+            "http_disconnect, worker); each one also counts in "
+            "request_success{finished_reason=\"abort\"}.", m + ["source"], registry=r)
         self.request_migrations = Counter(
             "tandem:request_migrations",
             "Requests moved to another decode worker after theirs failed, by the failed worker.",
@@ -149,10 +169,13 @@ class Metrics:
         self.iteration_tokens = Histogram("tandem:iteration_tokens_total",
                                           "Tokens run per engine step.", w, **tok)
         self._worker_totals: dict[str, dict[str, int]] = {}
+        """Step-stat totals of each worker whose series are exposed (alive)."""
+        self._roles: dict[str, str] = {}
+        """Role of each registered worker, alive or dead (not yet removed)."""
         self._http: ThreadingHTTPServer | None = None
         # labels() creates a child at 0: every model-level series, and each value of
         # the closed label sets, is exposed from the first scrape.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.request_aborts, self.ttft,
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft,
                        self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
                        self.decode_time, self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
@@ -160,6 +183,8 @@ class Metrics:
             self.request_success.labels(model_name, reason)
         for reason in RATE_LIMIT_REASONS:
             self.requests_rate_limited.labels(model_name, reason)
+        for source in ABORT_SOURCES:
+            self.request_aborts.labels(model_name, source)
         for name in REQUEST_FIELDS:
             self.invalid_requests.labels(model_name, name)
 
@@ -169,9 +194,11 @@ class Metrics:
         Gauges (running, waiting, swapped, KV cache usage), preemptions of each kind,
         prefix-cache queries and hits and the iteration-tokens histogram for any
         role; the KV transfer series for a ``prefill`` worker, which is what they
-        are labelled by. Counters keep what they counted before a restart (they
-        must never go down); the worker's own totals start again from zero, so
-        its step stats are counted from there.
+        are labelled by. A worker registered again without going down in between
+        keeps its counters (they must never go down); its own totals start again
+        from zero, so its step stats are counted from there. After
+        :meth:`worker_down` its series start again from zero (a new series, as
+        Prometheus expects of a restarted target).
 
         Args:
             worker_id: e.g. ``decode-0``.
@@ -193,6 +220,59 @@ class Metrics:
         else:
             self.request_migrations.labels(self.model_name, worker_id)
         self._worker_totals[worker_id] = {}
+        self._roles[worker_id] = role
+
+    def follow(self, registry) -> None:
+        """Keep the workers' series in step with ``registry`` (a
+        :class:`~tandem.router.registry.WorkerRegistry`): created at 0 for each
+        worker in it now and each one put in service later (a replacement under the
+        same id included), dropped when one dies, is replaced or is removed."""
+        for h in registry.workers():
+            self.register_worker(h.worker_id, h.role)
+            if not h.alive:
+                self.worker_down(h.worker_id)
+
+        def down(worker_id: str) -> None:
+            try:
+                registry.get(worker_id)        # dead or being replaced: still registered
+            except KeyError:
+                self.worker_down(worker_id, removed=True)
+            else:
+                self.worker_down(worker_id)
+
+        registry.add_worker_up_listener(lambda h: self.register_worker(h.worker_id, h.role))
+        registry.add_worker_down_listener(down)
+
+    def worker_down(self, worker_id: str, removed: bool = False) -> None:
+        """Drop a dead, replaced or removed worker's series from the exposition, so that
+        no gauge keeps its last value (KV usage, running and waiting requests) and
+        no series of a worker that is gone lingers; :meth:`register_worker` creates
+        them again, at 0, for its replacement. Stats that still arrive from the dead
+        incarnation are ignored.
+
+        What counts the worker's failures stays while it is registered (they are
+        counted as it fails, and read by alerts): ``worker_restarts``,
+        ``request_migrations``, ``kv_transfer_failures``. They go too when it is
+        ``removed`` (scale-down). Unknown ids and repeated calls are no-ops.
+        """
+        role = self._roles.get(worker_id)
+        if role is None:
+            return
+        self._worker_totals.pop(worker_id, None)
+        labels = (self.model_name, worker_id, role)
+        for metric in (self.num_requests_running, self.num_requests_waiting,
+                       self.num_requests_swapped, self.kv_cache_usage_perc,
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens):
+            _remove(metric, *labels)
+        for kind in PREEMPTION_KINDS:
+            _remove(self.num_preemptions, *labels, kind)
+        for metric in (self.kv_transfer_bytes, self.kv_transfer_seconds):
+            _remove(metric, self.model_name, worker_id)
+        if removed:
+            del self._roles[worker_id]
+            for metric in (self.worker_restarts, self.request_migrations,
+                           self.kv_transfer_failures):
+                _remove(metric, self.model_name, worker_id)
 
     # -- request hooks (router event loop) -----------------------------------------------------
     def invalid_request(self, field_name: str) -> None:
@@ -204,6 +284,8 @@ class Metrics:
     def kv_transferred(self, trace: RequestTrace, prefill_worker: str, ticket: dict,
                        seconds: float) -> None:
         trace.prefill_worker = prefill_worker
+        if prefill_worker not in self._worker_totals:     # went down meanwhile
+            return
         from tandem.kvtransfer.layout import KVTransferTicket
 
         t = KVTransferTicket.from_dict(ticket)
@@ -212,7 +294,8 @@ class Metrics:
         self.kv_transfer_seconds.labels(self.model_name, prefill_worker).observe(seconds)
 
     def kv_transfer_failed(self, prefill_worker: str) -> None:
-        self.kv_transfer_failures.labels(self.model_name, prefill_worker).inc()
+        if prefill_worker in self._roles:
+            self.kv_transfer_failures.labels(self.model_name, prefill_worker).inc()
 
     def tokens(self, trace: RequestTrace, index: int, n: int) -> None:
         if n <= 0:
@@ -231,25 +314,46 @@ class Metrics:
         self.generation_tokens.labels(self.model_name).inc(n)
 
     def request_migrated(self, worker_id: str) -> None:
-        self.request_migrations.labels(self.model_name, worker_id).inc()
+        if worker_id in self._roles:
+            self.request_migrations.labels(self.model_name, worker_id).inc()
 
     def worker_restarted(self, worker_id: str) -> None:
-        self.worker_restarts.labels(self.model_name, worker_id).inc()
+        if worker_id in self._roles:
+            self.worker_restarts.labels(self.model_name, worker_id).inc()
 
     def request_rate_limited(self, reason: str) -> None:
         self.requests_rate_limited.labels(self.model_name, reason).inc()
 
-    def request_aborted(self) -> None:
-        self.request_aborts.labels(self.model_name).inc()
+    def _aborted(self, source: str) -> None:
+        """The one place ``tandem:request_aborts`` counts: once per aborted request."""
+        if source not in ABORT_SOURCES:
+            raise ValueError(f"source: unknown {source!r}, expected one of {ABORT_SOURCES}")
+        self.request_aborts.labels(self.model_name, source).inc()
 
-    def request_finished(self, trace: RequestTrace, samples, aborted: bool) -> None:
+    def request_cancelled(self, source: str) -> None:
+        """A client went away before its request reached the orchestrator (before
+        its request message was read, or while it was admitted): one aborted
+        request, with no tokens and no latencies."""
+        self._aborted(source)
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def request_finished(self, trace: RequestTrace, samples,
+                         aborted_by: str | None = None) -> None:
+        """A request the orchestrator ran is over (called once per request).
+
+        Args:
+            samples: its sample streams, every one finished (stop, length, abort, error).
+            aborted_by: the :data:`ABORT_SOURCES` value when it ended aborted, else None.
+        """
         now = time.monotonic()
         m = self.model_name
+        if aborted_by is not None:
+            self._aborted(aborted_by)
         self.prompt_tokens.labels(m).inc(trace.num_prompt_tokens)
         self.request_prompt_tokens.labels(m).observe(trace.num_prompt_tokens)
         self.request_generation_tokens.labels(m).observe(trace.num_output_tokens)
         self.e2e.labels(m).observe(now - trace.arrival)
-        reasons = [s.finish_reason or "abort" for s in samples]
+        reasons = [s.finish_reason or "error" for s in samples]
         for reason in reasons:
             self.request_success.labels(m, reason).inc()
         if trace.first_token is not None:
@@ -274,6 +378,9 @@ class Metrics:
     # -- worker stats (router event loop) -------------------------------------------------------
     def worker_step(self, worker, step) -> None:
         s = step.stats
+        last = self._worker_totals.get(s.worker_id)
+        if last is None:         # a dead incarnation's last words: its series are gone
+            return
         labels = (self.model_name, s.worker_id, s.role)
         self.num_requests_running.labels(*labels).set(s.num_running)
         self.num_requests_waiting.labels(*labels).set(s.num_waiting)
@@ -281,7 +388,6 @@ class Metrics:
         self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
         if s.num_step_tokens or step.deltas:
             self.iteration_tokens.labels(*labels).observe(s.num_step_tokens)
-        last = self._worker_totals.setdefault(s.worker_id, {})
         for name, value, counter, extra in (
                 ("preempt_swap", s.num_swap_preemptions, self.num_preemptions, ("swap",)),
                 ("preempt_recompute", s.num_recompute_preemptions, self.num_preemptions,
@@ -334,6 +440,14 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _remove(metric, *labelvalues: str) -> None:
+    """``metric.remove(*labelvalues)``, a no-op when that series does not exist."""
+    try:
+        metric.remove(*labelvalues)
+    except KeyError:
+        pass
 
 
 def _fmt(x: float | None) -> str:

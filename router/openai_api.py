@@ -17,13 +17,16 @@ is the OpenAI field name (``top_p``, ``messages[0].role``). An unknown model is
 ``data: {"error": ...}`` frame, then ``data: [DONE]``. Messages never carry a
 traceback or an internal path.
 
-A client that disconnects (or cancels a stream) cancels the request's
-orchestrator generator, which aborts it on the workers and frees its blocks.
+A client that disconnects (or cancels a stream) closes the request's
+orchestrator generator there and then, which aborts it on the workers, frees its
+blocks and counts it (``tandem:request_aborts{source="http_disconnect"}``, once
+per prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,10 +36,12 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tandem.engine.sampling.sampling_params import InvalidParameterError
-from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
+from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, RequestFailed,
+                                        ServiceUnavailable)
 from tandem.router.validation import InvalidRequestError, RequestValidator, ValidatedRequest
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
@@ -493,25 +498,33 @@ class OpenAIServer:
         except InvalidRequestError as exc:
             raise self._invalid(exc, chat, completion_tokens) from None
 
-    async def _run(self, requests: list[ValidatedRequest], request) -> AsyncIterator[tuple]:
-        """Run ``requests`` concurrently; yields ``(prompt index, SampleEvent)`` as they
-        come. Stops every request when the consumer stops (client gone)."""
+    @contextlib.asynccontextmanager
+    async def _running(self, requests: list[ValidatedRequest]):
+        """Run ``requests`` concurrently: ``async with self._running(rs) as events``,
+        then ``async for i, ev in events`` gives ``(prompt index, SampleEvent)`` as they
+        come. Leaving the block stops the requests still running: each counts as an
+        abort by ``http_disconnect`` when the block is left by a cancel or a close
+        (the client went away), as an error when by an exception (one request
+        failed: the HTTP request fails, with every prompt of it)."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
+        started = [False] * len(requests)
 
         async def one(i: int, v: ValidatedRequest) -> None:
+            started[i] = True
+            events = self.orchestrator.generate(v, "http_disconnect")
             try:
-                async for ev in self.orchestrator.generate(v):
-                    await queue.put((i, ev))
+                async with contextlib.aclosing(events):
+                    async for ev in events:
+                        queue.put_nowait((i, ev))
             except BaseException as exc:            # handed to the consumer
-                await queue.put((i, exc))
+                queue.put_nowait((i, exc))
                 if isinstance(exc, asyncio.CancelledError):
                     raise
             finally:
-                await queue.put((i, done))
+                queue.put_nowait((i, done))
 
-        tasks = [asyncio.ensure_future(one(i, v)) for i, v in enumerate(requests)]
-        try:
+        async def events() -> AsyncIterator[tuple]:
             remaining = len(tasks)
             while remaining:
                 i, item = await queue.get()
@@ -522,10 +535,27 @@ class OpenAIServer:
                         raise item
                 else:
                     yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
+
+        async def stop(message: str | None) -> None:
+            for i, t in enumerate(tasks):
+                if not t.done():
+                    if not started[i] and message is None and self.metrics:
+                        # Cancelled before the orchestrator saw it: counted here.
+                        self.metrics.request_cancelled("http_disconnect")
+                    t.cancel(message)
             await asyncio.gather(*tasks, return_exceptions=True)
+
+        tasks = [asyncio.ensure_future(one(i, v)) for i, v in enumerate(requests)]
+        try:
+            yield events()
+        except (asyncio.CancelledError, GeneratorExit):
+            await stop(None)
+            raise
+        except BaseException:
+            await stop(FAIL_WITH_SIBLINGS)
+            raise
+        else:
+            await stop(FAIL_WITH_SIBLINGS)       # none left running on a normal end
 
     @staticmethod
     def _http_error(exc: BaseException) -> APIError:
@@ -550,9 +580,10 @@ class OpenAIServer:
         finals: dict[tuple[int, int], Any] = {}
 
         async def run() -> None:
-            async for i, ev in self._run(requests, request):
-                if ev.sample.finished:
-                    finals[(i, ev.sample.index)] = ev.sample
+            async with self._running(requests) as events:
+                async for i, ev in events:
+                    if ev.sample.finished:
+                        finals[(i, ev.sample.index)] = ev.sample
 
         task = asyncio.ensure_future(run())
         gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -560,11 +591,9 @@ class OpenAIServer:
             await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not task.done():          # the client left: abort on the workers
+            if not task.done():          # the client left: abort (and count) on the workers
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                if self.metrics:
-                    self.metrics.request_aborted()
                 raise APIError(499, "client disconnected")
         exc = task.exception()
         if exc is not None:
@@ -687,32 +716,34 @@ class OpenAIServer:
                 for j in range(n):
                     yield {**base, "choices": [{"index": i * n + j, "text": text,
                                                 "logprobs": None, "finish_reason": None}]}
-        async for i, ev in self._run(requests, request):
-            s, upd = ev.sample, ev.update
-            idx = i * n + s.index
-            _check_failed(s)
-            if scored_echo and upd.prompt_logprobs is not None:
-                # The prompt's scores come with the sample's first tokens: echo it now.
-                ids = list(requests[i].prompt_token_ids)
-                lps = self._completion_logprobs((upd.prompt_logprobs, ()), 0, ids)
-                offsets[idx] = sum(len(t) for t in lps["tokens"])
-                yield {**base, "choices": [{"index": idx, "text": self._prompt_text(requests[i]),
-                                            "logprobs": lps, "finish_reason": None}]}
-            if not (upd.text or upd.token_ids or s.finished):
-                continue
-            lps = None
-            if body.logprobs is not None:
-                lps = self._completion_logprobs(upd.logprobs, offsets.get(idx, 0))
-                offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
-            choice = {"index": idx, "text": upd.text, "logprobs": lps,
-                      "finish_reason": s.finish_reason if s.finished else None}
-            if s.finished:
-                choice["stop_reason"] = _stop_reason(s)
-                usage.add_sample(s, i)
-            chunk = {**base, "choices": [choice]}
-            if include_usage and continuous:
-                chunk["usage"] = usage.body()
-            yield chunk
+        async with self._running(requests) as events:
+            async for i, ev in events:
+                s, upd = ev.sample, ev.update
+                idx = i * n + s.index
+                _check_failed(s)
+                if scored_echo and upd.prompt_logprobs is not None:
+                    # The prompt's scores come with the sample's first tokens: echo it now.
+                    ids = list(requests[i].prompt_token_ids)
+                    lps = self._completion_logprobs((upd.prompt_logprobs, ()), 0, ids)
+                    offsets[idx] = sum(len(t) for t in lps["tokens"])
+                    yield {**base, "choices": [{"index": idx,
+                                                "text": self._prompt_text(requests[i]),
+                                                "logprobs": lps, "finish_reason": None}]}
+                if not (upd.text or upd.token_ids or s.finished):
+                    continue
+                lps = None
+                if body.logprobs is not None:
+                    lps = self._completion_logprobs(upd.logprobs, offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
+                choice = {"index": idx, "text": upd.text, "logprobs": lps,
+                          "finish_reason": s.finish_reason if s.finished else None}
+                if s.finished:
+                    choice["stop_reason"] = _stop_reason(s)
+                    usage.add_sample(s, i)
+                chunk = {**base, "choices": [choice]}
+                if include_usage and continuous:
+                    chunk["usage"] = usage.body()
+                yield chunk
         if include_usage:
             yield {**base, "choices": [], "usage": usage.body()}
 
@@ -798,41 +829,39 @@ class OpenAIServer:
                                           "logprobs": None, "finish_reason": None}]}
                     for j in range(body.n)]
 
-        async for _, ev in self._run([v], request):
-            s, upd = ev.sample, ev.update
-            _check_failed(s)
-            if not (upd.text or upd.token_ids or s.finished):
-                continue
-            if not role_sent:
-                role_sent = True
-                for chunk in role_chunks():
-                    yield chunk
-            delta = {"content": upd.text} if upd.text or not s.finished else {}
-            choice = {"index": s.index, "delta": delta,
-                      "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
-                      "finish_reason": s.finish_reason if s.finished else None}
-            if s.finished:
-                choice["stop_reason"] = _stop_reason(s)
-                usage.add_sample(s)
-            chunk = {**base, "choices": [choice]}
-            if include_usage and continuous:
-                chunk["usage"] = usage.body()
-            yield chunk
+        async with self._running([v]) as events:
+            async for _, ev in events:
+                s, upd = ev.sample, ev.update
+                _check_failed(s)
+                if not (upd.text or upd.token_ids or s.finished):
+                    continue
+                if not role_sent:
+                    role_sent = True
+                    for chunk in role_chunks():
+                        yield chunk
+                delta = {"content": upd.text} if upd.text or not s.finished else {}
+                choice = {"index": s.index, "delta": delta,
+                          "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
+                          "finish_reason": s.finish_reason if s.finished else None}
+                if s.finished:
+                    choice["stop_reason"] = _stop_reason(s)
+                    usage.add_sample(s)
+                chunk = {**base, "choices": [choice]}
+                if include_usage and continuous:
+                    chunk["usage"] = usage.body()
+                yield chunk
         if include_usage:
             yield {**base, "choices": [], "usage": usage.body()}
 
     # -- server-sent events ----------------------------------------------------------------
     def _sse(self, chunks: AsyncIterator[dict], on_close=None):
-        from fastapi.responses import StreamingResponse
-
+        """Stream ``chunks`` as server-sent events. A client that goes away closes
+        ``chunks`` (which aborts and counts its requests) before the response ends."""
         async def frames():
             try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            except asyncio.CancelledError:        # the client went away
-                if self.metrics:
-                    self.metrics.request_aborted()
-                raise
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as exc:              # after the headers: an error frame
                 yield f"data: {json.dumps(self._http_error(exc).body())}\n\n"
             finally:
@@ -840,8 +869,20 @@ class OpenAIServer:
                     on_close()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(frames(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(frames(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+
+
+class _EventStream(StreamingResponse):
+    """A :class:`StreamingResponse` that closes its body however the response ends.
+    After a disconnect starlette stops reading the body and leaves it to the garbage
+    collector, which would abort its requests late, whenever it runs."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _stop_reason(s) -> int | str | None:

@@ -71,6 +71,11 @@ def _ignore_result(fut: asyncio.Future) -> None:
 MAX_MIGRATIONS = 3
 """Times a request may move to another decode worker after losing its own."""
 
+FAIL_WITH_SIBLINGS = "fail"
+"""``Task.cancel(FAIL_WITH_SIBLINGS)`` of a task running :meth:`Orchestrator.generate`:
+the request ends because another request of the same front-end call failed (a
+batched completion), which counts as an error, not as an abort by the client."""
+
 
 @dataclass(frozen=True)
 class SampleEvent:
@@ -116,14 +121,31 @@ class Orchestrator:
         self._journaled: dict[str, tuple[dict, list[SampleStream]]] = {}
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, v: ValidatedRequest) -> AsyncIterator[SampleEvent]:
+    async def generate(self, v: ValidatedRequest,
+                       abort_source: str = "grpc_cancel") -> AsyncIterator[SampleEvent]:
         """Serve ``v``; yields a :class:`SampleEvent` whenever a sample changes.
+
+        How the request ended is decided here, once, for every exit: it ran to
+        its end (each sample stop, length or error); it raised (its unfinished
+        samples end with ``error``); or its consumer stopped it before then,
+        cancelled or closed (unfinished samples end with ``abort``, counted in
+        ``tandem:request_aborts{source=abort_source}``; a sample the worker
+        aborted on its own counts as ``source="worker"``). A request whose
+        samples all finished is never an abort, however late its consumer
+        stops. Front ends must close this generator when they stop early
+        (``contextlib.aclosing``): left to the garbage collector, the abort
+        would be late on the workers and in the metrics.
 
         If the decode worker dies mid-request, an ``n == 1`` request moves to
         another decode worker (request migration, as in Dynamo): it is added
         there with the tokens it emitted so far (read back from the journal),
         whose KV that worker recomputes, and continues; the client sees no gap
         and no duplicate, and a greedy or seeded stream equals the no-failure run.
+
+        Args:
+            abort_source: what a stop by the consumer means (the front end's
+                client went away): ``grpc_cancel`` or ``http_disconnect``; a
+                cancel with the message :data:`FAIL_WITH_SIBLINGS` means an error.
 
         Raises:
             RequestFailed: the request cannot be served as configured.
@@ -147,6 +169,7 @@ class Orchestrator:
                   "sampling_params": dataclasses.asdict(params)}
         self._journaled[rid] = (record, samples)
         self._journal("begin", rid, cluster.router_id, record)
+        stopped_by: str | None = "error"     # how it ends unless it runs to its end
         try:
             while True:
                 try:
@@ -155,17 +178,31 @@ class Orchestrator:
                     break
                 except _WorkerLost as lost:
                     att = self._migrate(v, rid, att, lost.worker_id, samples)
+            stopped_by = None
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            # The consumer stopped: its client went away (or a sibling failed).
+            failed = isinstance(exc, asyncio.CancelledError) and FAIL_WITH_SIBLINGS in exc.args
+            stopped_by = "error" if failed else abort_source
+            raise
         finally:
             cluster.unregister(rid)
             self._journal("finish", rid)
             self._journaled.pop(rid, None)
             unfinished = [s for s in samples if not s.finished]
+            aborted_by = None
             if unfinished:
-                # Client went away (or we failed): stop it on the workers, in the background
-                # because this task may be cancelled.
+                # Stop it on the workers, in the background because this task may be
+                # cancelled.
                 self._spawn(self._abort(rid, att, unfinished))
+                reason = "error" if stopped_by in (None, "error") else "abort"
+                for s in unfinished:
+                    s.fail(reason)
+                if reason == "abort":
+                    aborted_by = stopped_by
+            elif any(s.finish_reason == "abort" for s in samples):
+                aborted_by = "worker"
             if self.metrics and trace is not None:
-                self.metrics.request_finished(trace, samples, aborted=bool(unfinished))
+                self.metrics.request_finished(trace, samples, aborted_by)
 
     def _pick_prefill(self, v: ValidatedRequest) -> WorkerHandle | None:
         """The prefill worker of a disaggregated ``n == 1`` request; None when the
@@ -281,6 +318,8 @@ class Orchestrator:
         t0 = time.perf_counter()
         call = asyncio.ensure_future(cluster.call(prefill, "prefill", dataclasses.replace(
             req, kv_transfer_params=KVTransferParams(decode.worker_id, ticket, att.number))))
+        # Retrieved however this ends (a client that leaves mid-prefill abandons it).
+        call.add_done_callback(_ignore_result)
         try:
             # The decode worker may die while the prompt is prefilled for it; the prefill
             # worker may die or stall (its KV is useless once the decode side's load
@@ -297,11 +336,9 @@ class Orchestrator:
             if lost.done() and not lost.cancelled():
                 item = lost.result()
                 if isinstance(item, WorkerLost):
-                    call.add_done_callback(_ignore_result)
                     raise _WorkerLost(item.worker_id)
                 queue.put_nowait(item)    # the decode worker's own delta: handled below
             if not call.done():
-                call.add_done_callback(_ignore_result)
                 self._spawn(self._try(prefill, "abort", rid))
                 raise WorkerError(prefill.worker_id, "prefill",
                                   "worker gone" if prefill_down.done() and
@@ -392,8 +429,6 @@ class Orchestrator:
             await att.added
         except Exception:     # never added: nothing to abort
             return
-        if self.metrics:
-            self.metrics.request_aborted()
         if att.prefill is not None and att.prefill.alive:
             await self._try(att.prefill, "abort", rid)
         if not att.decode.alive:

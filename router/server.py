@@ -6,8 +6,11 @@ the request's lifecycle (workers, KV transfer, aborts) is the
 validate (``INVALID_ARGUMENT`` naming the field), run it on the orchestrator,
 and turn its sample events into ``GenerateResponse`` messages (streaming: one per
 change; otherwise one per finished sample). A client that cancels or
-disconnects cancels the orchestrator's generator, which aborts the request on
-the workers.
+disconnects cancels the call's task, which closes the orchestrator's generator
+there and then: it aborts the request on the workers and counts it
+(``tandem:request_aborts{source="grpc_cancel"}``). ``Generate`` is served from
+the call's arrival (see :func:`add_tandem_service`), so a cancel before its
+request was even read counts too.
 
 With API keys configured every call but health and reflection must present
 one (:mod:`tandem.router.grpc_security`: ``UNAUTHENTICATED`` otherwise, before the
@@ -23,6 +26,7 @@ never sent; an unexpected exception is ``INTERNAL``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -157,8 +161,32 @@ class TandemService(pb_grpc.TandemServicer):
                                        block_size=i["block_size"], dtype=i["dtype"],
                                        vocab_size=i["vocab_size"])
 
+    async def generate_call(self, request_iterator, context) -> None:
+        """``Generate`` as the server runs it: from the call's arrival, reading its one
+        request itself (see :func:`add_tandem_service`). A client that cancels
+        before the request was read is counted as an aborted request; like gRPC
+        for a unary request, the call then gets no answer (there is no one to
+        answer). Note that a message the transport refuses (larger than
+        :data:`MAX_MESSAGE_BYTES`; the client gets ``RESOURCE_EXHAUSTED``) looks
+        the same from here and counts the same."""
+        try:
+            request = await context.read()
+        except asyncio.CancelledError:
+            self._cancelled_early()
+            raise
+        if request is grpc.aio.EOF:
+            self._cancelled_early()
+            raise asyncio.CancelledError()
+        await self.Generate(request, context)
+
+    def _cancelled_early(self) -> None:
+        """The client went away before its request reached the orchestrator."""
+        if self.metrics:
+            self.metrics.request_cancelled("grpc_cancel")
+
     async def Generate(self, request, context):
-        """Serve one ``GenerateRequest``; every failure ends the call with a status:
+        """Serve one ``GenerateRequest``, writing its responses to ``context``; every
+        failure ends the call with a status:
 
         - ``INVALID_ARGUMENT``: ``"<field path>: <why>"`` (the router's validation,
           or a worker refusing a field the client sent);
@@ -168,6 +196,7 @@ class TandemService(pb_grpc.TandemServicer):
           traceback is logged, never sent.
         """
         request_id = key_id = None
+        started = False       # the orchestrator has it: it counts how it ends
         try:
             try:
                 v = self.validator.validate(request)
@@ -181,15 +210,24 @@ class TandemService(pb_grpc.TandemServicer):
             num_prompt = len(v.prompt_token_ids)
             slot = uuid.uuid4().hex      # client request ids may repeat; slots must not
             key_id = await self._admit(slot, context)
-            async for ev in self.orchestrator.generate(v):
-                s, upd = ev.sample, ev.update
-                if v.stream:
-                    if upd.text or upd.token_ids or s.finished:
-                        yield to_response(v.request_id, s, upd.text, upd.token_ids,
-                                          upd.logprobs, num_prompt)
-                elif s.finished:
-                    yield to_response(v.request_id, s, "".join(s.pieces), s.token_ids,
-                                      s.logprobs, num_prompt)
+            events = self.orchestrator.generate(v, "grpc_cancel")
+            started = True
+            # Closed here on every exit, a cancel included (never left to the GC).
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    s, upd = ev.sample, ev.update
+                    if v.stream:
+                        if upd.text or upd.token_ids or s.finished:
+                            await context.write(to_response(v.request_id, s, upd.text,
+                                                            upd.token_ids, upd.logprobs,
+                                                            num_prompt))
+                    elif s.finished:
+                        await context.write(to_response(v.request_id, s, "".join(s.pieces),
+                                                        s.token_ids, s.logprobs, num_prompt))
+        except asyncio.CancelledError:
+            if not started:                      # during admission
+                self._cancelled_early()
+            raise
         except grpc.aio.AbortError:
             raise                                # context.abort() above: the call is answered
         except InvalidParameterError as exc:
@@ -225,6 +263,34 @@ class TandemService(pb_grpc.TandemServicer):
                             f"internal error while serving request {request_id}")
 
 
+def add_tandem_service(service: TandemService, server) -> None:
+    """Register ``tandem.v1.Tandem`` on ``server`` as the generated
+    ``add_TandemServicer_to_server`` does, except that ``Generate`` (unary request,
+    streamed responses on the wire, unchanged for clients) gets a stream-stream
+    handler, :meth:`TandemService.generate_call`, that reads the request itself.
+    grpc.aio runs a unary-request handler only once the request has been read and
+    silently drops a call cancelled before that: a client that cancels right
+    after sending would never reach Tandem's code, and never be counted.
+
+    Raises:
+        RuntimeError: the proto has a method this does not register (keep them in step).
+    """
+    name = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            service.generate_call, request_deserializer=pb.GenerateRequest.FromString,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString),
+    }
+    methods = set(pb.DESCRIPTOR.services_by_name["Tandem"].methods_by_name)
+    if methods != set(handlers):
+        raise RuntimeError(f"{name}: methods {sorted(methods)}, handlers {sorted(handlers)}")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 async def start_grpc_server(service: TandemService, host: str, port: int,
                             api_keys: APIKeyStore | None = None, auth_health: bool = False,
                             tls: TLSConfig | None = None):
@@ -255,7 +321,7 @@ async def start_grpc_server(service: TandemService, host: str, port: int,
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_metadata_size", MAX_METADATA_BYTES)],
                              interceptors=interceptors)
-    pb_grpc.add_TandemServicer_to_server(service, server)
+    add_tandem_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Tandem"].full_name,

@@ -118,7 +118,7 @@ class _FailingOrchestrator:
         self.cluster = SimpleNamespace(can_serve=True)
         self.error: BaseException | None = None
 
-    async def generate(self, v):
+    async def generate(self, v, abort_source="grpc_cancel"):
         raise self.error
         yield  # an async generator, as the real one
 

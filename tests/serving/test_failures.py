@@ -103,6 +103,12 @@ def test_health_flips_when_decode_dies_and_returns_when_replaced(fragile):
         time.sleep(0.2)
     assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
     assert http_health() == 503
+    # The router saw it die: its series left /metrics (no gauge keeps its last value),
+    # but for the counters of its failures; the prefill worker's are all there.
+    series = _worker_series(fragile.metrics_text())
+    assert {name for name, _ in series["decode-0"]} == {"tandem:worker_restarts_total",
+                                                        "tandem:request_migrations_total"}
+    assert set(series["prefill-0"]) == set(_fresh_series("prefill-0", "prefill"))
     with pytest.raises(grpc.RpcError) as err:
         fragile.generate(greedy("Hello", 3))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -112,4 +118,39 @@ def test_health_flips_when_decode_dies_and_returns_when_replaced(fragile):
         assert time.monotonic() < deadline, "health did not come back"
         time.sleep(0.2)
     assert http_health() == 200
+    # Its replacement's series are back, from 0.
+    series = _worker_series(fragile.metrics_text())
+    assert set(series["decode-0"]) == set(_fresh_series("decode-0", "decode"))
+    assert all(v == 0 for (name, _), v in series["decode-0"].items()
+               if name in _GAUGES or name.startswith("tandem:num_preemptions")), series
     assert len(_ids(fragile.generate(greedy("Hello", 3)))) == 3
+
+
+_GAUGES = ("tandem:num_requests_running", "tandem:num_requests_waiting",
+           "tandem:num_requests_swapped", "tandem:kv_cache_usage_perc")
+
+
+def _fresh_series(worker_id: str, role: str) -> dict[tuple, float]:
+    """What :func:`_worker_series` gives for a worker that just registered."""
+    from tandem.router.metrics import Metrics
+
+    metrics = Metrics("SmolLM2-135M-Instruct")
+    metrics.register_worker(worker_id, role)
+    return _worker_series(metrics.render().decode())[worker_id]
+
+
+def _worker_series(text: str) -> dict[str, dict[tuple, float]]:
+    """worker id -> {(sample name, role or None): value} of a /metrics scrape (one
+    sample per family and worker: the preemption kinds summed, histograms by count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            wid = smp.labels.get("worker")
+            if wid is None or smp.name.endswith(("_created", "_bucket", "_sum")):
+                continue
+            key = (smp.name, smp.labels.get("role"))
+            per = out.setdefault(wid, {})
+            per[key] = per.get(key, 0.0) + smp.value
+    return out

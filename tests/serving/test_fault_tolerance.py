@@ -128,6 +128,12 @@ def _health(cluster) -> int:
 
 def test_kill_decode_actor_requests_migrate_unchanged(cluster, baseline):
     srv = cluster.server.server
+    # The exposition at the moment the router sees decode-0 go (listeners run in order:
+    # the metrics' own first), before the supervisor replaces it.
+    at_death: list[str] = []
+    srv.registry.add_worker_down_listener(
+        lambda wid: at_death.append(srv.metrics.render().decode())
+        if wid == "decode-0" and not at_death else None)
     streams = [Stream(cluster.server.address, p) for p in PROMPTS]
     _wait(lambda: all(len(s.tokens) >= 4 for s in streams), 120, "every stream to start")
     victim = _handle(cluster, "decode-0")
@@ -143,8 +149,21 @@ def test_kill_decode_actor_requests_migrate_unchanged(cluster, baseline):
     recovery = _back_to_size(cluster, "decode-0", old_gen)
     print(f"\ndecode kill: longest client-visible stall {gap:.2f} s; pool back to size "
           f"in {recovery:.1f} s")
+    text = cluster.metrics_text()
     assert 'tandem:request_migrations_total{model_name="SmolLM2-135M-Instruct",worker="decode-0"}' \
-        in cluster.metrics_text()
+        in text
+    # Dead, its series were gone (its gauges kept no last value) but for its failure
+    # counters; replaced, they are back.
+    dead = [line.split("{")[0] for line in at_death[0].splitlines()
+            if 'worker="decode-0"' in line and not line.startswith("#")]
+    assert dead and set(dead) <= {"tandem:request_migrations_total",
+                                  "tandem:request_migrations_created",
+                                  "tandem:worker_restarts_total",
+                                  "tandem:worker_restarts_created"}, dead
+    assert 'tandem:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct",role="decode",' \
+           'worker="decode-0"}' in text
+    assert 'tandem:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct",role="decode",' \
+           'worker="decode-1"}' in at_death[0]
     _assert_idle(cluster)
     assert _ids(cluster.generate(greedy(PROMPTS[0], N))) == baseline[PROMPTS[0]]
 

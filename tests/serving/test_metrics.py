@@ -48,13 +48,14 @@ def total(m: dict, name: str) -> float:
 def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
     """Every sample but ``_created`` and ``_bucket`` that a cluster with ``workers``
     (id -> role) exposes before its first request: all of them 0."""
-    from tandem.router.metrics import (FINISH_REASONS, PREEMPTION_KINDS, RATE_LIMIT_REASONS,
-                                       REQUEST_FIELDS)
+    from tandem.router.metrics import (ABORT_SOURCES, FINISH_REASONS, PREEMPTION_KINDS,
+                                       RATE_LIMIT_REASONS, REQUEST_FIELDS)
 
     def key(name, **labels):
         return name, tuple(sorted({"model_name": MODEL, **labels}.items()))
 
-    want = [key(f"tandem:{n}_total") for n in ("prompt_tokens", "generation_tokens", "request_aborts")]
+    want = [key(f"tandem:{n}_total") for n in ("prompt_tokens", "generation_tokens")]
+    want += [key("tandem:request_aborts_total", source=s) for s in ABORT_SOURCES]
     want += [key("tandem:request_success_total", finished_reason=r) for r in FINISH_REASONS]
     want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
     want += [key("tandem:requests_rate_limited_total", reason=r) for r in RATE_LIMIT_REASONS]
@@ -103,7 +104,11 @@ def test_register_worker_creates_one_workers_series_at_zero():
     assert got == startup_series({"colocated-0": "colocated"})
 
 
-def test_counters_exact_after_real_requests(fresh, tokenizer):
+def test_counters_exact_after_real_requests(fresh, tokenizer, caplog):
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="tandem.requests")
     prompts = ["Hello there", "The sky is", "One two three"]
     prompt_tokens = 0
     for p in prompts:
@@ -125,6 +130,7 @@ def test_counters_exact_after_real_requests(fresh, tokenizer):
     gen_tokens = 15 + len(base.token_ids) + len(stopped.token_ids)
     # One the client cancels.
     call = fresh.stub.Generate(pb.GenerateRequest(prompt="Tell me a long story", stream=True,
+                                                  request_id="counters-cancelled",
                                                   sampling=pb.SamplingParams(
                                                       max_tokens=2000, ignore_eos=True)))
     cancel_after(call, 1.0)
@@ -133,7 +139,15 @@ def test_counters_exact_after_real_requests(fresh, tokenizer):
         for r in call:
             streamed += len(r.token_ids)
     prompt_tokens += len(tokenizer.encode("Tell me a long story"))
-    gen_tokens += streamed
+    # The router may have sent a token or two the client never read before it cancelled
+    # (in flight): the router's own count of the request's tokens is in its log line.
+    fresh.wait_idle()
+    line = next(r.getMessage() for r in caplog.records if r.name == "tandem.requests"
+                and "id=counters-cancelled " in r.getMessage())
+    sent = int(re.search(r"output_tokens=(\d+)", line).group(1))
+    assert streamed <= sent <= streamed + 3, (streamed, line)
+    assert "finish_reason=abort" in line
+    gen_tokens += sent
     # Two invalid ones.
     for bad in (pb.GenerateRequest(prompt=""), pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=2))):
         with pytest.raises(grpc.RpcError):
@@ -145,7 +159,8 @@ def test_counters_exact_after_real_requests(fresh, tokenizer):
     assert value(m, "tandem:request_success_total", finished_reason="length") == 4   # 3 + the base
     assert value(m, "tandem:request_success_total", finished_reason="stop") == 1
     assert value(m, "tandem:request_success_total", finished_reason="abort") == 1
-    assert value(m, "tandem:request_aborts_total") == 1
+    assert value(m, "tandem:request_aborts_total", source="grpc_cancel") == 1
+    assert total(m, "tandem:request_aborts_total") == 1
     assert value(m, "tandem:invalid_requests_total", field="prompt") == 1
     assert value(m, "tandem:invalid_requests_total", field="sampling") == 1
     assert value(m, "tandem:prompt_tokens_total") == prompt_tokens
@@ -205,3 +220,164 @@ def test_a_restarted_worker_counts_from_zero_again():
     assert value(m, "tandem:num_preemptions_total", kind="swap", **w) == 4
     assert value(m, "tandem:num_preemptions_total", kind="recompute", **w) == 0
     assert value(m, "tandem:prefix_cache_queries_total", **w) == 56
+
+
+def _worker_series(m: dict, worker_id: str) -> dict[tuple, float]:
+    return {k: v for k, v in m.items() if ("worker", worker_id) in k[1]
+            and not k[0].endswith(("_created", "_bucket"))}
+
+
+def test_a_dead_workers_series_go_and_its_replacements_start_at_zero():
+    # The exposition follows the registry: a dead worker's gauges must not keep their
+    # last values; its failure counters stay until it is removed for good.
+    from tandem.engine.runtime.outputs import StepOutput, WorkerStats
+    from tandem.router.metrics import Metrics
+    from tandem.router.registry import InProcessRegistry, WorkerHandle
+
+    registry = InProcessRegistry([WorkerHandle("prefill-0", "prefill", None),
+                                  WorkerHandle("decode-0", "decode", None)])
+    metrics = Metrics(MODEL)
+    metrics.follow(registry)
+    busy = WorkerStats("decode-0", "decode", num_running=3, num_waiting=2, kv_cache_usage=0.75,
+                       num_swap_preemptions=2, prefix_cache_queries=40)
+    metrics.worker_step(None, StepOutput((), busy))
+    metrics.request_migrated("decode-0")
+    metrics.worker_restarted("decode-0")
+    metrics.kv_transfer_failed("prefill-0")
+    d = dict(worker="decode-0", role="decode")
+    assert value(samples(metrics.render().decode()), "tandem:kv_cache_usage_perc", **d) == 0.75
+
+    registry.mark_dead("decode-0")
+    metrics.worker_step(None, StepOutput((), busy))      # the dead incarnation's last words
+    metrics.request_migrated("decode-0")                 # its requests move on
+    m = samples(metrics.render().decode())
+    of_decode = (("model_name", MODEL), ("worker", "decode-0"))
+    fate = {("tandem:request_migrations_total", of_decode): 2.0,
+            ("tandem:worker_restarts_total", of_decode): 1.0}
+    assert _worker_series(m, "decode-0") == fate
+    assert _worker_series(m, "prefill-0") == {                     # untouched
+        **_worker_series(startup_series({"prefill-0": "prefill"}), "prefill-0"),
+        ("tandem:kv_transfer_failures_total", (("model_name", MODEL), ("worker", "prefill-0"))):
+            1.0}
+
+    registry.add(WorkerHandle("decode-0", "decode", None, generation=2))   # the replacement
+    m = samples(metrics.render().decode())
+    assert _worker_series(m, "decode-0") == {
+        **_worker_series(startup_series({"decode-0": "decode"}), "decode-0"), **fate}
+    again = WorkerStats("decode-0", "decode", num_swap_preemptions=1)
+    metrics.worker_step(None, StepOutput((), again))
+    m = samples(metrics.render().decode())
+    assert value(m, "tandem:num_preemptions_total", kind="swap", **d) == 1
+
+    registry.remove("prefill-0")                         # scale-down: every series goes
+    metrics.kv_transfer_failed("prefill-0")
+    m = samples(metrics.render().decode())
+    assert _worker_series(m, "prefill-0") == {}
+    assert _worker_series(m, "decode-0") != {}
+
+
+def test_cancel_storm_counts_every_cancel_exactly_once(fresh):
+    """Streams cancelled at every stage through real gRPC: before the router read the
+    request (a call that sent only its headers), as soon as the router has it (adding
+    it to the decode worker, prefill, KV transfer: before its first token),
+    mid-stream, plus streams that complete and streams the client cancels only after
+    their last token (finished: never an abort). Each cancel counts exactly once,
+    with ``source="grpc_cancel"``, and in ``request_success{finished_reason="abort"}``;
+    no block leaks."""
+    import threading
+
+    srv = fresh.server.server
+    grpc.channel_ready_future(fresh.channel).result(timeout=30)
+    fresh.wait_idle()
+    before = samples(fresh.metrics_text())
+
+    def req(prompt: str, n: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
+            max_tokens=n, temperature=0, ignore_eos=True))
+
+    def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.002)
+
+    # 1. Calls whose request message never comes: the router only saw their headers.
+    raw = fresh.channel.stream_stream("/tandem.v1.Tandem/Generate",
+                                      request_serializer=pb.GenerateRequest.SerializeToString,
+                                      response_deserializer=pb.GenerateResponse.FromString)
+    release = threading.Event()
+
+    def nothing():
+        release.wait(60)
+        return
+        yield
+
+    unread = [raw(nothing()) for _ in range(3)]
+    # 2. Cancelled as soon as the router has them, one at a time (a long prompt for some).
+    long_prompt = " ".join(f"w{i}" for i in range(200))
+    for i in range(4):
+        call = fresh.stub.Generate(req(long_prompt if i % 2 else f"Story {i}:", 500))
+        wait_for(lambda: srv.cluster.num_active == 1, "the router to take the request")
+        call.cancel()
+        wait_for(lambda: srv.cluster.num_active == 0, "the router to drop the request")
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    # 3. Mid-stream (after 1, 2 or 3 tokens), alongside streams that complete and
+    # streams cancelled right after their last token.
+    def stream(prompt: str, n: int, cancel_after_tokens: int | None) -> str:
+        call = fresh.stub.Generate(req(prompt, n))
+        got = 0
+        try:
+            for r in call:
+                got += len(r.token_ids)
+                if cancel_after_tokens is not None and got >= cancel_after_tokens:
+                    call.cancel()
+                if r.finish_reason and cancel_after_tokens is None:
+                    call.cancel()                            # finished: too late to abort
+        except grpc.RpcError as exc:
+            return "cancelled" if exc.code() == grpc.StatusCode.CANCELLED else str(exc.code())
+        return "ok"
+
+    plan = [(f"Count to ten, take {i}:", 500, 1 + i % 3) for i in range(6)]
+    plan += [("Hello there", 4, 10**6), ("The sky is", 4, 10**6)]      # complete
+    plan += [("One two three", 3, None), ("A B C", 3, None)]          # cancelled once finished
+    results: list = [None] * len(plan)
+
+    def run(i: int) -> None:
+        results[i] = stream(*plan[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(plan))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results[:6] == ["cancelled"] * 6 and results[6:8] == ["ok"] * 2, results
+    # The completed streams went over the same connection after the header-only calls:
+    # the router has seen those; now their clients give up.
+    for call in unread:
+        call.cancel()
+    release.set()
+
+    cancelled = 3 + 4 + 6
+    counts = fresh.wait_idle()
+    for wid, c in counts.items():
+        assert c["num_free_blocks"] == c["num_blocks"] and c.get("num_reserved", 0) == 0, (wid, c)
+    assert srv.cluster.num_active == 0
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    deadline = time.monotonic() + 10
+    while True:
+        after = samples(fresh.metrics_text())
+        if delta("tandem:request_aborts_total", source="grpc_cancel") >= cancelled \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert delta("tandem:request_aborts_total", source="grpc_cancel") == cancelled
+    assert total(after, "tandem:request_aborts_total") \
+        - total(before, "tandem:request_aborts_total") == cancelled
+    assert delta("tandem:request_success_total", finished_reason="abort") == cancelled
+    assert delta("tandem:request_success_total", finished_reason="length") == 4
+    assert delta("tandem:request_success_total", finished_reason="error") == 0
+    # Every request the router read ended once (the header-only calls were never requests).
+    assert delta("tandem:e2e_request_latency_seconds_count") == cancelled - 3 + 4

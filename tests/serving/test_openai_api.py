@@ -304,10 +304,27 @@ def test_malformed_body_is_400(base_url):
 
 # -- disconnects -----------------------------------------------------------------------------
 
+def _aborts(cluster) -> dict[str, float]:
+    """``tandem:request_aborts_total`` by source, and ``request_success`` of ``abort``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(cluster.metrics_text()):
+        for smp in fam.samples:
+            if smp.name == "tandem:request_aborts_total":
+                out[smp.labels["source"]] = smp.value
+            elif smp.name == "tandem:request_success_total" and \
+                    smp.labels["finished_reason"] == "abort":
+                out["success_abort"] = smp.value
+    return out
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_and_frees_blocks(cluster, base_url, stream):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0.0,
-            "ignore_eos": True, "stream": stream}
+    # Non-streaming: two prompts, two requests, two aborts.
+    body = {"model": MODEL, "prompt": PROMPT if stream else [PROMPT, "Once upon a time"],
+            "max_tokens": 2000, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    before = _aborts(cluster)
     if stream:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -327,6 +344,10 @@ def test_client_disconnect_aborts_and_frees_blocks(cluster, base_url, stream):
         assert c["num_running"] == c["num_waiting"] == 0, (wid, c)
         assert c["num_free_blocks"] == c["num_blocks"], (wid, c)
     assert time.monotonic() - t0 < 30
+    after = _aborts(cluster)       # counted before the workers were told to stop
+    n = 1 if stream else 2
+    assert {k: after[k] - before[k] for k in after} == {
+        "http_disconnect": n, "grpc_cancel": 0, "worker": 0, "success_abort": n}
 
 
 # -- rate limits -----------------------------------------------------------------------------
