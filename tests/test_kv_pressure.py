@@ -50,25 +50,29 @@ class StepChecker:
 # -- C02's kind: a pool where about 4 sequences fit -----------------------------------------
 
 NUM_REQUESTS = 12
-MAX_TOKENS = 96
-SEQ_BLOCKS = -(-(210 + MAX_TOKENS) // BS)      # the longest sequence: 20 blocks
+MAX_TOKENS = 40
+SEQ_BLOCKS = -(-(80 + MAX_TOKENS) // BS)       # the longest sequence: 8 blocks
 POOL_BLOCKS = 4 * SEQ_BLOCKS
 
 
 @pytest.fixture(scope="module")
 def stress_workload():
-    """12 requests, prompts of 190-210 tokens, 96 tokens each, EOS ignored; even
-    indices greedy, odd ones sampled at temperature 0.8 with their own seed; a pool
-    of 80 blocks, 4 of the longest sequences.
+    """12 requests, prompts of 60-80 tokens (4-5 blocks), 40 tokens each, EOS
+    ignored; even indices greedy, odd ones sampled at temperature 0.8 with their
+    own seed; a pool of 32 blocks, 4 of the longest sequences (8 blocks).
 
-    Field case C02 asks for 32 requests x 512 tokens. On the 2-core CPU these
-    tests run on, a step with 4-5 sequences takes ~0.09 s, so that is ~3,600 steps
-    (~6 minutes) per policy. 12 x 96 takes 288 steps (~25 s per policy) and still
-    grows every sequence by 6 blocks after admission, so the pool overflows in
-    every wave: 5 preemptions, with two requests swapped out at once.
+    Field case C02 asks for 32 requests x 512 tokens of ~200-token prompts. On the
+    2-core CPU these tests run on, a step with 4-5 sequences takes ~0.09 s, so that
+    is ~3,600 steps (~6 minutes) per policy. This is the same shape at about 0.4x
+    the length: 12 x 40 takes 120 steps per policy (the unconstrained baseline 40)
+    and still grows every sequence by 2-3 blocks after admission, half its prompt
+    again, so the pool overflows in every wave of admissions (requests 0-5 are
+    admitted together, then 4-9, then 9-11, and each wave preempts): 5
+    preemptions in every mode (auto: 4 swaps, 1 recompute), with two requests
+    swapped out at once under swap.
     """
     rng = random.Random(2024)
-    prompts = [random_prompt(rng, rng.randint(190, 210)) for _ in range(NUM_REQUESTS)]
+    prompts = [random_prompt(rng, rng.randint(60, 80)) for _ in range(NUM_REQUESTS)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
               if i % 2 == 0 else
               SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=i)
@@ -90,7 +94,7 @@ def stress_baseline(base_llm, stress_workload):
     ("recompute", 0, 0, 5),
     # Room for one request: the cost model prefers swapping these unshared
     # prompts, and falls back to recompute while another request is swapped out.
-    ("auto", SEQ_BLOCKS, 3, 2),
+    ("auto", SEQ_BLOCKS, 4, 1),
 ])
 def test_outputs_unchanged_under_preemption(base_llm, stress_workload, stress_baseline, mode,
                                             num_host_blocks, num_swaps, num_recomputes):
@@ -132,10 +136,16 @@ def _chain_hashes(token_ids: list[int], num_computed: int) -> list[int]:
 def test_c01_shared_prefix_abort_and_retry(base_llm):
     """Field case C01: a 128-token shared prefix + 8 distinct suffixes sent
     together, greedy; after 3 steps two requests are aborted and sent again at
-    once, and 4 more requests with the same prefix follow; 15 rounds. In the
-    first round one of the aborted requests is in the middle of its chunked
+    once, and 4 more requests with the same prefix follow; 3 rounds of 19 steps.
+    In the first round one of the aborted requests is in the middle of its chunked
     prefill, with a partly written block (the step budget, 100 tokens, is not a
     multiple of the block size); later rounds find whole prompts cached.
+
+    The field report repeats 15 times because a live server's cancel lands at a
+    different moment each time. Here scheduling is deterministic: every warm
+    round (all but the first) runs the same schedule step for step (the same
+    victims, both decoding, the same cache hits, the same idle counts), so a cold
+    round and two warm ones cover what 15 did, a warm round after a warm one too.
 
     The prefix cache must hold exactly the full, computed blocks of every request
     so far (so a block an aborted request only partly wrote is never findable),
@@ -179,7 +189,7 @@ def test_c01_shared_prefix_abort_and_retry(base_llm):
 
     idle = None
     num_partial_aborts = 0
-    for rnd in range(15):
+    for rnd in range(3):
         for i in range(8):
             add(i, f"{rnd}-{i}")
         for _ in range(3):
@@ -232,26 +242,52 @@ def test_c01_shared_prefix_abort_and_retry(base_llm):
 
 # -- n > 1 and priorities under pressure ---------------------------------------------------
 
+class ForkSwapChecker(StepChecker):
+    """Also records the forks (n > 1 samples after the first) seen swapped out while
+    blocks of theirs are still in use on the device: a swap-in finds those by hash
+    instead of copying them back."""
+
+    def __init__(self, max_steps: int):
+        super().__init__(max_steps)
+        self.swapped_sharing: set[str] = set()
+
+    def __call__(self, engine) -> None:
+        super().__call__(engine)
+        kv = engine.kv_cache_manager
+        for req in engine.scheduler.swapped:
+            rid = req.request_id
+            if req.parent_id is not None and \
+                    kv.num_blocks_to_swap_in(rid) < len(kv.get_host_block_ids(rid)):
+                self.swapped_sharing.add(rid)
+
+
 def test_forks_sharing_prompt_blocks_swap_and_keep_outputs(base_llm):
-    """n = 3 seeded samples of one prompt share its full blocks; with three other
-    requests in a pool too small for all, forks are swapped out and back in (the
-    shared blocks found again by hash), and every sample matches the unconstrained run."""
+    """n = 3 seeded samples of one 100-token prompt share its 6 full blocks; with
+    three 40-token requests all 6 sequences start in a pool of 19 blocks (18
+    taken), and as they grow (24 tokens each, 24 blocks in all) the forked
+    request's three are swapped out: first both forks, while their parent still
+    holds the shared blocks, then the parent. They come back when the others
+    finish, the parent first; each fork then finds its 6 shared blocks by hash and
+    copies back only its own. Every sample matches the unconstrained run. 24 steps
+    unconstrained, 39 with the swaps."""
     rng = random.Random(5)
     # The forked prompt comes last: the latest arrivals are the first victims.
-    prompts = [random_prompt(rng, 90) for _ in range(3)] + [random_prompt(rng, 100)]
-    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 3 + \
-             [SamplingParams(n=3, max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)]
+    prompts = [random_prompt(rng, 40) for _ in range(3)] + [random_prompt(rng, 100)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3 + \
+             [SamplingParams(n=3, max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)]
     ref = [[c.token_ids for c in o.outputs] for o in base_llm.generate(prompts, params)]
-    llm = LLM(dtype="float32", num_blocks=24, preemption_mode="swap", num_host_blocks=64,
+    llm = LLM(dtype="float32", num_blocks=19, preemption_mode="swap", num_host_blocks=64,
               weights_from=base_llm)
-    checker = StepChecker(max_steps=6 * 40)
-    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params,
-                                                                  step_callback=checker)]
+    checker = ForkSwapChecker(max_steps=6 * 24)
+    outs = llm.generate(prompts, params, step_callback=checker)
+    got = [[c.token_ids for c in o.outputs] for o in outs]
     assert got == ref
     assert len({tuple(t) for t in got[3]}) == 3            # the samples really differ
+    forked = outs[3].request_id
+    assert checker.swapped_sharing == {f"{forked}#1", f"{forked}#2"}
     stats = llm.engine.stats()
-    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions == 0
-    assert stats.num_free_blocks == 24 and stats.num_free_host_blocks == 64
+    assert stats.num_swap_preemptions == 3 and stats.num_recompute_preemptions == 0
+    assert stats.num_free_blocks == 19 and stats.num_free_host_blocks == 64
 
 
 def test_high_priority_arrival_preempts_low_priority_requests(base_llm):
