@@ -53,6 +53,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -387,13 +388,6 @@ async def model_info(endpoint: str, timeout_s: float = 30.0):
 # --------------------------------------------------------------------------- launcher
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...,
     starttime at index 19); None for a process that is gone or a zombie, which
@@ -443,9 +437,11 @@ class ServerProcess:
                  ready_timeout_s: float = 180.0, grace_s: float = 20.0, term_s: float = 10.0):
         self.mode, self.log_path, self.ready_timeout_s = mode, log_path, ready_timeout_s
         self.grace_s, self.term_s = grace_s, term_s
-        self.port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.cmd = [tandem_bin, "serve", "--mode", mode, "--host", "127.0.0.1", "--port", str(self.port),
+        # Port 0: the server binds a free port itself and prints it in its banner. A
+        # port picked here and passed on could be taken meanwhile by one of the Ray
+        # processes the server starts first (they bind ports of their own).
+        self.endpoint: str | None = None
+        self.cmd = [tandem_bin, "serve", "--mode", mode, "--host", "127.0.0.1", "--port", "0",
                     "--num-prefill", "1", "--num-decode", "1", "--dtype", dtype, "--http-port", "-1",
                     *(["--cpu-affinity"] if cpu_affinity else []), *serve_args]
         self.proc: subprocess.Popen | None = None
@@ -473,6 +469,19 @@ class ServerProcess:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + self.ready_timeout_s
+        while self.endpoint is None:
+            found = re.search(rb"tandem: serving (?:\w+ )?on (\S+:\d+)[ (]", self.log_path.read_bytes()
+                              if self.log_path.exists() else b"")
+            if found:
+                self.endpoint = found.group(1).decode()
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode} before serving; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"tandem serve printed no address after {self.ready_timeout_s:.0f} s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            else:
+                time.sleep(0.5)
         with grpc.insecure_channel(self.endpoint) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
