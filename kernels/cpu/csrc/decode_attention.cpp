@@ -198,23 +198,49 @@ inline __m256 load8(const bf16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// Sum of the 8 lanes, always in the same order: (0+4, 1+5, 2+6, 3+7), then pairs.
-inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
 constexpr int kMaxGroup2 = 8;    // query heads per KV head handled in registers
 constexpr int kMaxChunks2 = 32;  // head_dim / 8 (head_dim <= 256)
 
+// r[j] = the sum of the 8 lanes of v[j], for 8 vectors at once: a fixed hadd tree,
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) per vector. The sum for v[j]
+// involves v[j] alone, so a zero vector in another slot changes nothing.
+inline __m256 hsum8x8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), e = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+// The value pass for CW chunks (8 floats each) of the head dim starting at chunk
+// c0: G x CW float32 accumulators in registers, tokens summed in order.
+template <typename T, int CW>
+void values_avx2(float* acc, const T* vc, const int32_t* table, int64_t len, int64_t h,
+                 int64_t g_size, int64_t row, int64_t d, int64_t bs, const float* p,
+                 int64_t c0) {
+    __m256 a[kMaxGroup2][CW];
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int c = 0; c < CW; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d + 8 * c0;
+        __m256 v[CW];
+        for (int c = 0; c < CW; ++c) v[c] = load8(vp + 8 * c);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const __m256 pg = _mm256_set1_ps(p[g * len + t]);
+            for (int c = 0; c < CW; ++c) a[g][c] = _mm256_fmadd_ps(pg, v[c], a[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + g * d + 8 * (c0 + c), a[g][c]);
+}
+
 // decode_one for AVX2 + FMA (head_dim % 8 == 0): the G scaled query rows as
-// float32 in a small buffer, each K row read once and scored against all G rows
-// (an FMA chain over the D / 8 chunks, then a fixed-order lane sum), an exact
-// float32 softmax, and the values summed token by token into float32
-// accumulators. Every step is the same for any batch: the result for one
-// (sequence, head) depends only on its query, its cached K/V and `len`.
+// float32 in a small buffer; scores 8 tokens at a time (per token and head an FMA
+// chain over the D / 8 chunks, then one hadd tree for the 8 tokens); an exact
+// float32 softmax; the values summed token by token into float32 accumulators
+// held in registers, a few chunks of the head dim per pass. Every step is the same
+// for any batch: the result for one (sequence, head) depends only on its query,
+// its cached K/V and `len` (a partial group of 8 tokens is padded with zero
+// vectors, which the tree keeps apart).
 template <typename T>
 void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
                      int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
@@ -225,28 +251,41 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
         for (int64_t c = 0; c < chunks; ++c)
             _mm256_storeu_ps(qf + (g * chunks + c) * 8,
                              _mm256_mul_ps(load8(q + (h * g_size + g) * d + 8 * c), _mm256_set1_ps(scale)));
-    for (int64_t t = 0; t < len; ++t) {
-        const T* kp = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
-        __m256 kv[kMaxChunks2];
-        for (int64_t c = 0; c < chunks; ++c) kv[c] = load8(kp + 8 * c);
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, len - t0);
+        const T* kp[8];
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = t0 + i;
+            kp[i] = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        }
         for (int64_t g = 0; g < g_size; ++g) {
             const float* qg = qf + g * chunks * 8;
-            __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), kv[0]);
-            for (int64_t c = 1; c < chunks; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kv[c], s);
-            scores[g * len + t] = hsum8(s);
+            __m256 s[8];
+            for (int64_t i = 0; i < 8; ++i) {
+                if (i >= n) { s[i] = _mm256_setzero_ps(); continue; }
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(kp[i]));
+                for (int64_t c = 1; c < chunks; ++c)
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(kp[i] + 8 * c), x);
+                s[i] = x;
+            }
+            alignas(32) float r[8];
+            _mm256_store_ps(r, hsum8x8(s));
+            for (int64_t i = 0; i < n; ++i) scores[g * len + t0 + i] = r[i];
         }
     }
     softmax_rows(scores, g_size, len);
-    for (int64_t i = 0; i < g_size * d; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-    for (int64_t t = 0; t < len; ++t) {
-        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
-        for (int64_t c = 0; c < chunks; ++c) {
-            const __m256 v = load8(vp + 8 * c);
-            for (int64_t g = 0; g < g_size; ++g) {
-                float* a = acc + g * d + 8 * c;
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + t]), v,
-                                                    _mm256_loadu_ps(a)));
-            }
+    const int cw = g_size <= 3 ? 4 : (g_size <= 6 ? 2 : 1);
+    for (int64_t c0 = 0; c0 < chunks;) {
+        const int64_t left = chunks - c0;
+        if (cw >= 4 && left >= 4) {
+            values_avx2<T, 4>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            c0 += 4;
+        } else if (cw >= 2 && left >= 2) {
+            values_avx2<T, 2>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            c0 += 2;
+        } else {
+            values_avx2<T, 1>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            c0 += 1;
         }
     }
     for (int64_t g = 0; g < g_size; ++g) {
