@@ -137,8 +137,6 @@ def invariant_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features:
     Raises:
         ValueError: dtype, device or shape mismatch.
     """
-    from tandem.kernels.cpu.build import load_library
-
     if x.dim() != 2 or x.device.type != "cpu" or x.dtype != packed_weight.dtype:
         raise ValueError(f"x: expected a 2-D CPU tensor of {packed_weight.dtype}, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
@@ -156,8 +154,15 @@ def invariant_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features:
         raise ValueError(f"out: expected [{t}, {out_features}] {x.dtype} with a contiguous "
                          f"last dim, got {tuple(out.shape)} {out.dtype}")
     if t:
-        suffix = "f32" if x.dtype == torch.float32 else "bf16"
-        getattr(load_library(), f"tandem_linear_{suffix}")(
-            out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
-            packed_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
+        _linear_fn(x.dtype)(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                            packed_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
     return out
+
+
+@functools.cache
+def _linear_fn(dtype: torch.dtype):
+    """The compiled kernel for ``dtype``, looked up once (every layer of every step calls it)."""
+    from tandem.kernels.cpu.build import load_library
+
+    return getattr(load_library(), "tandem_linear_f32" if dtype == torch.float32
+                   else "tandem_linear_bf16")

@@ -18,11 +18,10 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from tandem.v1 import tandem_pb2 as pb
 
 from .conftest import Client, start_server
+from .test_metrics import samples
 
 MAX_TOKENS = 16
 PREAMBLE = ("You are a careful assistant. Answer in one short paragraph, and keep to the "
@@ -98,12 +97,9 @@ def _burst(client: Client, order: list[int]) -> dict[int, list[int]]:
 
 
 def _metric(client: Client, name: str, **labels) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(client.metrics_text()):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    """``name`` summed over its series that carry ``labels``."""
+    return sum(v for (n, series), v in samples(client.metrics_text()).items()
+               if n == name and set(labels.items()) <= set(series))
 
 
 def test_outputs_equal_across_orders_preemption_caching_chunking(cluster, reference):
