@@ -388,6 +388,15 @@ async def model_info(endpoint: str, timeout_s: float = 30.0):
 # --------------------------------------------------------------------------- launcher
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it). For ports
+    only the caller's own process binds next (metrics, HTTP); a ``tandem serve`` gRPC
+    port is better left to the server (``--port 0``), see ServerProcess."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...,
     starttime at index 19); None for a process that is gone or a zombie, which
