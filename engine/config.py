@@ -237,6 +237,54 @@ class SchedulerConfig:
             raise ValueError("recompute_tokens_per_s and swap_bytes_per_s: must be > 0")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts ``num_speculative_tokens`` tokens per
+    running request and the target verifies them in its next decode step, with
+    exact rejection sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023), so
+    outputs keep the target's distribution (greedy: the target's exact tokens).
+    See :mod:`tandem.engine.spec_decode`.
+
+    Attributes:
+        method: a key of :data:`tandem.engine.spec_decode.PROPOSERS`: ``ngram``
+            (prompt lookup: the tokens that followed the longest earlier match of
+            the sequence's suffix, in prompt + output) or ``draft_model`` (a smaller
+            model with the same tokenizer, run autoregressively on the same worker).
+        num_speculative_tokens: draft tokens per request and step (``k``), >= 1.
+        prompt_lookup_min, prompt_lookup_max: ``ngram``: the suffix lengths
+            (tokens) tried, longest first.
+        draft_model: ``draft_model``: a .gguf file or checkpoint directory; None
+            means the target's own model (self-drafting, which accepts every
+            draft: a check, and the upper bound of acceptance).
+        draft_num_blocks: KV blocks of the draft model's own paged cache (None:
+            as many as the target's); a request whose draft KV does not fit gets no
+            draft in that step.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_model: str | None = None
+    draft_num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: unknown {self.method!r}, "
+                             f"expected one of {', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens: must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min, prompt_lookup_max: need 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.draft_num_blocks is not None and self.draft_num_blocks < 1:
+            raise ValueError(f"draft_num_blocks: must be >= 1, got {self.draft_num_blocks}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; built once at the edge (CLI, gRPC, tests).
@@ -261,6 +309,8 @@ class EngineConfig:
             fixed-order pass over its cached context. A request's tokens then do not
             depend on batch composition, chunking, prefix-cache hits or preemption
             (see docs/batch_invariance.md).
+        speculative: speculative decoding (:class:`SpeculativeConfig`); None: off.
+            Only decode steps speculate: a prefill worker ignores it.
     """
 
     model: str | None = None
@@ -271,6 +321,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.text.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.scheduling.request import Request, RequestStatus
@@ -33,7 +33,14 @@ class LLM:
             building its engine; None leaves them as they are.
         batch_invariant: see :class:`EngineConfig` (outputs independent of batch
             composition; CPU).
+        speculative_config: speculative decoding, a
+            :class:`~tandem.engine.config.SpeculativeConfig` or a dict of its fields
+            (vLLM style: ``{"method": "ngram", "num_speculative_tokens": 4}``);
+            None: off.
         weights_from: an existing ``LLM`` whose loaded weights to share.
+
+    Raises:
+        ValueError: a bad configuration field (named in the message).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "bfloat16", device: str = "cpu",
@@ -44,11 +51,14 @@ class LLM:
                  max_model_len: int | None = None, num_threads: int | None = None,
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
+                 speculative_config: "SpeculativeConfig | dict | None" = None,
                  weights_from: "LLM | None" = None):
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             max_model_len=max_model_len, num_threads=num_threads,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, speculative=speculative_config,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,

@@ -35,6 +35,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: compute every token the same way whatever else is batched, so "
                         "seeded and greedy outputs do not depend on batch composition, "
                         "chunking, prefix caching or preemption (see docs/batch_invariance.md)")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
+                   help="speculative decoding on decode workers: ngram (prompt lookup) or "
+                        "draft_model (see docs/speculative_decoding.md); default off")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per request and step (with --speculative-method)")
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="draft_model: a .gguf file or checkpoint dir with the target's "
+                        "tokenizer (default: the target model itself)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2,
+                   help="ngram: shortest suffix (tokens) to look up")
+    p.add_argument("--prompt-lookup-max", type=int, default=5,
+                   help="ngram: longest suffix (tokens) to look up")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,12 +66,18 @@ def _sampling_params(args):
 
 
 def _engine_config(args):
-    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
+    speculative = None
+    if args.speculative_method is not None:
+        speculative = SpeculativeConfig(
+            method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+            draft_model=args.speculative_draft_model)
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, quantization=args.quantization,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, speculative=speculative,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -322,7 +340,8 @@ def _cmd_generate(args) -> int:
               enable_prefix_caching=not args.no_prefix_caching,
               enable_chunked_prefill=not args.no_chunked_prefill, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, batch_invariant=args.batch_invariant)
+              attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,
+              speculative_config=_engine_config(args).speculative)
     params = _sampling_params(args)
     t0 = time.perf_counter()
     if args.chat:

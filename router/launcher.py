@@ -389,6 +389,8 @@ class TandemServer(RouterServer):
         pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
         cpus = (pre_cpus if role == "prefill" else dec_cpus)[int(index)]
         engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
+        if role == "prefill":       # only decode steps speculate: no draft model to load there
+            engine = dataclasses.replace(engine, speculative=None)
         engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
         self._spawned += 1
         name = f"{cfg.namespace}:{worker_id}:{self._spawned}"

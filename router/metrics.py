@@ -118,6 +118,19 @@ class Metrics:
                                             "Tokens looked up in the prefix cache.", w, registry=r)
         self.prefix_cache_hits = Counter("tandem:prefix_cache_hits",
                                          "Tokens found in the prefix cache.", w, registry=r)
+        self.spec_decode_num_drafts = Counter(
+            "tandem:spec_decode_num_drafts",
+            "Speculative decoding: verification steps of requests that had drafts.", w, registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "tandem:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+            w, registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "tandem:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.", w, registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0: first).",
+            w + ["position"], registry=r)
         self.kv_transfer_bytes = Counter("tandem:kv_transfer_bytes",
                                          "KV bytes moved from prefill to decode workers.",
                                          m + ["worker"], registry=r)
@@ -210,7 +223,8 @@ class Metrics:
             gauge.labels(*labels).set(0)
         for kind in PREEMPTION_KINDS:
             self.num_preemptions.labels(*labels, kind)
-        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens):
+        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
+                       *(self._spec_counters if role != "prefill" else ())):
             metric.labels(*labels)
         self.worker_restarts.labels(self.model_name, worker_id)
         if role == "prefill":
@@ -221,6 +235,11 @@ class Metrics:
             self.request_migrations.labels(self.model_name, worker_id)
         self._worker_totals[worker_id] = {}
         self._roles[worker_id] = role
+
+    @property
+    def _spec_counters(self) -> tuple:
+        return (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                self.spec_decode_num_accepted_tokens)
 
     def follow(self, registry) -> None:
         """Keep the workers' series in step with ``registry`` (a
@@ -258,12 +277,15 @@ class Metrics:
         role = self._roles.get(worker_id)
         if role is None:
             return
-        self._worker_totals.pop(worker_id, None)
+        totals = self._worker_totals.pop(worker_id, None) or {}
         labels = (self.model_name, worker_id, role)
         for metric in (self.num_requests_running, self.num_requests_waiting,
                        self.num_requests_swapped, self.kv_cache_usage_perc,
-                       self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens):
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
+                       *self._spec_counters):
             _remove(metric, *labels)
+        for pos in range(len(totals.get("spec_per_pos", ()))):
+            _remove(self.spec_decode_num_accepted_tokens_per_pos, *labels, str(pos))
         for kind in PREEMPTION_KINDS:
             _remove(self.num_preemptions, *labels, kind)
         for metric in (self.kv_transfer_bytes, self.kv_transfer_seconds):
@@ -393,11 +415,25 @@ class Metrics:
                 ("preempt_recompute", s.num_recompute_preemptions, self.num_preemptions,
                  ("recompute",)),
                 ("queries", s.prefix_cache_queries, self.prefix_cache_queries, ()),
-                ("hits", s.prefix_cache_hits, self.prefix_cache_hits, ())):
+                ("hits", s.prefix_cache_hits, self.prefix_cache_hits, ()),
+                ("spec_drafts", s.spec_decode_num_drafts, self.spec_decode_num_drafts, ()),
+                ("spec_draft_tokens", s.spec_decode_num_draft_tokens,
+                 self.spec_decode_num_draft_tokens, ()),
+                ("spec_accepted", s.spec_decode_num_accepted_tokens,
+                 self.spec_decode_num_accepted_tokens, ())):
             diff = value - last.get(name, 0)
             if diff > 0:
                 counter.labels(*labels, *extra).inc(diff)
             last[name] = value
+        per_pos = s.spec_decode_num_accepted_tokens_per_pos
+        if per_pos:
+            seen = last.get("spec_per_pos", ())
+            for pos, value in enumerate(per_pos):
+                diff = value - (seen[pos] if pos < len(seen) else 0)
+                counter = self.spec_decode_num_accepted_tokens_per_pos.labels(*labels, str(pos))
+                if diff > 0:
+                    counter.inc(diff)
+            last["spec_per_pos"] = tuple(per_pos)
 
     # -- exposition -----------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -130,21 +130,21 @@ def test_greedy_and_ties_take_first_max():
 
 
 def test_penalties_exact():
-    from tandem.engine.sampling.sampler import _apply_penalties_and_masks
+    from tandem.engine.sampling.sampler import apply_penalties_and_masks
 
     row = torch.tensor([2.0, -2.0, 1.0, 4.0, 0.5])
     r = _req(SamplingParams(repetition_penalty=2.0), prompt=(0, 1), output=(3,))
-    _apply_penalties_and_masks(row, r)
+    apply_penalties_and_masks(row, r)
     assert row.tolist() == [1.0, -4.0, 1.0, 2.0, 0.5]
 
     row = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
     r = _req(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=(4,), output=(1, 1, 3))
-    _apply_penalties_and_masks(row, r)
+    apply_penalties_and_masks(row, r)
     assert row.tolist() == [1.0, 0.0, 1.0, 0.25, 1.0]
 
     row = torch.zeros(5)
     r = _req(SamplingParams(min_tokens=2, stop_token_ids=(4,), max_tokens=5), output=(1,))
-    _apply_penalties_and_masks(row, r)
+    apply_penalties_and_masks(row, r)
     assert row.tolist() == [0.0, 0.0, -math.inf, 0.0, -math.inf]
 
 

@@ -99,9 +99,20 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_on_it(llm, reference
     assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == stop
 
 
-def test_sampled_requests_ignore_drafts(llm, reference):
+def test_sampled_requests_verify_drafts_and_reproduce(llm, reference):
+    """A seeded sampled request verifies drafts by rejection sampling: the same
+    seed and drafts give the same tokens, and some drafts are accepted."""
     prompt, ref = reference
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
-    want = llm.generate([prompt], params)[0].outputs[0].token_ids
-    req, steps = _run_with_drafts(llm, prompt, params, lambda out: list(ref[len(out):len(out) + 4]))
-    assert req.output_token_ids == want and steps == 8
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    stats = llm.engine.scheduler.spec_stats
+    runs = []
+    for _ in range(2):
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        req, steps = _run_with_drafts(llm, prompt, params,
+                                      lambda out: list(ref[len(out):len(out) + 4]))
+        runs.append((req.output_token_ids, steps, stats.num_draft_tokens - before[0],
+                     stats.num_accepted_tokens - before[1]))
+    assert runs[0] == runs[1]
+    tokens, steps, drafted, accepted = runs[0]
+    assert len(tokens) == 12 and drafted > 0 and accepted > 0
+    assert steps == 12 - accepted     # one step per emitted token, less the accepted drafts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -96,6 +97,14 @@ class LLMEngine:
                                   kv_connector=self.kv_connector)
         self._ids = itertools.count()
         self.last_step_ran = False    # whether the last step() scheduled anything
+        self.proposer = None
+        """Speculative decoding's :class:`~tandem.engine.spec_decode.proposer.Proposer`
+        (None: off)."""
+        if config.speculative is not None:
+            from tandem.engine.spec_decode import get_proposer
+
+            self.proposer = get_proposer(config.speculative, self)
+        self._spec_logged = (time.monotonic(), 0, 0, 0)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -227,6 +236,8 @@ class LLMEngine:
         if self.scheduler.abort_request(request_id) is None:
             return False
         self.runner.sampler.free(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)    # forks that never started drafted nothing
         if request_id in self.scheduler.remote_kv.orphaned:
             self.kv_connector.cancel_load(request_id)
         return True
@@ -236,6 +247,8 @@ class LLMEngine:
         """End a request from outside the scheduler (a matched stop string); frees
         its blocks and its sampler state. Unknown or finished ids are ignored."""
         self.runner.sampler.free(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
         self.scheduler.finish_request(request_id, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -270,7 +283,43 @@ class LLMEngine:
         for r in changed:
             if r.is_finished:
                 self.runner.sampler.free(r.request_id)
+        if self.proposer is not None:
+            self._propose(out, changed)
         return changed
+
+    def _propose(self, out: SchedulerOutput, changed: list[Request]) -> None:
+        """Speculative decoding: draft tokens for the running requests that decode next
+        (they are verified in the next step); drop finished and preempted requests'
+        drafting state."""
+        for r in (*out.preempted, *changed):
+            if r.is_finished or r.status is not RequestStatus.RUNNING:
+                self.proposer.free(r.request_id)
+        sch = self.scheduler
+        ready, limits = [], {}
+        for r in sch.running:
+            limit = sch.max_spec_tokens(r)
+            if limit > 0 and not r.pending_forks and r.num_computed_tokens == r.num_tokens - 1:
+                ready.append(r)
+                limits[r.request_id] = limit
+        for rid, proposal in self.proposer.propose(ready, limits).items():
+            req = sch.requests[rid]
+            req.spec_token_ids = list(proposal.token_ids)
+            req.spec_draft_probs = proposal.probs
+        self._log_spec_stats()
+
+    def _log_spec_stats(self, every_s: float = 10.0) -> None:
+        """Log the mean acceptance length of the last ``every_s`` seconds (vLLM style)."""
+        now = time.monotonic()
+        st = self.scheduler.spec_stats
+        t0, drafts0, tokens0, accepted0 = self._spec_logged
+        if now - t0 < every_s or st.num_drafts == drafts0:
+            return
+        drafts, tokens = st.num_drafts - drafts0, st.num_draft_tokens - tokens0
+        accepted = st.num_accepted_tokens - accepted0
+        logger.info("speculative decoding: mean acceptance length %.2f (%d drafts, "
+                    "%d of %d draft tokens accepted, %.1f%%)", 1 + accepted / drafts, drafts,
+                    accepted, tokens, 100.0 * accepted / max(tokens, 1))
+        self._spec_logged = (now, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
 
     @property
     def num_preemptions(self) -> int:
@@ -284,6 +333,8 @@ class LLMEngine:
             AssertionError: naming the first violated invariant.
         """
         self.scheduler.check_invariants()
+        if self.proposer is not None:
+            self.proposer.check_invariants()
 
     def stats(self, worker_id: str = "engine", role: str = "colocated", num_step_tokens: int = 0
               ) -> "WorkerStats":
@@ -305,4 +356,9 @@ class LLMEngine:
             num_recompute_preemptions=sch.num_recompute_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_step_tokens=num_step_tokens,
-            queued_prefill_tokens=queued)
+            queued_prefill_tokens=queued,
+            spec_decode_num_drafts=sch.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=sch.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sch.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                sch.spec_stats.num_accepted_tokens_per_pos))

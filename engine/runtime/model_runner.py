@@ -166,46 +166,20 @@ class ModelRunner:
             ``(input_ids [T], positions [T], metadata, ordered)`` where ``ordered`` is
             the scheduled list in packed order.
         """
-        bs = self.kv_cache.block_size
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        qsl = [0]
+        chunks = []
         for s in ordered:
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            block_ids = self.block_table_fn(req.request_id)
             if s.num_new_tokens == 1:
-                input_ids.append(_token_at(req, start))
+                ids = [_token_at(req, start)]
             elif s.spec_token_ids:
-                input_ids.extend(req.all_token_ids[start:])
-                input_ids.extend(s.spec_token_ids)
+                ids = req.all_token_ids[start:] + list(s.spec_token_ids)
             else:
-                input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(block_ids)
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + s.num_new_tokens)
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            num_decodes=sum(1 for s in ordered if s.num_new_tokens == 1),
-            max_seq_len=max(seq_lens),
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, ordered)
+                ids = req.all_token_ids[start:end]
+            chunks.append((ids, start, self.block_table_fn(req.request_id)))
+        input_ids, positions, meta = pack_chunks(chunks, self.kv_cache.block_size, self.device)
+        return input_ids, positions, meta, ordered
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -244,25 +218,35 @@ class ModelRunner:
         rows: list[int] = []
         row_requests: list[Request] = []
         owners: list[str] = []
+        verified: list[tuple[ScheduledRequest, int]] = []    # (step, its first logits row)
         for i, s in enumerate(ordered):
             if not s.samples:
                 continue
             last = meta.query_start_loc_cpu[i + 1] - 1
-            # One row per sample (forks share the prompt's last row); with k draft
-            # tokens, the k + 1 rows ending at the last verify them.
-            first = last - len(s.spec_token_ids)
-            for row in range(first, last + 1):
-                for r in [s.request, *s.request.pending_forks]:
-                    rows.append(row)
-                    row_requests.append(r)
-                    owners.append(s.request.request_id)
+            if s.spec_token_ids:
+                # k draft tokens: the k + 1 rows ending at the last verify them.
+                verified.append((s, len(rows)))
+                rows.extend(range(last - len(s.spec_token_ids), last + 1))
+                continue
+            # One row per sample (forks share the prompt's last row).
+            for r in [s.request, *s.request.pending_forks]:
+                rows.append(last)
+                row_requests.append(r)
+                owners.append(s.request.request_id)
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        results = self.sampler(logits.cpu(), row_requests)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
         sampled: dict[str, list[SampleResult]] = {}
-        for owner, res in zip(owners, results):
-            sampled.setdefault(owner, []).append(res)
+        if row_requests:
+            plain = [j for j in range(len(rows)) if not _in_verified(j, verified)]
+            results = self.sampler(logits[torch.tensor(plain)] if verified else logits,
+                                   row_requests)
+            for owner, res in zip(owners, results):
+                sampled.setdefault(owner, []).append(res)
+        for s, first in verified:
+            k = len(s.spec_token_ids)
+            sampled[s.request.request_id] = self.sampler.verify(
+                logits[first:first + k + 1], s.request, s.spec_token_ids, s.spec_draft_probs)
         return sampled
 
     def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledRequest],
@@ -316,6 +300,56 @@ class ModelRunner:
             out[rid] = scored[pos:pos + n]
             pos += n
         return out
+
+
+def pack_chunks(chunks, block_size: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One forward pass's packed batch over a paged KV cache.
+
+    Args:
+        chunks: per sequence ``(token_ids, start, block_ids)``: the tokens to run
+            at positions ``start, start + 1, ...`` and the sequence's block table
+            (covering them). Sequences with one token (decodes) must come first.
+        block_size: tokens per KV block.
+
+    Returns:
+        ``(input_ids [T] int64, positions [T] int64, metadata)``.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    qsl = [0]
+    for ids, start, block_ids in chunks:
+        end = start + len(ids)
+        input_ids.extend(ids)
+        positions.extend(range(start, end))
+        slots.extend(block_ids[p // block_size] * block_size + p % block_size
+                     for p in range(start, end))
+        seq_lens.append(end)
+        qsl.append(qsl[-1] + len(ids))
+    width = max(len(c[2]) for c in chunks)
+    table = torch.zeros(len(chunks), width, dtype=torch.int32)
+    for i, c in enumerate(chunks):
+        table[i, :len(c[2])] = torch.tensor(c[2], dtype=torch.int32)
+    num_decodes = 0
+    while num_decodes < len(chunks) and len(chunks[num_decodes][0]) == 1:
+        num_decodes += 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decodes=num_decodes,
+        max_seq_len=max(seq_lens),
+    )
+    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device), meta)
+
+
+def _in_verified(row: int, verified: list[tuple[ScheduledRequest, int]]) -> bool:
+    return any(first <= row <= first + len(s.spec_token_ids) for s, first in verified)
 
 
 def _token_at(req: Request, pos: int) -> int:

@@ -101,6 +101,11 @@ class WorkerStats:
         prefix_cache_queries, prefix_cache_hits: total tokens looked up / found.
         num_step_tokens: tokens run in the last step.
         queued_prefill_tokens: prompt tokens waiting or being prefilled.
+        spec_decode_num_drafts, spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens: speculative decoding totals: verification
+            steps with drafts, draft tokens verified, of those accepted.
+        spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in
+            the draft (index 0: the first draft).
     """
 
     worker_id: str
@@ -120,6 +125,10 @@ class WorkerStats:
     prefix_cache_hits: int = 0
     num_step_tokens: int = 0
     queued_prefill_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

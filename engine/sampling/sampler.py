@@ -109,11 +109,11 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits
-        if any(_needs_processing(r) for r in requests):
+        if any(needs_processing(r) for r in requests):
             processed = logits.clone()
             for i, r in enumerate(requests):
-                if _needs_processing(r):
-                    _apply_penalties_and_masks(processed[i], r)
+                if needs_processing(r):
+                    apply_penalties_and_masks(processed[i], r)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
         if len(greedy_rows) == len(requests):       # all greedy: no row gather
@@ -133,15 +133,145 @@ class Sampler:
             results.append(SampleResult(token_ids[i], lp))
         return results
 
+    def verify(self, logits: torch.Tensor, request: Request, draft_token_ids,
+               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
+        """Speculative verification of ``k`` draft tokens of one request.
 
-def _needs_processing(r: Request) -> bool:
+        Row ``j`` of ``logits`` scores the position after draft ``j - 1`` (row 0:
+        after the request's last token). Every row is processed as if the drafts
+        before it were output (penalties, ``min_tokens``), then:
+
+        * greedy: drafts are accepted while each equals its row's argmax; the
+          argmax of the first mismatching row (or of row ``k``, the bonus token)
+          follows them;
+        * sampled: draft ``d_j`` is accepted with probability
+          ``min(1, p_j(d_j) / q_j(d_j))``, ``p_j`` the target's processed
+          distribution (temperature, top-k, top-p, min-p) and ``q_j`` the
+          proposer's (one-hot at ``d_j`` when ``draft_probs`` is None, as for
+          n-gram drafts); the first rejection is replaced by a draw from
+          ``norm(max(0, p_j - q_j))``, and when all ``k`` are accepted a bonus
+          token is drawn from ``p_k``. The tokens returned are distributed exactly
+          as ``len(result)`` target samples (Leviathan et al. 2023, Alg. 1 and
+          Appendix A.1; Chen et al. 2023, Alg. 2).
+
+        Randomness comes from the request's generator (:meth:`generator_for`):
+        one uniform per draft examined, then one ``V``-exponential race, so a
+        seeded request reproduces whatever else is batched with it.
+
+        Args:
+            logits: ``[k + 1, V]`` float32 target logits.
+            request: the request (its history feeds the penalties).
+            draft_token_ids: the ``k`` drafts.
+            draft_probs: ``[k, V]`` float32, the proposer's processed
+                distributions the drafts were drawn from, or None (point masses).
+
+        Returns:
+            The accepted drafts followed by one more token: ``1 .. k + 1`` results.
+        """
+        logits = logits.float()
+        drafts = [int(t) for t in draft_token_ids]
+        p = request.sampling_params
+        tokens: list[int] = []
+        if p.greedy:
+            processed = logits
+            if needs_processing(request) or needs_processing(DraftHistory(request, drafts)):
+                processed = logits.clone()
+                for j in range(len(drafts) + 1):
+                    apply_penalties_and_masks(processed[j], DraftHistory(request, drafts[:j]))
+            best = processed.argmax(dim=-1).tolist()
+            for j, d in enumerate(drafts):
+                tokens.append(best[j])
+                if best[j] != d:
+                    break
+            else:
+                tokens.append(best[len(drafts)])
+        else:
+            gen = self.generator_for(request)
+            for j in range(len(drafts) + 1):
+                view = DraftHistory(request, drafts[:j])
+                row = logits[j]
+                if needs_processing(view):
+                    row = row.clone()
+                    apply_penalties_and_masks(row, view)
+                probs = processed_probs(row, p)
+                if j == len(drafts):                 # all accepted: the bonus token
+                    tokens.append(draw_proportional(probs, gen))
+                    break
+                d = drafts[j]
+                total = float(probs.sum())
+                target = float(probs[d]) / total
+                proposed = 1.0 if draft_probs is None else float(draft_probs[j, d])
+                if float(torch.rand((), generator=gen)) * proposed < target:
+                    tokens.append(d)
+                    continue
+                if draft_probs is None:
+                    residual = probs.clone()
+                    residual[d] = 0.0
+                else:
+                    q = draft_probs[j].to(probs.dtype)
+                    residual = (probs / total - q / q.sum()).clamp_(min=0.0)
+                if not float(residual.sum()) > 0.0:
+                    residual = probs     # p <= q nowhere strictly: a rejection had probability 0
+                tokens.append(draw_proportional(residual, gen))
+                break
+        results = []
+        want = p.logprobs
+        raw = torch.log_softmax(logits[:len(tokens)], dim=-1) if want is not None else None
+        for j, t in enumerate(tokens):
+            lp = _row_logprobs(raw[j], t, want) if raw is not None else None
+            results.append(SampleResult(t, lp))
+        return results
+
+
+class DraftHistory:
+    """A request as the sampler sees it at draft position ``j``: its tokens followed
+    by the drafts before ``j`` (which the penalties and ``min_tokens`` count as
+    output). Has the attributes the sampler reads from a :class:`Request`."""
+
+    __slots__ = ("request", "drafts")
+
+    def __init__(self, request: Request, drafts):
+        self.request, self.drafts = request, list(drafts)
+
+    @property
+    def sampling_params(self):
+        return self.request.sampling_params
+
+    @property
+    def eos_token_id(self):
+        return self.request.eos_token_id
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sample_index(self) -> int:
+        return self.request.sample_index
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.all_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)
+
+
+def needs_processing(r: Request) -> bool:
+    """Whether ``r``'s next row needs :func:`apply_penalties_and_masks`."""
     p = r.sampling_params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens))
 
 
-def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
-    """In place on one ``[V]`` row."""
+def apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
+    """Repetition / presence / frequency penalties and the ``min_tokens`` mask of
+    ``r``'s next token, in place on one ``[V]`` float32 logits row."""
     p = r.sampling_params
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
@@ -168,7 +298,21 @@ def _apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
 
 
 def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> int:
-    p = r.sampling_params
+    return draw_proportional(processed_probs(row, r.sampling_params), generator)
+
+
+def draw_proportional(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw proportional to ``weights`` (``[V]``, >= 0, not necessarily
+    normalised): the exponential race ``argmax(w / E)``, ``V`` exponentials."""
+    q = torch.empty_like(weights).exponential_(generator=generator)
+    return int((weights / q).argmax())
+
+
+def processed_probs(row: torch.Tensor, p) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) row draws from: ``softmax(row / T)``
+    restricted by top-k, top-p and min-p (kept tokens not renormalised: every
+    use is scale-free). ``row`` is ``[V]`` float32 logits with penalties and masks
+    already applied; ``p`` the request's :class:`SamplingParams`. Returns ``[V]``."""
     x = row / p.temperature
     if torch.isposinf(x).any():
         # A tiny temperature overflowed float32, and softmax of several +inf is NaN.
@@ -187,8 +331,7 @@ def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> in
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    q = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / q).argmax())
+    return probs
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.sampling.sampling_params import SamplingParams
@@ -81,6 +82,9 @@ class Request:
         spec_token_ids: draft tokens proposed to follow the request's last token,
             verified in its next decode step (see :mod:`tandem.engine.scheduling.scheduler`);
             cleared by that step.
+        spec_draft_probs: the proposer's distributions of those drafts
+            (``[len(spec_token_ids), V]`` float32 tensor), or None for deterministic
+            drafts; cleared with them.
         prompt_logprobs: with ``sampling_params.prompt_logprobs`` set, entry p for
             every prompt position computed so far: None for position 0, then the
             :class:`TokenLogprobs` of prompt token p given tokens < p. Filled chunk
@@ -108,6 +112,7 @@ class Request:
     kv_load_ok: bool = False
     kv_load_ticket: dict | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
     # Children to fork from this request once its prompt is computed (n > 1).
     pending_forks: list["Request"] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

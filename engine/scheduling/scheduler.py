@@ -59,6 +59,7 @@ from tandem.engine.scheduling.preemption import PreemptionMode, get_preemption_p
 from tandem.engine.scheduling.remote_kv import RemoteKVRequests
 from tandem.engine.scheduling.request import Request, RequestStatus
 from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
@@ -69,14 +70,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _sort_key(r: Request):
     return r.sort_key
-
-
-def _num_accepted(spec_token_ids: tuple[int, ...], results) -> int:
-    """Leading draft tokens equal to the model's own choice at their position."""
-    n = 0
-    while n < len(spec_token_ids) and results[n].token_id == spec_token_ids[n]:
-        n += 1
-    return n
 
 
 class Scheduler:
@@ -91,6 +84,7 @@ class Scheduler:
 
     Attributes:
         num_swap_preemptions, num_recompute_preemptions: preemptions so far, by mode.
+        spec_stats: speculative decoding's draft and acceptance counts.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -107,6 +101,7 @@ class Scheduler:
         self.remote_kv = RemoteKVRequests(kv_cache_manager)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             # A whole prompt must fit in one step's budget.
@@ -230,7 +225,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            spec = self._spec_tokens(req, num_new, budget)
+            spec, draft_probs = self._spec_tokens(req, num_new, budget)
             num_new += len(spec)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
                 victim = self.running[-1]
@@ -240,7 +235,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: everything after it is gone too
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, spec))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, spec,
+                                                  draft_probs))
             budget -= num_new
             i += 1
 
@@ -264,19 +260,28 @@ class Scheduler:
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv.take_pending_swaps()
         return out
 
-    @staticmethod
-    def _spec_tokens(req: Request, num_new: int, budget: int) -> tuple[int, ...]:
-        """The draft tokens to verify with ``req``'s decode this step (as many as the
-        budget leaves). Only greedy requests without penalties are verified here
-        (accepted while each equals the argmax); other requests' drafts are dropped
-        until rejection sampling (Leviathan et al. 2023, Alg. 1) is added."""
+    def _spec_tokens(self, req: Request, num_new: int, budget: int) -> tuple[tuple[int, ...], object]:
+        """The draft tokens (and their proposal distributions) to verify with
+        ``req``'s decode this step: as many as the token budget, ``max_tokens`` and
+        the context length leave (drafts past those could never be emitted). Only a
+        step that decodes the request's last token verifies; the drafts are
+        consumed either way."""
         if not req.spec_token_ids:
-            return ()
+            return (), None
         spec, req.spec_token_ids = req.spec_token_ids, []
-        if num_new != req.num_tokens - req.num_computed_tokens \
-                or not req.sampling_params.greedy or req.sampling_params.has_penalties:
-            return ()
-        return tuple(spec[:budget - num_new])
+        probs, req.spec_draft_probs = req.spec_draft_probs, None
+        if num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return (), None
+        limit = min(budget - num_new, self.max_spec_tokens(req), len(spec))
+        if limit <= 0:
+            return (), None
+        return tuple(spec[:limit]), (None if probs is None else probs[:limit])
+
+    def max_spec_tokens(self, req: Request) -> int:
+        """Drafts ``req`` can still use in one step: one token (the bonus) always
+        follows the accepted drafts, within ``max_tokens`` and the context length."""
+        return min(req.sampling_params.max_tokens - req.num_output_tokens,
+                   self.max_model_len - req.num_tokens) - 1
 
     def _next_to_start(self) -> Request | None:
         """The head of the swapped and waiting queues, whichever sorts first."""
@@ -457,7 +462,8 @@ class Scheduler:
         are appended; drafts after the first rejected one leave no KV that counts
         (their slots are written again later) and are never cached."""
         req = s.request
-        accepted = _num_accepted(s.spec_token_ids, results)
+        accepted = len(results) - 1     # Sampler.verify: the accepted drafts, then one more
+        self.spec_stats.observe(len(s.spec_token_ids), accepted)
         req.num_computed_tokens = s.num_computed_tokens + 1 + accepted
         for res in results[:accepted + 1]:
             self._append_token(req, res)

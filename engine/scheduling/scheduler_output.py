@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.scheduling.request import Request
 
@@ -24,6 +25,10 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_new_tokens: int
     spec_token_ids: tuple[int, ...] = ()
+    spec_draft_probs: Any = None
+    """``[len(spec_token_ids), V]`` float32 tensor: the proposer's distributions
+    the drafts were drawn from; None for deterministic drafts (see
+    :class:`~tandem.engine.spec_decode.proposer.Proposal`)."""
 
     @property
     def samples(self) -> bool:
