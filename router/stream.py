@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher, detokenize_until_stop
 from tandem.engine.runtime.outputs import RequestDelta
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import SamplingParams
@@ -66,14 +66,15 @@ class SampleStream:
         """Consume a worker delta; None once the sample already finished."""
         if self.finished:
             return None
-        ids = list(delta.new_token_ids)
+        emit, stop, used = detokenize_until_stop(self.detokenizer, self.matcher,
+                                                 delta.new_token_ids,
+                                                 delta.finish_reason is not None)
+        # A stop string inside a multi-token delta (speculative decoding) ends the
+        # sample on the token that completed it: the rest is never returned.
+        ids = list(delta.new_token_ids[:used])
         self.num_tokens += len(ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        text = self.detokenizer.add_tokens(ids)
-        if delta.finish_reason is not None:
-            text += self.detokenizer.flush()
-        emit, stop = self.matcher.process(text)
-        upd = SampleUpdate(emit, ids, list(delta.new_logprobs))
+        upd = SampleUpdate(emit, ids, list(delta.new_logprobs[:used]))
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             upd.prompt_logprobs = self.prompt_logprobs = delta.prompt_logprobs
         if stop is not None:

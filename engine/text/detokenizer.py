@@ -361,6 +361,10 @@ class StopStringMatcher:
         self._finished = False
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def finished(self) -> bool:
         """True after a stop string matched or :meth:`flush` was called."""
         return self._finished
@@ -410,3 +414,40 @@ class StopStringMatcher:
             if text[-k:] in self._prefixes:
                 return k
         return 0
+
+
+def detokenize_until_stop(detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher,
+                          token_ids: Sequence[int], finished: bool) -> tuple[str, str | None, int]:
+    """Feed a step's new tokens to ``detokenizer`` and ``matcher``, one token at a
+    time while stop strings are set, so that a stop string completed by one token
+    of a multi-token step (speculative decoding) ends the sample on that token.
+
+    Args:
+        token_ids: the step's new token ids.
+        finished: the sample ended with these tokens (the detokenizer is flushed
+            after the last one, unless a stop string ended it earlier).
+
+    Returns:
+        ``(text, stop, num_used)``: the text safe to emit, the matched stop string
+        (or None), and how many of ``token_ids`` the sample keeps (all, or up to
+        and including the token that completed the stop string).
+    """
+    ids = list(token_ids)
+    if not matcher.has_stop_strings:
+        text = detokenizer.add_tokens(ids)
+        if finished:
+            text += detokenizer.flush()
+        return matcher.process(text)[0], None, len(ids)
+    pieces: list[str] = []
+    for i, t in enumerate(ids):
+        text = detokenizer.add_tokens([t])
+        if finished and i == len(ids) - 1:
+            text += detokenizer.flush()
+        emit, stop = matcher.process(text)
+        pieces.append(emit)
+        if stop is not None:
+            return "".join(pieces), stop, i + 1
+    if not ids and finished:
+        emit, stop = matcher.process(detokenizer.flush())
+        return emit, stop, 0
+    return "".join(pieces), None, len(ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher, detokenize_until_stop
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 from tandem.engine.text.tokenizer import Tokenizer
 
@@ -90,13 +90,14 @@ class OutputProcessor:
         if st.done:
             return None
         new = req.output_token_ids[st.num_processed:]
-        st.num_processed = len(req.output_token_ids)
-        delta = st.detokenizer.add_tokens(new)
-        if req.is_finished:
-            delta += st.detokenizer.flush()
-        text, stop = st.matcher.process(delta)
+        text, stop, used = detokenize_until_stop(st.detokenizer, st.matcher, new, req.is_finished)
+        st.num_processed += used
         st.pieces.append(text)
         if stop is not None:
+            # A stop string completed inside a multi-token step (speculative decoding):
+            # the tokens after it were never returned.
+            del req.output_token_ids[st.num_processed:]
+            del req.output_logprobs[st.num_processed:]
             st.stop_string, st.done = stop, True
         elif req.is_finished:
             st.pieces.append(st.matcher.flush())
