@@ -4,7 +4,7 @@ chi-square goodness-of-fit test against the exact processed target distribution.
 
 The logits are the real model's, at two positions of a real prompt, cut to their
 48 most likely tokens (the algorithm does not depend on the vocabulary's size, and
-a small one keeps 12,000 trials fast). Each test's false-alarm rate is stated:
+a small one keeps 8,000 trials fast). Each test's false-alarm rate is stated:
 the chi-square p-value must exceed 1e-4.
 """
 
@@ -18,7 +18,7 @@ from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.scheduling.request import Request
 
 V = 48
-TRIALS = 12_000
+TRIALS = 8_000
 P_VALUE_FLOOR = 1e-4
 SAMPLED = SamplingParams(temperature=1.0, top_k=30, top_p=0.95, min_p=0.01, seed=11, max_tokens=64)
 
@@ -93,7 +93,7 @@ def _check_marginals(emitted, logits, req, drafts):
     first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=V)
     assert _chi2_p_value(first, p0) > P_VALUE_FLOOR
     seconds = [e[1] for e in emitted if len(e) > 1 and e[0] == drafts[0]]
-    assert len(seconds) > 1000
+    assert len(seconds) > 500         # enough for the chi-square approximation
     p1 = _target(logits[1], req, drafts[:1])
     assert _chi2_p_value(torch.bincount(torch.tensor(seconds), minlength=V), p1) > P_VALUE_FLOOR
 
@@ -140,7 +140,7 @@ def test_penalties_see_the_earlier_drafts(model_logits):
     params = SamplingParams(temperature=1.0, top_k=30, frequency_penalty=1.5, seed=2)
     p0 = _target(model_logits[0], _request(params))
     drafts = [int(p0.argmax()), int(p0.argmax())]         # the same token twice
-    emitted, req = _run(model_logits, lambda s: (drafts, None), params=params, trials=8_000)
+    emitted, req = _run(model_logits, lambda s: (drafts, None), params=params, trials=6_000)
     p1 = _target(model_logits[1], req, drafts[:1])
     assert p1[drafts[1]] < _target(model_logits[1], req)[drafts[1]]   # the penalty bites
     seconds = [e[1] for e in emitted if len(e) > 1 and e[0] == drafts[0]]

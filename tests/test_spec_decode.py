@@ -22,7 +22,7 @@ PASSAGE = ("The river runs past the old mill, under the stone bridge and into th
 COPY = f"Repeat this sentence word for word.\n\nSentence: {PASSAGE}\n\nRepeated: "
 OPEN = "Write a short story about a robot who learns to paint."
 PROMPTS = [COPY, OPEN, "List three facts about the moon.", COPY.replace("river", "stream")]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 SELF_DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3)
 
@@ -67,7 +67,7 @@ def test_ngram_greedy_equals_no_speculation(ngram_llm, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
     st = ngram_llm.engine.scheduler.spec_stats
     # The copy prompts are copied: most drafts are accepted there.
-    assert st.num_accepted_tokens >= 30 and st.num_drafts > 0
+    assert st.num_accepted_tokens >= 24 and st.num_drafts > 0
     assert sum(st.num_accepted_tokens_per_pos) == st.num_accepted_tokens
     _assert_all_free(ngram_llm)
 
@@ -89,7 +89,7 @@ def test_self_draft_accepts_every_draft_and_equals_no_speculation(draft_llm, ref
 def test_stop_token_inside_an_accepted_run(ngram_llm, reference):
     ref = reference[0]
     stop = ref[9]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop,))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=(stop,))
     out = ngram_llm.generate([COPY], params)[0].outputs[0]
     assert out.token_ids == ref[:ref.index(stop) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop

@@ -57,13 +57,13 @@ def test_decoder_steps_match_torch_backend(device):
             torch.testing.assert_close(caches["triton"], caches["torch"], atol=1e-5, rtol=1e-5)
 
 
-def test_engine_greedy_unchanged_with_triton_backend():
+def test_engine_greedy_unchanged_with_triton_backend(f32_weights):
     """The real default model: the engine's greedy tokens with the Triton backend
     (interpreted on CPU) equal those of the torch backend, batched prefill + decode."""
     from tandem.engine.llm import LLM
     from tandem.engine.sampling.sampling_params import SamplingParams
 
-    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch")
+    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch", weights_from=f32_weights)
     tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton", weights_from=ref)
     assert tri.engine.backend.name == "triton"
     prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
