@@ -101,7 +101,7 @@ class LLMEngine:
         """Speculative decoding's :class:`~tandem.engine.spec_decode.proposer.Proposer`
         (None: off)."""
         if config.speculative is not None:
-            from tandem.engine.spec_decode import get_proposer
+            from tandem.engine.spec_decode.factory import get_proposer
 
             self.proposer = get_proposer(config.speculative, self)
         self._spec_logged = (time.monotonic(), 0, 0, 0)

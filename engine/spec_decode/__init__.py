@@ -8,11 +8,12 @@ them with exact rejection sampling (Leviathan et al. 2023, Alg. 1; Chen et al.
 2023), so the output distribution is the target's own. Rejected drafts' KV is
 overwritten by later steps and never enters the prefix cache.
 
-Proposers are registered by name in :data:`PROPOSERS` (``--speculative-method``).
+Proposers are registered by name in :data:`PROPOSERS` (``--speculative-method``);
+:func:`tandem.engine.spec_decode.factory.get_proposer` builds the configured one.
+This package's own import stays free of torch: the scheduler reads its counters.
 """
 
-from tandem.engine.spec_decode.proposer import PROPOSERS, Proposal, Proposer, get_proposer, register_proposer
+from tandem.engine.spec_decode.proposer import PROPOSERS, Proposal, Proposer, register_proposer
 from tandem.engine.spec_decode.stats import SpecDecodeStats
 
-__all__ = ["PROPOSERS", "Proposal", "Proposer", "SpecDecodeStats", "get_proposer",
-           "register_proposer"]
+__all__ = ["PROPOSERS", "Proposal", "Proposer", "SpecDecodeStats", "register_proposer"]

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-    from tandem.engine.config import SpeculativeConfig
     from tandem.engine.scheduling.request import Request
 
 
@@ -59,7 +58,9 @@ class Proposer(abc.ABC):
 
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {}
-"""Method name -> factory ``(config, engine) -> Proposer``."""
+"""Method name -> factory ``(config, engine) -> Proposer``; filled by
+:func:`register_proposer` as the proposer modules are imported (all of them by
+:func:`tandem.engine.spec_decode.factory.get_proposer`)."""
 
 
 def register_proposer(name: str):
@@ -68,21 +69,3 @@ def register_proposer(name: str):
         PROPOSERS[name] = cls
         return cls
     return deco
-
-
-def get_proposer(config: "SpeculativeConfig", engine) -> Proposer:
-    """Build the proposer ``config.method`` names, for ``engine`` (an
-    :class:`~tandem.engine.runtime.llm_engine.LLMEngine`).
-
-    Raises:
-        ValueError: no proposer of that name.
-    """
-    import tandem.engine.spec_decode.draft_model  # noqa: F401  (registers)
-    import tandem.engine.spec_decode.ngram  # noqa: F401
-
-    try:
-        factory = PROPOSERS[config.method]
-    except KeyError:
-        raise ValueError(f"speculative_method: unknown {config.method!r}, "
-                         f"expected one of {', '.join(sorted(PROPOSERS))}") from None
-    return factory(config, engine)

@@ -112,16 +112,27 @@ def test_outputs_equal_across_orders_preemption_caching_chunking(cluster, refere
     recomputes_before = _metric(cluster, "tandem:num_preemptions_total", kind="recompute")
     hits_before = _metric(cluster, "tandem:prefix_cache_hits_total")
 
-    run_a = _burst(cluster, order_a)
-    run_b = _burst(cluster, order_b)
-    run_a2 = _burst(cluster, order_a)
-    alone = {i: _tokens(cluster, i) for i in range(16)}
+    runs = [("order A", _burst(cluster, order_a)), ("order B", _burst(cluster, order_b)),
+            ("order A again", _burst(cluster, order_a)),
+            ("alone", {i: _tokens(cluster, i) for i in range(16)})]
 
-    assert _metric(cluster, "tandem:num_preemptions_total", kind="swap") > swaps_before
-    assert _metric(cluster, "tandem:num_preemptions_total", kind="recompute") > recomputes_before
+    def preempted(kind: str, before: float) -> bool:
+        return _metric(cluster, "tandem:num_preemptions_total", kind=kind) > before
+
+    # Which victims are swapped and which recomputed depends on how the burst's
+    # requests happen to overlap (recompute when the host pool is taken): on a
+    # loaded machine three bursts may all swap. More shuffled bursts, each checked
+    # like the others, until both kinds happened (bounded).
+    extra = random.Random(11)
+    while len(runs) < 8 and not (preempted("swap", swaps_before)
+                                 and preempted("recompute", recomputes_before)):
+        order = order_a[:]
+        extra.shuffle(order)
+        runs.append((f"extra burst {len(runs) - 3}", _burst(cluster, order)))
+    assert preempted("swap", swaps_before)
+    assert preempted("recompute", recomputes_before)
     assert _metric(cluster, "tandem:prefix_cache_hits_total") > hits_before
-    for name, run in (("order A", run_a), ("order B", run_b), ("order A again", run_a2),
-                      ("alone", alone)):
+    for name, run in runs:
         differ = [i for i in range(16) if run[i] != want[i]]
         assert not differ, f"{name}: prompts {differ} differ from the unconstrained reference"
     counts = cluster.wait_idle()

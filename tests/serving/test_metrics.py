@@ -77,6 +77,8 @@ def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
                 "bytes_total", "failures_total", "seconds_count", "seconds_sum")]
         else:
             want += [key("tandem:request_migrations_total", worker=wid)]
+            want += [key(f"tandem:spec_decode_{n}_total", **w) for n in (
+                "num_drafts", "num_draft_tokens", "num_accepted_tokens")]
     assert len(set(want)) == len(want)
     return dict.fromkeys(want, 0.0)
 
@@ -239,13 +241,20 @@ def test_a_dead_workers_series_go_and_its_replacements_start_at_zero():
     metrics = Metrics(MODEL)
     metrics.follow(registry)
     busy = WorkerStats("decode-0", "decode", num_running=3, num_waiting=2, kv_cache_usage=0.75,
-                       num_swap_preemptions=2, prefix_cache_queries=40)
+                       num_swap_preemptions=2, prefix_cache_queries=40,
+                       spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9,
+                       spec_decode_num_accepted_tokens=5,
+                       spec_decode_num_accepted_tokens_per_pos=(3, 2, 0))
     metrics.worker_step(None, StepOutput((), busy))
     metrics.request_migrated("decode-0")
     metrics.worker_restarted("decode-0")
     metrics.kv_transfer_failed("prefill-0")
     d = dict(worker="decode-0", role="decode")
     assert value(samples(metrics.render().decode()), "tandem:kv_cache_usage_perc", **d) == 0.75
+    busy_m = samples(metrics.render().decode())
+    assert [value(busy_m, "tandem:spec_decode_num_accepted_tokens_per_pos_total", position=str(p),
+                  **d) for p in range(3)] == [3, 2, 0]
+    assert value(busy_m, "tandem:spec_decode_num_draft_tokens_total", **d) == 9
 
     registry.mark_dead("decode-0")
     metrics.worker_step(None, StepOutput((), busy))      # the dead incarnation's last words
