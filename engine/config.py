@@ -264,7 +264,7 @@ class SpeculativeConfig:
             draft in that step.
     """
 
-    method: str = "ngram"
+    method: str
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -273,7 +273,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method: unknown {self.method!r}, "
+            raise ValueError(f"method: unknown speculative method {self.method!r}, "
                              f"expected one of {', '.join(SPECULATIVE_METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens: must be an integer >= 1, "

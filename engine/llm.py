@@ -6,6 +6,8 @@ This is the process's entry point in offline use: it builds one
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -54,6 +56,11 @@ class LLM:
                  speculative_config: "SpeculativeConfig | dict | None" = None,
                  weights_from: "LLM | None" = None):
         if isinstance(speculative_config, dict):
+            unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))}")
+            if "method" not in speculative_config:
+                raise ValueError("speculative_config: method is required (ngram or draft_model)")
             speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,

@@ -38,15 +38,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
                    help="speculative decoding on decode workers: ngram (prompt lookup) or "
                         "draft_model (see docs/speculative_decoding.md); default off")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per request and step (with --speculative-method)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per request and step (with --speculative-method; default 4)")
     p.add_argument("--speculative-draft-model", default=None,
                    help="draft_model: a .gguf file or checkpoint dir with the target's "
                         "tokenizer (default: the target model itself)")
-    p.add_argument("--prompt-lookup-min", type=int, default=2,
-                   help="ngram: shortest suffix (tokens) to look up")
-    p.add_argument("--prompt-lookup-max", type=int, default=5,
-                   help="ngram: longest suffix (tokens) to look up")
+    p.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="ngram: shortest suffix (tokens) to look up (default 2)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None,
+                   help="ngram: longest suffix (tokens) to look up (default 5)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -68,12 +68,20 @@ def _sampling_params(args):
 def _engine_config(args):
     from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
+    spec_args = {"num_speculative_tokens": args.num_speculative_tokens,
+                 "prompt_lookup_min": args.prompt_lookup_min,
+                 "prompt_lookup_max": args.prompt_lookup_max,
+                 "draft_model": args.speculative_draft_model}
+    given = {k: v for k, v in spec_args.items() if v is not None}
     speculative = None
-    if args.speculative_method is not None:
-        speculative = SpeculativeConfig(
-            method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-            draft_model=args.speculative_draft_model)
+    if args.speculative_method is None:
+        if given:
+            raise ValueError(f"{next(iter(given))}: needs --speculative-method")
+    else:
+        if args.speculative_method != "draft_model" and "draft_model" in given:
+            raise ValueError("draft_model: --speculative-draft-model needs "
+                             "--speculative-method draft_model")
+        speculative = SpeculativeConfig(method=args.speculative_method, **given)
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, quantization=args.quantization,

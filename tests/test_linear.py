@@ -12,7 +12,8 @@ from tandem.engine.model.linear import (LINEAR_METHODS, Linear, UnquantizedLinea
                                   get_linear_method, process_weights_after_loading)
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.weights import WeightLoadError, load_weights
-from tandem.kernels.cpu.linear import packing_available
+from tandem.kernels.cpu.linear import (invariant_linear, invariant_linear_available,
+                                       pack_invariant_weight, packing_available)
 
 CFG = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
            head_dim=16, vocab_size=50, rms_norm_eps=1e-5, rope_theta=10000.0, max_model_len=64)
@@ -66,11 +67,18 @@ def test_dense_fused_layer_round_trip_equals_f_linear(dtype, tokens):
     assert torch.equal(layer.weight, want_weight)
     process_weights_after_loading(layer)
     process_weights_after_loading(layer)            # idempotent
-    packed = dtype == torch.bfloat16 and packing_available()
-    assert (layer.packed_weight is not None) == packed
-    assert ("weight" in dict(layer.named_parameters())) == (not packed)
+    onednn = dtype == torch.bfloat16 and packing_available()
+    fma = dtype == torch.bfloat16 and not onednn and invariant_linear_available()
+    assert (layer.packed_weight is not None) == onednn
+    assert (layer.invariant_weight is not None) == fma
+    assert ("weight" in dict(layer.named_parameters())) == (not (onednn or fma))
     x = torch.randn(tokens, 48, generator=g).to(dtype)
-    assert torch.equal(layer(x), F.linear(x, want_weight))
+    if fma:     # no oneDNN bfloat16 path: the compiled kernel, exactly
+        assert torch.equal(layer(x), invariant_linear(x, pack_invariant_weight(want_weight), 64))
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), want_weight.float()),
+                                   atol=0.05, rtol=0.02)
+    else:
+        assert torch.equal(layer(x), F.linear(x, want_weight))
 
 
 def test_dense_layer_refuses_misshapen_shards_and_foreign_tensors():

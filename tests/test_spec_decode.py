@@ -166,17 +166,30 @@ def test_abort_frees_the_draft_state(draft_llm):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"method": "medusa"}, "speculative_method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "medusa"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"draft_num_blocks": 0}, "draft_num_blocks")])
 def test_bad_speculative_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):
-        SpeculativeConfig(**kwargs)
+        SpeculativeConfig(**{"method": "ngram", **kwargs})
 
 
-def test_the_cli_refuses_a_bad_speculative_config(capsys):
+@pytest.mark.parametrize("config,message", [
+    ({"num_speculative_tokens": 4}, "speculative_config: method is required"),
+    ({"method": "ngram", "num_spec_tokens": 4}, "speculative_config: unknown field"),
+    ({"method": "draft_model", "draft_model": "/nonexistent.gguf"}, "draft_model: ")])
+def test_the_offline_api_names_a_bad_speculative_config(f32_weights, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(dtype="float32", num_blocks=16, speculative_config=config, weights_from=f32_weights)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["--num-speculative-tokens", "4"], "num_speculative_tokens: needs --speculative-method"),
+    (["--speculative-method", "ngram", "--speculative-draft-model", "x.gguf"],
+     "draft_model: --speculative-draft-model needs")])
+def test_the_cli_refuses_a_bad_speculative_config(capsys, argv, message):
     from tandem.router.cli import main
 
-    assert main(["generate", "--speculative-method", "ngram", "--num-speculative-tokens", "0",
-                 "hello"]) == 2
-    assert "num_speculative_tokens" in capsys.readouterr().err
+    assert main(["generate", *argv, "hello"]) == 2
+    assert message in capsys.readouterr().err

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.kernels.cpu.linear import (invariant_linear, pack_invariant_weight, pack_weight,
-                                       packed_linear, packing_available)
+from tandem.kernels.cpu.linear import (invariant_linear, invariant_linear_available,
+                                       pack_invariant_weight, pack_weight, packed_linear,
+                                       packing_available)
 
 
 class LinearMethodBase(ABC):
@@ -103,7 +104,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
       not depend on the batch), its weight packed once into 16-column panels;
     - otherwise for bfloat16, oneDNN's matmul with the weight packed once
       (:mod:`tandem.kernels.cpu.linear`: bit-identical, and it saves a re-layout of
-      every weight on every step).
+      every weight on every step), where oneDNN has a bfloat16 path on this CPU
+      (AVX-512); elsewhere the batch-invariant kernel above (float32 FMAs on the
+      bfloat16 weights, 4-5x torch's emulated bfloat16 GEMM on AVX2).
     """
 
     name = "none"
@@ -137,8 +140,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
             layer.invariant_weight = pack_invariant_weight(w)
             del layer.weight            # as below: only the packed copy is read
             return
-        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and packing_available():
-            layer.packed_weight = pack_weight(w)
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu":
+            if packing_available():
+                layer.packed_weight = pack_weight(w)
+            elif invariant_linear_available():
+                # No native bfloat16 dot product for oneDNN (no AVX-512): torch
+                # emulates bfloat16 GEMMs (about 14 GFLOP/s on 2 AVX2 cores) and the
+                # compiled float32-FMA kernel is 4-5x faster on the same weights.
+                layer.invariant_weight = pack_invariant_weight(w)
+            else:
+                return
             # The packed copy is all apply() reads: drop this layer's plain one (a
             # tied weight stays alive through the module it is shared with).
             del layer.weight

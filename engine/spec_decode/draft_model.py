@@ -71,7 +71,10 @@ class DraftModelProposer(Proposer):
         ec = engine.config
         self.k = config.num_speculative_tokens
         self.device = engine.device
-        files = resolve_model(config.draft_model) if config.draft_model else engine.model_files
+        try:
+            files = resolve_model(config.draft_model) if config.draft_model else engine.model_files
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"draft_model: {exc}") from exc
         self.self_draft = files == engine.model_files
         if self.self_draft:
             self.model, self.model_config = engine.model, engine.model_config

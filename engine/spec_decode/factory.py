@@ -18,6 +18,6 @@ def get_proposer(config: SpeculativeConfig, engine) -> Proposer:
     try:
         factory = PROPOSERS[config.method]
     except KeyError:
-        raise ValueError(f"speculative_method: unknown {config.method!r}, "
+        raise ValueError(f"method: unknown speculative method {config.method!r}, "
                          f"expected one of {', '.join(sorted(PROPOSERS))}") from None
     return factory(config, engine)

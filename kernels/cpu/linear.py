@@ -94,6 +94,20 @@ def pack_linear_weights(model: nn.Module) -> int:
 INVARIANT_PANEL = 16   # output columns per packed panel of csrc/linear.cpp
 
 
+@functools.cache
+def invariant_linear_available() -> bool:
+    """Whether the compiled kernels (and with them :func:`invariant_linear`) load on
+    this machine (a C++ compiler built them, or a cached build exists). Probed
+    once per process."""
+    from tandem.kernels.cpu.build import CpuKernelsUnavailable, load_library
+
+    try:
+        load_library()
+        return True
+    except CpuKernelsUnavailable:
+        return False
+
+
 def pack_invariant_weight(weight: torch.Tensor) -> torch.Tensor:
     """Copy ``weight`` ``[N, K]`` (float32 or bfloat16, CPU) into the panel layout of
     the batch-invariant kernel (see ``csrc/linear.cpp``): float32 ``[P, K, 16]``,
