@@ -216,6 +216,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, ordered: list[ScheduledRequest],
                 meta: AttentionMetadata) -> dict[str, list[SampleResult]]:
         rows: list[int] = []
+        plain: list[int] = []                   # indices into rows sampled as usual
         row_requests: list[Request] = []
         owners: list[str] = []
         verified: list[tuple[ScheduledRequest, int]] = []    # (step, its first logits row)
@@ -230,6 +231,7 @@ class ModelRunner:
                 continue
             # One row per sample (forks share the prompt's last row).
             for r in [s.request, *s.request.pending_forks]:
+                plain.append(len(rows))
                 rows.append(last)
                 row_requests.append(r)
                 owners.append(s.request.request_id)
@@ -238,7 +240,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
         sampled: dict[str, list[SampleResult]] = {}
         if row_requests:
-            plain = [j for j in range(len(rows)) if not _in_verified(j, verified)]
             results = self.sampler(logits[torch.tensor(plain)] if verified else logits,
                                    row_requests)
             for owner, res in zip(owners, results):
@@ -346,10 +347,6 @@ def pack_chunks(chunks, block_size: int, device: torch.device
     )
     return (torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device), meta)
-
-
-def _in_verified(row: int, verified: list[tuple[ScheduledRequest, int]]) -> bool:
-    return any(first <= row <= first + len(s.spec_token_ids) for s, first in verified)
 
 
 def _token_at(req: Request, pos: int) -> int:

@@ -38,10 +38,13 @@ class Sampler:
 
     Args:
         generator: the source of randomness for unseeded requests.
+        seed_salt: XORed into every seeded request's seed, so that two samplers
+            (a draft model's and the target's) give a request independent streams.
     """
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, seed_salt: int = 0):
         self.generator = generator or torch.Generator().manual_seed(0)
+        self.seed_salt = seed_salt
         # request id -> that seeded request's generator. Ids are unique among
         # an engine's live requests (the scheduler refuses a reused one), and
         # the engine frees an entry when its request finishes.
@@ -61,7 +64,7 @@ class Sampler:
         gen = self._generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator().manual_seed(
-                request.sampling_params.sample_seed(request.sample_index))
+                request.sampling_params.sample_seed(request.sample_index) ^ self.seed_salt)
             self._generators[request.request_id] = gen
         return gen
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.kv.kv_cache_manager import KVCacheManager
-from tandem.engine.sampling.sampler import (DraftHistory, apply_penalties_and_masks,
-                                            needs_processing, draw_proportional, processed_probs)
+from tandem.engine.sampling.sampler import (DraftHistory, Sampler, apply_penalties_and_masks,
+                                            draw_proportional, needs_processing, processed_probs)
 from tandem.engine.spec_decode.proposer import Proposal, Proposer, register_proposer
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ class DraftModelProposer(Proposer):
         self.kv = KVCacheManager(num_blocks, self.block_size, enable_caching=False)
         self.backend = get_attention_backend(ec.attention_backend, self.device, ec.torch_dtype,
                                              ec.batch_invariant)
-        self.generator = torch.Generator().manual_seed(_DRAFT_SEED_SALT)
-        self._generators: dict[str, torch.Generator] = {}
+        # The draft's own per-request generators (see _draw).
+        self.sampler = Sampler(torch.Generator().manual_seed(_DRAFT_SEED_SALT), _DRAFT_SEED_SALT)
         self._states: dict[str, _DraftState] = {}
         self.num_skipped = 0
         """Proposals skipped because the draft cache had no room (requests, total)."""
@@ -102,7 +102,7 @@ class DraftModelProposer(Proposer):
     def free(self, request_id: str) -> None:
         if self._states.pop(request_id, None) is not None:
             self.kv.free(request_id)
-        self._generators.pop(request_id, None)
+        self.sampler.free(request_id)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
@@ -115,17 +115,6 @@ class DraftModelProposer(Proposer):
     def num_tracked_requests(self) -> int:
         """Requests holding draft KV."""
         return len(self._states)
-
-    def _generator_for(self, req) -> torch.Generator:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return self.generator
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(
-                req.sampling_params.sample_seed(req.sample_index) ^ _DRAFT_SEED_SALT)
-            self._generators[req.request_id] = gen
-        return gen
 
     # -- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -197,4 +186,4 @@ class DraftModelProposer(Proposer):
             return int(row.argmax()), None
         q = processed_probs(row, req.sampling_params)
         q = q / q.sum()
-        return draw_proportional(q, self._generator_for(req)), q
+        return draw_proportional(q, self.sampler.generator_for(req)), q
