@@ -29,6 +29,8 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        quantization: the linear layers' weight format (``EngineConfig.quantization``):
+            ``none`` (dense in ``dtype``), ``gguf`` (a GGUF file's blocks kept packed).
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
@@ -54,7 +56,7 @@ class LLM:
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,
-                 weights_from: "LLM | None" = None):
+                 quantization: str = "none", weights_from: "LLM | None" = None):
         if isinstance(speculative_config, dict):
             unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
             if unknown:
@@ -64,7 +66,7 @@ class LLM:
             speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
-            max_model_len=max_model_len, num_threads=num_threads,
+            quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             batch_invariant=batch_invariant, speculative=speculative_config,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -45,13 +45,19 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
 
 
 def test_unknown_quantization_names_the_field_and_the_known_names():
-    assert list(LINEAR_METHODS) == ["none"]
+    from tandem.router.cli import build_parser
+
+    assert list(LINEAR_METHODS)[0] == "none" and "gguf" in LINEAR_METHODS
     assert isinstance(get_linear_method("none"), UnquantizedLinearMethod)
-    with pytest.raises(ValueError, match=r"^quantization: unknown 'gptq', expected one of none$"):
-        get_linear_method("gptq")
-    with pytest.raises(ValueError, match=r"^quantization: unknown 'q4_0', expected one of none$"):
+    known = ", ".join(LINEAR_METHODS)
+    with pytest.raises(ValueError, match=rf"^quantization: unknown 'int3', expected one of {known}$"):
+        get_linear_method("int3")
+    with pytest.raises(ValueError, match=rf"^quantization: unknown 'q4_0', expected one of {known}$"):
         EngineConfig(quantization="q4_0")
     assert EngineConfig().quantization == "none"
+    # The CLI offers exactly the registered methods.
+    action = next(a for a in build_parser()._actions if a.dest == "quantization")
+    assert sorted(action.choices) == sorted(LINEAR_METHODS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

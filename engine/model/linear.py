@@ -20,7 +20,8 @@ Its :class:`LinearMethodBase` decides the rest:
 - the matmul itself (:meth:`~LinearMethodBase.apply`).
 
 Methods are chosen by the config string ``EngineConfig.quantization`` through
-:data:`LINEAR_METHODS`; ``none`` (dense, unquantized) is the only one so far.
+:data:`LINEAR_METHODS`: ``none`` (dense, unquantized) here, the quantized formats in
+:mod:`tandem.engine.quantization` (``gguf``: a GGUF file's blocks kept packed).
 """
 
 from __future__ import annotations
@@ -162,9 +163,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight)
 
 
-# Config string (``EngineConfig.quantization``) -> factory of the method.
+def _gguf_method() -> LinearMethodBase:
+    from tandem.engine.quantization.gguf_linear import GGUFLinearMethod  # imports this module
+    return GGUFLinearMethod()
+
+
+# Config string (``EngineConfig.quantization``) -> factory of the method. Quantized
+# formats import their module in their factory (they build on this module).
 LINEAR_METHODS: dict[str, Callable[[], LinearMethodBase]] = {
     "none": UnquantizedLinearMethod,
+    "gguf": _gguf_method,
 }
 
 

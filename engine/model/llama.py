@@ -186,9 +186,12 @@ class LlamaForCausalLM(nn.Module):
 _DEQUANTIZED_CACHE_FORMAT = "1"   # bump when iter_gguf_tensors' output changes
 
 
-def gguf_checkpoint(files) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """A GGUF model's config and its ``(hf_name, float32 tensor)`` pairs
-    (:func:`~tandem.engine.model.weights.iter_gguf_tensors`), dequantized once per file.
+def gguf_checkpoint(files, native: bool = False
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """A GGUF model's config and its ``(hf_name, tensor)`` pairs
+    (:func:`~tandem.engine.model.weights.iter_gguf_tensors`), converted once per file:
+    dequantized to float32, or with ``native`` the projections' blocks as stored
+    (``qweight`` / ``qweight_type``, for the ``gguf`` linear method).
 
     Opening a GGUF file parses every metadata field (the tokenizer's vocabulary and
     merges element by element: seconds) and dequantizing takes seconds more, every
@@ -211,7 +214,8 @@ def gguf_checkpoint(files) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
 
     from tandem.engine.model.model_files import derived_path, publish
 
-    target = derived_path(files, "weights", version("gguf"), _DEQUANTIZED_CACHE_FORMAT)
+    target = derived_path(files, "weights-native" if native else "weights", version("gguf"),
+                          _DEQUANTIZED_CACHE_FORMAT)
     if target is not None:
         target += ".safetensors"
         if os.path.isfile(target):
@@ -227,8 +231,8 @@ def gguf_checkpoint(files) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tenso
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     cfg = ModelConfig.from_gguf_fields(fields, has_output)
     if target is None:
-        return cfg, weights.iter_gguf_tensors(reader, cfg)
-    tensors = dict(weights.iter_gguf_tensors(reader, cfg))
+        return cfg, weights.iter_gguf_tensors(reader, cfg, native)
+    tensors = dict(weights.iter_gguf_tensors(reader, cfg, native))
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
@@ -264,8 +268,11 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     """
     from tandem.engine.model import weights
 
+    if quantization == "gguf" and files.format != "gguf":
+        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's blocks, but the model "
+                         f"{files.path} is a {files.format} checkpoint")
     if files.format == "gguf":
-        cfg, tensors = gguf_checkpoint(files)
+        cfg, tensors = gguf_checkpoint(files, native=quantization == "gguf")
     else:
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)

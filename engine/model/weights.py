@@ -83,16 +83,40 @@ def read_gguf(path: str):
     return fields, reader
 
 
-def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
+# Leaf modules whose weights a quantized linear method may keep in the file's blocks.
+LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
 
-    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized with
-    ``gguf.quants.dequantize``, exactly as the Hugging Face GGUF loader does.
+
+def iter_gguf_tensors(reader, config: ModelConfig,
+                      native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of a GGUF file.
+
+    Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32
+    with ``gguf.quants.dequantize``, exactly as the Hugging Face GGUF loader does.
+
+    Args:
+        native: keep the projection matrices (:data:`LINEAR_PROJECTIONS`) as the file
+            stores them, for the ``gguf`` linear method: ``<proj>.qweight`` uint8
+            ``[N, row_bytes]`` (the rows of ggml blocks, whatever the type) and
+            ``<proj>.qweight_type`` int64 ``[]`` (the ggml type id). Other tensors
+            (embeddings, norms) are dequantized as above.
     """
     from gguf.quants import dequantize
 
     for t in reader.tensors:
         hf_name = gguf_name_to_hf(t.name)
+        module = hf_name.rpartition(".")[0]
+        if native and module.rpartition(".")[2] in LINEAR_PROJECTIONS:
+            rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else 1
+            raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
+            if hf_name.endswith("q_proj.weight"):
+                raw = _unpermute_rows(raw, config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                raw = _unpermute_rows(raw, config.num_kv_heads)
+            yield module + ".qweight", torch.from_numpy(np.array(raw, order="C", copy=True))
+            yield module + ".qweight_type", torch.tensor(int(t.tensor_type), dtype=torch.int64)
+            continue
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # GGUF lists dims fastest-first; numpy data is already row-major [out, in].
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))

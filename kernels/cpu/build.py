@@ -117,6 +117,12 @@ _SIGNATURES = {
     "rotary_embedding": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT],
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "linear": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
+    "gguf_linear": [_PTR, _I64, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _INT],
+}
+# Kernels without a dtype suffix: (argument types, result type).
+_UNSUFFIXED = {
+    "gguf_dequantize": ([_PTR, _PTR, _INT, _I64, _I64, _INT], None),
+    "gguf_block_bytes": ([_INT], _INT),
 }
 # Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
 _BF16_ONLY = {
@@ -143,6 +149,9 @@ def load_library() -> ctypes.CDLL:
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"tandem_{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    for name, (argtypes, restype) in _UNSUFFIXED.items():
+        fn = getattr(lib, f"tandem_{name}")
+        fn.argtypes, fn.restype = argtypes, restype
     lib.tandem_has_prefill_attention_bf16.restype = ctypes.c_int
     if lib.tandem_has_prefill_attention_bf16():
         for name, argtypes in _BF16_ONLY.items():

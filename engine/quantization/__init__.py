@@ -1,0 +1,2 @@
+"""Quantized weight formats: their linear methods (GGUF blocks, GPTQ, AWQ) and the
+quantizers that write them."""

@@ -1,0 +1,123 @@
+"""Linear layers on GGUF quantized blocks, on the CPU (``csrc/gguf_linear.cpp``).
+
+The weight stays in the GGUF file's bytes, ``qweight`` uint8 ``[N, row_bytes]``:
+one row per output feature, each ``K / 32`` blocks of 32 weights of one ggml type
+(Q4_0, Q4_1 or Q8_0; see the C++ source for the block layouts). A decode-sized
+product dequantizes each block in registers and multiplies it into up to four
+activation rows at once; a prefill-sized one dequantizes the matrix to float32 and
+runs torch's GEMM on it. Both give the values of dequantize-then-matmul up to the
+order of float32 summation (the dequantized weights are bit-identical to
+``gguf.quants.dequantize``'s).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+# ggml type id -> (name, weights per block, bytes per block) of the types read natively.
+GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+}
+# Above this many activation rows a product dequantizes the weight and runs a GEMM.
+# On AVX2 the in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM
+# but re-dequantizes each block once per 4 rows; it stays faster up to about 16 rows
+# (measured with benchmarks/quantization.py).
+MAX_FUSED_ROWS = 16
+
+
+@functools.cache
+def gguf_kernels_available() -> bool:
+    """Whether the compiled CPU kernels load on this machine (probed once)."""
+    from tandem.kernels.cpu.linear import invariant_linear_available
+
+    return invariant_linear_available()
+
+
+@functools.cache
+def _lib():
+    from tandem.kernels.cpu.build import load_library
+
+    return load_library()
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one weight row of ``in_features`` weights of ggml type ``qtype``.
+
+    Raises:
+        ValueError: a type not read natively, or ``in_features`` not a multiple of 32.
+    """
+    if qtype not in GGUF_NATIVE_TYPES:
+        raise ValueError(f"qtype: ggml type {qtype} has no native kernel "
+                         f"(native: {', '.join(v[0] for v in GGUF_NATIVE_TYPES.values())})")
+    _, block, nbytes = GGUF_NATIVE_TYPES[qtype]
+    if in_features % block:
+        raise ValueError(f"in_features: {in_features} is not a multiple of the "
+                         f"{block}-weight block")
+    return in_features // block * nbytes
+
+
+def _check_qweight(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.device.type != "cpu":
+        raise ValueError(f"qweight: expected a 2-D uint8 CPU tensor, got "
+                         f"{tuple(qweight.shape)} {qweight.dtype} on {qweight.device}")
+    if not qweight.is_contiguous():
+        raise ValueError("qweight: must be contiguous")
+    if qweight.shape[1] != row_bytes(qtype, in_features):
+        raise ValueError(f"qweight: rows of {qweight.shape[1]} bytes do not hold "
+                         f"{in_features} {GGUF_NATIVE_TYPES[qtype][0]} weights "
+                         f"({row_bytes(qtype, in_features)} bytes)")
+
+
+def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """The float32 weights ``[N, in_features]`` of ``qweight`` (uint8 ``[N, row_bytes]``).
+
+    Raises:
+        ValueError: wrong dtype, device, type or row width.
+    """
+    _check_qweight(qweight, qtype, in_features)
+    out = torch.empty(qweight.shape[0], in_features, dtype=torch.float32)
+    if out.numel():
+        _lib().tandem_gguf_dequantize(out.data_ptr(), qweight.data_ptr(), qtype,
+                                      qweight.shape[0], in_features, torch.get_num_threads())
+    return out
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+                fused_only: bool = False) -> torch.Tensor:
+    """``x W^T`` for ``W`` in GGUF blocks: ``[M, K]`` -> ``[M, N]`` in ``x``'s dtype.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 on the CPU, the last dim contiguous.
+        qweight: uint8 ``[N, row_bytes(qtype, K)]``, contiguous.
+        qtype: ggml type id, a key of :data:`GGUF_NATIVE_TYPES`.
+        in_features: ``K``.
+        fused_only: always the in-register kernel, whatever ``M``. Its row ``m`` of the
+            result does not depend on ``M`` or the other rows (each element one float32
+            sum in a fixed order), so this is the batch-invariant path.
+
+    Raises:
+        ValueError: dtype, device or shape mismatch.
+    """
+    _check_qweight(qweight, qtype, in_features)
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) \
+            or x.shape[1] != in_features:
+        raise ValueError(f"x: expected a [M, {in_features}] float32/bfloat16 CPU tensor, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    m, n = x.shape[0], qweight.shape[0]
+    if m > MAX_FUSED_ROWS and not fused_only:
+        w = gguf_dequantize(qweight, qtype, in_features)
+        return F.linear(x.float(), w).to(x.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(m, n)
+    if m and n:
+        fn = (_lib().tandem_gguf_linear_f32 if x.dtype == torch.float32
+              else _lib().tandem_gguf_linear_bf16)
+        fn(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), qweight.data_ptr(), qtype,
+           m, n, in_features, torch.get_num_threads())
+    return out

@@ -1,0 +1,151 @@
+"""The ``gguf`` linear method: GGUF blocks kept packed, multiplied by the compiled CPU
+kernel, against dequantize-then-matmul (``gguf.quants``) and the dense model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from tandem.engine.model.linear import Linear
+from tandem.engine.model.weights import WeightLoadError
+from tandem.engine.quantization.gguf_linear import GGUFLinearMethod
+from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.kernels.cpu.gguf_linear import (GGUF_NATIVE_TYPES, MAX_FUSED_ROWS, gguf_dequantize,
+                                            gguf_kernels_available, gguf_linear, row_bytes)
+
+pytestmark = pytest.mark.skipif(not gguf_kernels_available(),
+                                reason="compiled CPU kernels unavailable")
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+
+
+def quantized(n: int, k: int, qtype: QT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight uint8 [n, row_bytes], its float32 weights [n, k])`` by gguf-py."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    dense = np.asarray(dequantize(blocks, qtype), dtype=np.float32).reshape(n, k)
+    return torch.from_numpy(blocks), torch.from_numpy(dense.copy())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n,k", [(5, 32), (67, 160), (200, 576)])
+def test_dequantize_is_gguf_exactly(qtype, n, k):
+    qweight, dense = quantized(n, k, qtype)
+    assert qweight.shape == (n, row_bytes(int(qtype), k))
+    assert torch.equal(gguf_dequantize(qweight, int(qtype), k), dense)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 7, MAX_FUSED_ROWS + 1, 40])
+def test_linear_matches_dequantize_then_matmul(qtype, m):
+    n, k = 67, 160
+    qweight, dense = quantized(n, k, qtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = (x.double() @ dense.double().T)
+    y = gguf_linear(x, qweight, int(qtype), k)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    # float32 sums of 160 products in another order: a few ulps of the row's scale.
+    scale = (x.abs().double() @ dense.abs().double().T)
+    assert ((y.double() - ref).abs() <= 1e-6 * scale + 1e-30).all()
+    xb = x.bfloat16()
+    yb = gguf_linear(xb, qweight, int(qtype), k)
+    refb = xb.double() @ dense.double().T
+    assert yb.dtype == torch.bfloat16
+    # one bfloat16 rounding of the result (relative 2^-8) on top of float32 sums
+    assert ((yb.double() - refb).abs() <= 2 ** -8 * refb.abs() + 1e-6 * scale).all()
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_fused_kernel_rows_do_not_depend_on_the_batch(qtype):
+    n, k = 40, 96
+    qweight, _ = quantized(n, k, qtype)
+    x = torch.randn(2 * MAX_FUSED_ROWS + 3, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([gguf_linear(x[i:i + 1], qweight, int(qtype), k) for i in range(len(x))])
+    for rows in (2, 5, len(x)):
+        batched = gguf_linear(x[:rows], qweight, int(qtype), k, fused_only=True)
+        assert torch.equal(batched, alone[:rows])
+
+
+def test_bad_arguments_are_named():
+    qweight, _ = quantized(8, 64, QT.Q4_1)
+    with pytest.raises(ValueError, match="qtype"):
+        gguf_linear(torch.randn(1, 64), qweight, int(QT.Q4_K), 64)
+    with pytest.raises(ValueError, match="in_features"):
+        row_bytes(int(QT.Q8_0), 48)
+    with pytest.raises(ValueError, match="qweight"):
+        gguf_linear(torch.randn(1, 64), qweight[:, :20].contiguous(), int(QT.Q4_1), 64)
+    with pytest.raises(ValueError, match="qweight"):
+        gguf_linear(torch.randn(1, 64), qweight.to(torch.int8), int(QT.Q4_1), 64)
+    with pytest.raises(ValueError, match="x"):
+        gguf_linear(torch.randn(1, 32), qweight, int(QT.Q4_1), 64)
+    with pytest.raises(ValueError, match="x"):
+        gguf_linear(torch.randn(1, 64, dtype=torch.float64), qweight, int(QT.Q4_1), 64)
+
+
+def _fused_layer(shards: list[tuple[torch.Tensor, int]], k: int) -> Linear:
+    layer = Linear(k, [q.shape[0] for q, _ in shards], GGUFLinearMethod(), torch.float32)
+    for i, (q, t) in enumerate(shards):
+        layer.load_weight("qweight", q, i)
+        layer.load_weight("qweight_type", torch.tensor(t), i)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def test_fused_layer_keeps_blocks_and_mixed_types_fall_back_to_dense():
+    k = 96
+    (q1, d1), (q2, d2) = quantized(24, k, QT.Q4_1, 1), quantized(16, k, QT.Q4_1, 2)
+    x = torch.randn(3, k)
+    layer = _fused_layer([(q1, int(QT.Q4_1)), (q2, int(QT.Q4_1))], k)
+    assert layer.qtype == int(QT.Q4_1) and layer.dense_weight is None
+    assert torch.equal(layer.qweight, torch.cat([q1, q2]))
+    torch.testing.assert_close(layer(x), x @ torch.cat([d1, d2]).T, rtol=1e-5, atol=1e-5)
+    # A Q8_0 shard beside an F16 one: no single kernel, so one dense weight.
+    q3, d3 = quantized(16, k, QT.Q8_0, 3)
+    f16 = torch.from_numpy(d2.numpy().astype(np.float16).view(np.uint8).copy())
+    mixed = _fused_layer([(q3, int(QT.Q8_0)), (f16, int(QT.F16))], k)
+    assert mixed.qtype is None and not hasattr(mixed, "qweight")
+    expected = torch.cat([d3, d2.half().float()])
+    assert torch.equal(mixed.dense_weight, expected)
+    with pytest.raises(WeightLoadError, match="qweight"):
+        _fused_layer([(q1[:, :-2].contiguous(), int(QT.Q4_1)), (q2, int(QT.Q4_1))], k)
+    with pytest.raises(WeightLoadError, match="qweight"):
+        Linear(k, 24, GGUFLinearMethod(), torch.float32).load_weight("qweight", q2, None)
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(f32_weights):
+    from tandem.engine.llm import LLM
+
+    return LLM(dtype="float32", num_blocks=64, quantization="gguf")
+
+
+def test_real_model_keeps_q4_1_blocks(gguf_llm, model_files):
+    cfg = gguf_llm.engine.model_config
+    model = gguf_llm.engine.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert len(layers) == 4 * cfg.num_layers
+    assert {m.qtype for m in layers} == {int(QT.Q4_1)}     # the file's projections are Q4_1
+    per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                 + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)
+    held = sum(m.qweight.numel() for m in layers)
+    assert held == cfg.num_layers * per_layer // 32 * 20      # 20 bytes per 32 weights
+    assert not any(hasattr(m, "weight") for m in layers)
+
+
+def test_real_model_matches_dense_and_transformers(gguf_llm, f32_weights, hf_greedy):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ids = [f32_weights.tokenizer.encode(p) for p in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    native = gguf_llm.generate(ids, greedy)
+    dense = f32_weights.generate(ids, greedy)
+    for p, a, b in zip(ids, native, dense):
+        assert a.outputs[0].token_ids == hf_greedy(p, 16)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert lp_a.token_id == lp_b.token_id
+            assert math.isclose(lp_a.logprob, lp_b.logprob, abs_tol=2e-4)
