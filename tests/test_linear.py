@@ -56,7 +56,8 @@ def test_unknown_quantization_names_the_field_and_the_known_names():
         EngineConfig(quantization="q4_0")
     assert EngineConfig().quantization == "none"
     # The CLI offers exactly the registered methods.
-    action = next(a for a in build_parser()._actions if a.dest == "quantization")
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    action = next(a for a in sub.choices["serve"]._actions if a.dest == "quantization")
     assert sorted(action.choices) == sorted(LINEAR_METHODS)
 
 
