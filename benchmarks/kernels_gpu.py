@@ -19,6 +19,12 @@ the tolerance of tests/kernels), then times the kernel and a PyTorch peer with
   prefix; SDPA's causal mask is top-left aligned, so prefix cases have none).
 * reshape_and_cache, RMSNorm (+residual), RoPE, SiLU-and-mul: GB/s of the bytes
   each must move, against the eager torch reference.
+* GGUF linear (Q4_0, Q4_1, Q8_0 weights kept packed): decode shapes (M <= 16)
+  in GB/s of packed weight bytes plus x and out, larger M in TFLOP/s
+  (``2 * M * N * K``). Peers: ``F.linear`` over the weights dequantized
+  beforehand to x's dtype (cuBLAS on dense 16-bit weights, dequantization not
+  timed), and the reference op (dequantize + float32 matmul, timed). Weights
+  are random bytes with small valid fp16 scales (no gguf quantization pass).
 
 Prints a table and, with ``--out``, writes the rows as JSON. Exits 2 without
 CUDA and 1 if any correctness check fails.
@@ -55,11 +61,13 @@ def _import_kernels() -> types.SimpleNamespace:
         module = importlib.util.module_from_spec(spec)
         sys.modules["tandem.kernels"] = module
         spec.loader.exec_module(module)
-    from tandem.kernels import activation, paged_decode_attention, paged_prefill_attention
-    from tandem.kernels import reference, reshape_and_cache, rms_norm, rotary
+    from tandem.kernels import activation, gguf_linear, paged_decode_attention
+    from tandem.kernels import paged_prefill_attention, reference, reshape_and_cache, rms_norm
+    from tandem.kernels import rotary
     return types.SimpleNamespace(activation=activation, decode=paged_decode_attention,
                                  prefill=paged_prefill_attention, ref=reference,
-                                 cache=reshape_and_cache, rms_norm=rms_norm, rotary=rotary)
+                                 cache=reshape_and_cache, rms_norm=rms_norm, rotary=rotary,
+                                 gguf=gguf_linear)
 
 
 # (atol, rtol) of the kernel against the float32 reference, as in tests/kernels.
@@ -67,6 +75,9 @@ ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
             torch.bfloat16: (1.6e-2, 1.6e-2)}
 ELEM_TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3),
             torch.bfloat16: (1e-2, 8e-3)}
+# GGUF linear, per element relative to sum |x| |w| (tests/kernels/test_kernels_gguf.py).
+GGUF_TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+GGUF_QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
 def _bench(fn) -> float:
@@ -275,6 +286,60 @@ def bench_elementwise(kn, t: int, dtype: torch.dtype, args) -> list[dict]:
     return rows
 
 
+def _random_gguf_weight(kn, n: int, k: int, qtype: int, gen: torch.Generator) -> torch.Tensor:
+    """``[n, row_bytes]`` uint8 of random quants with fp16 scales in [1e-3, 1e-2)
+    (and Q4_1 minimums in [-1e-2, 0)), built on the device in one pass."""
+    dev = gen.device
+    block_weights, block_bytes = kn.ref.GGUF_BLOCK_SIZES[qtype]
+    nb = k // block_weights
+    q = torch.randint(0, 256, (n, nb, block_bytes), generator=gen, device=dev,
+                      dtype=torch.uint8)
+    d = torch.rand(n, nb, generator=gen, device=dev) * 9e-3 + 1e-3
+    q[..., 0:2] = d.half().view(torch.uint8).view(n, nb, 2)
+    if qtype == 3:
+        m = -torch.rand(n, nb, generator=gen, device=dev) * 1e-2
+        q[..., 2:4] = m.half().view(torch.uint8).view(n, nb, 2)
+    return q.view(n, nb * block_bytes)
+
+
+def bench_gguf_linear(kn, m: int, n: int, k: int, qtype_name: str, dtype: torch.dtype,
+                      args) -> dict:
+    gen = torch.Generator(device=args.device).manual_seed(3)
+    qtype = GGUF_QTYPES[qtype_name]
+    qweight = _random_gguf_weight(kn, n, k, qtype, gen)
+    x = torch.randn(m, k, generator=gen, device=args.device, dtype=torch.float32).to(dtype)
+
+    def run():
+        return kn.gguf.gguf_linear(x, qweight, qtype, k)
+
+    w = kn.ref.dequantize_gguf_reference(qweight, qtype, k)
+    got = run().float()
+    want = x.float() @ w.T
+    mag = x.float().abs() @ w.abs().T
+    rel = ((got - want).abs() / mag.clamp_min(1e-30)).max().item()
+    ok = rel <= GGUF_TOL[dtype]
+    w_dense = w.to(dtype)
+    del w, got, want, mag
+    ms = _bench(run)
+    peer_ms = _bench(lambda: F.linear(x, w_dense))
+    ref_ms = _bench(lambda: kn.ref.gguf_linear_reference(x, qweight, qtype, k))
+    elem = x.element_size()
+    if m <= 16:
+        io = (m * k + m * n) * elem
+        nbytes, peer_bytes = qweight.numel() + io, n * k * elem + io
+        metric, value, peer_value = "GB/s", nbytes / ms / 1e6, peer_bytes / peer_ms / 1e6
+        pct = 100 * value / args.peak_gbps
+    else:
+        flops = 2 * m * n * k
+        metric, value, peer_value = "TFLOP/s", flops / ms / 1e9, flops / peer_ms / 1e9
+        pct = 100 * value / args.peak_tflops
+    return dict(kernel=f"gguf_linear {qtype_name}", case=f"M={m} N={n} K={k}",
+                dtype=str(dtype).removeprefix("torch."), ms=ms, metric=metric, value=value,
+                pct_peak=pct, peer="F.linear, dense weights", peer_ms=peer_ms,
+                peer_value=peer_value, peer2="ref(dequant+matmul)", peer2_ms=ref_ms,
+                max_err=rel, ok=ok)
+
+
 def run_all(kn, args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -294,8 +359,18 @@ def run_all(kn, args) -> list[dict]:
         (2, 32, 8, 128, 2048, 6144),  # chunked prefill / cached prefix
         (8, 9, 3, 64, 1024, 0),       # SmolLM2-135M
     ]
+    gguf_cases = [
+        # (M, N, K), Llama-3-8B projections
+        (1, 4096, 4096),              # decode, attention output
+        (1, 14336, 4096),             # decode, MLP up
+        (1, 4096, 14336),             # decode, MLP down
+        (16, 14336, 4096),            # decode batch
+        (512, 14336, 4096),           # prefill chunk
+        (4096, 4096, 4096),
+    ]
     if args.quick:
         decode_cases, prefill_cases = decode_cases[::2], prefill_cases[::2]
+        gguf_cases = gguf_cases[::2]
     for case in decode_cases:
         rows.append(bench_decode(kn, *case, dtype, args))
         print(_fmt(rows[-1]), flush=True)
@@ -308,6 +383,10 @@ def run_all(kn, args) -> list[dict]:
     for row in bench_elementwise(kn, 8192 if not args.quick else 2048, dtype, args):
         rows.append(row)
         print(_fmt(row), flush=True)
+    for qtype_name in GGUF_QTYPES:
+        for case in gguf_cases:
+            rows.append(bench_gguf_linear(kn, *case, qtype_name, dtype, args))
+            print(_fmt(rows[-1]), flush=True)
     return rows
 
 

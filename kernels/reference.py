@@ -199,3 +199,113 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate (Shazeer 2020): ``x`` ``[T, 2F]`` = [gate | up] -> ``silu(gate) * up`` ``[T, F]``."""
     f = x.shape[-1] // 2
     return F.silu(x[..., :f]) * x[..., f:]
+
+
+# --- GGUF quantized weights (Q4_0, Q4_1, Q8_0) ------------------------------------
+#
+# A quantized weight stays in GGUF's own bytes: ``qweight`` is uint8
+# ``[N, row_bytes]``, one row per output feature (row-major ``[out, in]``), each row
+# ``K / 32`` consecutive blocks of 32 weights. Per block, little-endian:
+#
+#     Q4_0  18 bytes  fp16 d, 16 bytes qs       w_j = (q_j - 8) * d
+#     Q4_1  20 bytes  fp16 d, fp16 m, 16 qs     w_j = q_j * d + m
+#     Q8_0  34 bytes  fp16 d, 32 int8 qs        w_j = qs[j] * d
+#
+# where for the 4-bit types q_j = qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for
+# j >= 16 (low nibbles hold the first half of the block, high nibbles the second).
+
+# ggml type id (``gguf.GGMLQuantizationType``) -> (weights per block, bytes per block).
+GGUF_BLOCK_SIZES: dict[int, tuple[int, int]] = {
+    2: (32, 18),   # Q4_0
+    3: (32, 20),   # Q4_1
+    8: (32, 34),   # Q8_0
+}
+_GGUF_Q4_0, _GGUF_Q4_1, _GGUF_Q8_0 = 2, 3, 8
+
+
+def check_gguf_weight(qweight: torch.Tensor, qtype: int, in_features: int) -> tuple[int, int]:
+    """Validate a packed GGUF weight; returns ``(N, row_bytes)``.
+
+    Raises:
+        ValueError: ``qtype`` not a key of :data:`GGUF_BLOCK_SIZES`, ``in_features``
+            not a positive multiple of 32, ``qweight`` not a 2-D uint8 tensor of
+            ``in_features / 32 * bytes_per_block`` columns.
+    """
+    if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in GGUF_BLOCK_SIZES:
+        raise ValueError(f"qtype: {qtype!r} not supported, expected one of "
+                         f"{sorted(GGUF_BLOCK_SIZES)} (Q4_0, Q4_1, Q8_0)")
+    block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
+    if isinstance(in_features, bool) or not isinstance(in_features, int) \
+            or in_features <= 0 or in_features % block_weights:
+        raise ValueError(f"in_features: {in_features!r} is not a positive multiple of "
+                         f"{block_weights}")
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"qweight: dtype {qweight.dtype}, expected torch.uint8 (GGUF bytes)")
+    row_bytes = in_features // block_weights * block_bytes
+    if qweight.dim() != 2 or qweight.shape[1] != row_bytes:
+        raise ValueError(f"qweight: expected shape [N, {row_bytes}] ({in_features // block_weights}"
+                         f" blocks of {block_bytes} bytes per row), got {tuple(qweight.shape)}")
+    return qweight.shape[0], row_bytes
+
+
+def _fp16_from_bytes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """float32 value of the little-endian fp16 whose bytes are ``lo``, ``hi`` (uint8)."""
+    bits = lo.to(torch.int32) | (hi.to(torch.int32) << 8)
+    bits = torch.where(bits >= 1 << 15, bits - (1 << 16), bits)
+    return bits.to(torch.int16).view(torch.float16).to(torch.float32)
+
+
+def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: int,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpack a GGUF Q4_0 / Q4_1 / Q8_0 weight (pure torch, any device).
+
+    Computed in float32 with the operations of ``gguf.quants.dequantize`` (so the
+    float32 result equals it bit for bit), then cast to ``dtype``.
+
+    Args:
+        qweight: ``[N, row_bytes]`` uint8, GGUF blocks (layout above).
+        qtype: ggml type id, a key of :data:`GGUF_BLOCK_SIZES`.
+        in_features: ``K``, weights per row, a multiple of 32.
+        dtype: dtype of the result.
+
+    Returns:
+        ``[N, K]`` in ``dtype`` on qweight's device.
+
+    Raises:
+        ValueError: see :func:`check_gguf_weight`.
+    """
+    n, _ = check_gguf_weight(qweight, qtype, in_features)
+    block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
+    blocks = qweight.reshape(n, in_features // block_weights, block_bytes)
+    d = _fp16_from_bytes(blocks[..., 0], blocks[..., 1])[..., None]
+    if qtype == _GGUF_Q8_0:
+        w = blocks[..., 2:].view(torch.int8).to(torch.float32) * d
+    else:
+        qs = blocks[..., 4:] if qtype == _GGUF_Q4_1 else blocks[..., 2:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.float32)
+        if qtype == _GGUF_Q4_0:
+            w = (q - 8.0) * d
+        else:
+            w = q * d + _fp16_from_bytes(blocks[..., 2], blocks[..., 3])[..., None]
+    return w.reshape(n, in_features).to(dtype)
+
+
+def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+                          in_features: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` the dequantized GGUF weight, accumulated in float32.
+
+    Args:
+        x: ``[M, K]`` float32 / float16 / bfloat16.
+        qweight, qtype, in_features: as :func:`dequantize_gguf_reference`.
+
+    Returns:
+        ``[M, N]`` in x's dtype (``(x.float() @ W.T).to(x.dtype)``).
+
+    Raises:
+        ValueError: a bad weight (see :func:`check_gguf_weight`), or ``x`` not
+            ``[M, in_features]``.
+    """
+    w = dequantize_gguf_reference(qweight, qtype, in_features)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x: expected shape [M, {in_features}], got {tuple(x.shape)}")
+    return (x.float() @ w.T).to(x.dtype)

@@ -1,0 +1,239 @@
+"""Linear layer over GGUF quantized weights kept packed: ``x @ dequant(qweight).T``.
+
+Layout: ``qweight`` holds GGUF's own bytes, uint8 ``[N, row_bytes]``, one row per
+output feature (row-major ``[out, in]``), each row ``K / 32`` blocks of 32 weights
+(see :data:`tandem.kernels.reference.GGUF_BLOCK_SIZES` and the GGUF section of
+:mod:`tandem.kernels.reference`):
+
+    Q4_0 (type 2)  18 bytes  fp16 d, 16 bytes qs       w_j = (q_j - 8) * d
+    Q4_1 (type 3)  20 bytes  fp16 d, fp16 m, 16 qs     w_j = q_j * d + m
+    Q8_0 (type 8)  34 bytes  fp16 d, 32 int8 qs        w_j = qs[j] * d
+
+with ``q_j`` the low nibble of ``qs[j]`` for ``j < 16`` and the high nibble of
+``qs[j - 16]`` for ``j >= 16``.
+
+Algorithm: one program computes an output tile ``[BLOCK_M, BLOCK_N]``. It walks K
+in steps of ``BLOCK_K`` weights (``BLOCK_K / 32`` quant blocks): it loads the
+step's quant bytes of its ``BLOCK_N`` rows, and each block's fp16 scale (two
+bytes combined into a uint16 and bitcast), dequantizes in registers and
+accumulates ``tl.dot(x_tile, w_tile)`` in float32. Each quant byte is loaded
+once: for the 4-bit types the low nibbles of a block's 16 bytes are weights
+0..15 and the high nibbles 16..31, so the weight tile is kept as two
+``[BLOCK_K / 2, BLOCK_N]`` halves (low, high) and multiplied by the two matching
+column sets of x, ``x[:, 32b + i]`` and ``x[:, 32b + 16 + i]``, instead of
+interleaving the nibbles. The weights never exist dequantized in memory.
+
+Precision: float32 inputs multiply in IEEE float32 (no TF32). For float16 and
+bfloat16 inputs the dequantized weights are rounded to that dtype for the
+tensor-core dot, so results differ from :func:`gguf_linear_reference` (float32
+weights) by that rounding (one ulp of the dtype per weight) and the final one.
+
+Tensors:
+    x        [M, K]          float32 / float16 / bfloat16, innermost stride 1
+    qweight  [N, row_bytes]  uint8, row_bytes = K / 32 * bytes_per_block,
+                             innermost stride 1
+    out      [M, N]          x's dtype, innermost stride 1
+
+No split-K: with ``M <= 16`` (decode) the grid is ``ceil(N / BLOCK_N)`` programs,
+which narrow layers may leave short of the device's SM count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
+                                    check_last_dim_contiguous, check_shape, dot_options)
+from tandem.kernels.reference import (GGUF_BLOCK_SIZES, check_gguf_weight,
+                                      dequantize_gguf_reference, gguf_linear_reference)
+
+__all__ = ["gguf_linear", "gguf_linear_reference", "dequantize_gguf_reference",
+           "gguf_block_config", "GGUF_BLOCK_SIZES"]
+
+_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8
+_WEIGHTS_PER_BLOCK = 32
+
+
+@triton.jit
+def _load_fp16(ptr, mask):
+    """float32 value of the little-endian fp16 at ``ptr`` (two uint8 loads)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gguf_linear_kernel(
+    out_ptr, x_ptr, w_ptr,
+    M, N, num_blocks,
+    x_stride_m, w_stride_n, o_stride_m,
+    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # GROUP: weights whose bytes are loaded as one tile row set per block -- 32
+    # int8 for Q8_0, 16 bytes (= low half and high half of the block) for Q4_*.
+    NBLK: tl.constexpr = BLOCK_K // 32
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # int64: row * stride exceeds 2**31 bytes for large embedding / output layers.
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride_m          # [BM, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * w_stride_n          # [1, BN]
+
+    offs_g = tl.arange(0, NBLK * GROUP)      # tile row -> (block of the step, position)
+    blk_of_row = offs_g // GROUP
+    pos = offs_g % GROUP
+    offs_b = tl.arange(0, NBLK)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, num_blocks, NBLK):
+        blk = kb + blk_of_row
+        mask_k = blk < num_blocks
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        x_mask = mask_m[:, None] & mask_k[None, :]
+        q = tl.load(w_rows + (blk.to(tl.int64) * BLOCK_BYTES + QS_OFFSET + pos)[:, None],
+                    mask=w_mask, other=0)                               # uint8 [NBLK*G, BN]
+        # One scale per (block, row), broadcast over the block's tile rows.
+        s_blk = kb + offs_b
+        s_ptr = w_rows + (s_blk.to(tl.int64) * BLOCK_BYTES)[:, None]    # [NBLK, BN]
+        s_mask = (s_blk < num_blocks)[:, None] & mask_n[None, :]
+        d = _load_fp16(s_ptr, s_mask)
+        d = tl.reshape(tl.broadcast_to(d[:, None, :], (NBLK, GROUP, BLOCK_N)),
+                       (NBLK * GROUP, BLOCK_N))
+        x_cols = blk * 32 + pos
+        if QTYPE == 8:
+            w = q.to(tl.int8, bitcast=True).to(tl.float32) * d
+            xt = tl.load(x_rows + x_cols[None, :], mask=x_mask, other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+            acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=DOT_PRECISION)
+        else:
+            lo = (q & 0xF).to(tl.float32)
+            hi = (q >> 4).to(tl.float32)
+            if QTYPE == 2:
+                w_lo = (lo - 8.0) * d
+                w_hi = (hi - 8.0) * d
+            else:
+                mn = _load_fp16(s_ptr + 2, s_mask)
+                mn = tl.reshape(tl.broadcast_to(mn[:, None, :], (NBLK, GROUP, BLOCK_N)),
+                                (NBLK * GROUP, BLOCK_N))
+                w_lo = lo * d + mn
+                w_hi = hi * d + mn
+            x_lo = tl.load(x_rows + x_cols[None, :], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_rows + (x_cols + 16)[None, :], mask=x_mask, other=0.0)
+            if UPCAST:
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+            acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc, input_precision=DOT_PRECISION)
+
+    o = out_ptr + offs_m.to(tl.int64)[:, None] * o_stride_m + offs_n[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gguf_block_config(m: int, n: int, device: torch.device) -> dict[str, int]:
+    """Tile sizes and launch options of :func:`gguf_linear` for ``M = m``, ``N = n``.
+
+    Decode (``m <= 16``) is bound by reading the packed weights: one 16-row
+    M tile, long K steps (128 weights = 4 quant blocks per load), and the widest
+    N tile (64, 32 or 16) that still gives one program per SM. Larger ``m``
+    (prefill) uses square-ish tensor-core tiles, 64 or 128 rows. On CPU (the
+    interpreter) small tiles keep the numpy work per program low. These are
+    starting points, not an autotuned table.
+
+    Returns:
+        ``dict(block_m, block_n, block_k, num_warps, num_stages)``.
+    """
+    if device.type != "cuda":
+        return dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
+    if m <= 16:
+        sms = _sm_count(device)
+        block_n = next((bn for bn in (64, 32) if triton.cdiv(n, bn) >= sms), 16)
+        return dict(block_m=16, block_n=block_n, block_k=128, num_warps=4, num_stages=4)
+    if m <= 64:
+        return dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def _check_pow2(name: str, value: int, minimum: int) -> None:
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name}: must be a power of two >= {minimum}, got {value}")
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+                out: torch.Tensor | None = None, *, block_m: int | None = None,
+                block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a GGUF Q4_0 / Q4_1 / Q8_0 weight ``W`` kept packed (Triton).
+
+    Same contract as :func:`tandem.kernels.reference.gguf_linear_reference`,
+    float16 / bfloat16 up to the rounding of the weights (module docstring).
+
+    Args:
+        x: ``[M, K]`` float32 / float16 / bfloat16; any row stride, innermost stride 1.
+        qweight: ``[N, K / 32 * bytes_per_block]`` uint8 GGUF blocks, on x's device;
+            any row stride, innermost stride 1.
+        qtype: ggml type id (``gguf.GGMLQuantizationType``): 2 (Q4_0), 3 (Q4_1)
+            or 8 (Q8_0).
+        in_features: ``K``, a multiple of 32.
+        out: optional ``[M, N]`` output in x's dtype (may be a view of a larger tensor).
+        block_m, block_n: output tile (powers of two >= 16); None picks with
+            :func:`gguf_block_config`.
+        block_k: weights per K step, a power of two >= 32 (whole quant blocks).
+
+    Returns:
+        ``[M, N]`` in x's dtype, accumulated in float32.
+
+    Raises:
+        ValueError: unsupported ``qtype``, ``in_features`` not a multiple of 32, a
+            ``qweight`` / ``x`` / ``out`` of the wrong shape, dtype, device or
+            stride, or bad tile sizes; the message names the argument.
+    """
+    n, _ = check_gguf_weight(qweight, qtype, in_features)
+    qtype = int(qtype)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected shape [M, {in_features}], got {tuple(x.shape)}")
+    m = x.shape[0]
+    check_shape("x", x, (m, in_features))
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("qweight", qweight)
+    check_device(x, qweight, *(() if out is None else (out,)))
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        check_shape("out", out, (m, n))
+        check_dtype("out", out, (x.dtype,))
+        check_last_dim_contiguous("out", out)
+    cfg = gguf_block_config(m, n, x.device)
+    block_m = cfg["block_m"] if block_m is None else block_m
+    block_n = cfg["block_n"] if block_n is None else block_n
+    block_k = cfg["block_k"] if block_k is None else block_k
+    _check_pow2("block_m", block_m, 16)
+    _check_pow2("block_n", block_n, 16)
+    _check_pow2("block_k", block_k, _WEIGHTS_PER_BLOCK)
+    if m == 0 or n == 0:
+        return out
+
+    block_bytes = GGUF_BLOCK_SIZES[qtype][1]
+    precision, upcast = dot_options(x.dtype, x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _gguf_linear_kernel[grid](
+        out, x, qweight, m, n, in_features // _WEIGHTS_PER_BLOCK,
+        x.stride(0), qweight.stride(0), out.stride(0),
+        QTYPE=qtype, BLOCK_BYTES=block_bytes, QS_OFFSET=4 if qtype == _Q4_1 else 2,
+        GROUP=32 if qtype == _Q8_0 else 16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
