@@ -135,6 +135,11 @@ def test_real_model_keeps_q4_1_blocks(gguf_llm, model_files):
     held = sum(m.qweight.numel() for m in layers)
     assert held == cfg.num_layers * per_layer // 32 * 20      # 20 bytes per 32 weights
     assert not any(hasattr(m, "weight") for m in layers)
+    # The tied output projection multiplies by the embedding's own Q8_0 blocks.
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert embed.qtype == head.qtype == int(QT.Q8_0)
+    assert head.qweight.data_ptr() == embed.qweight.data_ptr()
+    assert embed.qweight.shape == (cfg.vocab_size, cfg.hidden_size // 32 * 34)
 
 
 def test_real_model_matches_dense_and_transformers(gguf_llm, f32_weights, hf_greedy):

@@ -249,7 +249,9 @@ class Linear(nn.Module):
 
 
 def process_weights_after_loading(model: nn.Module, batch_invariant: bool = False) -> None:
-    """Run every :class:`Linear` layer's post-loading step (idempotent).
+    """Run every :class:`Linear` layer's post-loading step, and that of any other
+    module with a ``process_weights_after_loading()`` (a quantized embedding)
+    (idempotent).
 
     Args:
         batch_invariant: give every layer a batch-invariant kernel
@@ -262,4 +264,7 @@ def process_weights_after_loading(model: nn.Module, batch_invariant: bool = Fals
         if isinstance(module, Linear):
             if batch_invariant:
                 module.batch_invariant = True
+            module.process_weights_after_loading()
+        elif module is not model and callable(getattr(module, "process_weights_after_loading",
+                                                      None)):
             module.process_weights_after_loading()

@@ -106,17 +106,28 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         linear_method = linear_method or UnquantizedLinearMethod()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        gguf = linear_method.name == "gguf"
+        tied = cfg.tie_word_embeddings
+        if gguf:
+            # The embedding and the output projection keep the file's blocks too; a
+            # tied output projection reads the embedding's (see load_model).
+            from tandem.engine.quantization.gguf_linear import GGUFEmbedding
+
+            self.model.embed_tokens = GGUFEmbedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, linear_method)
                                           for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The output projection stays dense: it multiplies by the (unquantized)
+        # Otherwise the output projection stays dense: it multiplies by the dense
         # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, UnquantizedLinearMethod())
-        tied = cfg.tie_word_embeddings
-        self.tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                              linear_method if gguf else UnquantizedLinearMethod())
+        leaves = ("qweight", "qweight_type") if gguf else ("weight",)
+        self.tied_parameters = ({f"lm_head.{x}": f"model.embed_tokens.{x}" for x in leaves}
+                                if tied else {})
         self.ignored_checkpoint_names = ("lm_head.weight",) if tied else ()
-        if tied:
+        if tied and not gguf:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache: torch.Tensor | None = None
 
@@ -183,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         """``[N, H]`` -> float32 logits ``[N, V]``."""
         return self.lm_head(hidden).float()
 
-_DEQUANTIZED_CACHE_FORMAT = "1"   # bump when iter_gguf_tensors' output changes
+_DEQUANTIZED_CACHE_FORMAT = "2"   # bump when iter_gguf_tensors' output changes
 
 
 def gguf_checkpoint(files, native: bool = False
@@ -281,6 +292,8 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         model = LlamaForCausalLM(cfg, linear_method)
     model = model.to_empty(device=device).to(dtype)
     weights.load_weights(model, tensors)
+    if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
+        model.model.embed_tokens.share_with(model.lm_head)
     process_weights_after_loading(model, batch_invariant)
     model.init_rope(device)
     model.eval()

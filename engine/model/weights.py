@@ -96,8 +96,8 @@ def iter_gguf_tensors(reader, config: ModelConfig,
     with ``gguf.quants.dequantize``, exactly as the Hugging Face GGUF loader does.
 
     Args:
-        native: keep the projection matrices (:data:`LINEAR_PROJECTIONS`) as the file
-            stores them, for the ``gguf`` linear method: ``<proj>.qweight`` uint8
+        native: keep the projection matrices (:data:`LINEAR_PROJECTIONS`), the token
+            embedding and the output projection as the file stores them, for the ``gguf`` linear method: ``<proj>.qweight`` uint8
             ``[N, row_bytes]`` (the rows of ggml blocks, whatever the type) and
             ``<proj>.qweight_type`` int64 ``[]`` (the ggml type id). Other tensors
             (embeddings, norms) are dequantized as above.
@@ -107,7 +107,8 @@ def iter_gguf_tensors(reader, config: ModelConfig,
     for t in reader.tensors:
         hf_name = gguf_name_to_hf(t.name)
         module = hf_name.rpartition(".")[0]
-        if native and module.rpartition(".")[2] in LINEAR_PROJECTIONS:
+        if native and (module.rpartition(".")[2] in LINEAR_PROJECTIONS
+                       or module in ("model.embed_tokens", "lm_head")):
             rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else 1
             raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
             if hf_name.endswith("q_proj.weight"):

@@ -10,6 +10,10 @@ matmul reads the blocks directly:
   registers for decode-sized batches);
 - CUDA: :func:`tandem.kernels.gguf_linear.gguf_linear` (a Triton dequant-GEMM).
 
+The token embedding is kept in its blocks as well (:class:`GGUFEmbedding`: a lookup
+dequantizes only the rows it gathers), and a tied output projection multiplies by
+those same blocks (no second copy).
+
 Natively read types: Q4_0, Q4_1, Q8_0. A layer whose fused sub-matrices have
 different types, or a type without a kernel (the K-quants, F16, ...), or a machine
 without the compiled kernels, is dequantized once at load to a dense weight in the
@@ -70,73 +74,16 @@ class GGUFLinearMethod(LinearMethodBase):
     name = "gguf"
 
     def create_weights(self, layer, in_features, output_sizes, params_dtype):
-        # Placeholders: the packed width depends on the ggml type, known at load.
-        layer.register_parameter("qweight", nn.Parameter(torch.empty(0, dtype=torch.uint8),
-                                                         requires_grad=False))
-        layer.register_parameter("qweight_type", nn.Parameter(
-            torch.empty(0, dtype=torch.int64), requires_grad=False))
-        layer.params_dtype = params_dtype
-        layer.gguf_shards = {}        # shard id -> uint8 rows
-        layer.gguf_shard_types = {}   # shard id -> ggml type id
-        layer.qtype = None            # set once processed: the type the kernel reads
-        layer.dense_weight = None     # set once processed: the fallback's weight
+        _init_gguf_params(layer, params_dtype)
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         rows = layer.out_features if shard_id is None else layer.output_sizes[shard_id]
-        if param_name == "qweight":
-            if loaded.dtype != torch.uint8 or loaded.dim() != 2 or loaded.shape[0] != rows:
-                raise WeightLoadError(f"qweight: expected uint8 [{rows}, bytes], got "
-                                      f"{tuple(loaded.shape)} {loaded.dtype}")
-            layer.gguf_shards[shard_id] = loaded.contiguous()
-        elif param_name == "qweight_type":
-            if loaded.numel() != 1:
-                raise WeightLoadError(f"qweight_type: expected one ggml type id, got "
-                                      f"{tuple(loaded.shape)}")
-            layer.gguf_shard_types[shard_id] = int(loaded.reshape(()).item())
-        else:
-            raise WeightLoadError(f"a GGUF linear layer stores no {param_name!r} "
-                                  "(it expects qweight and qweight_type)")
+        _load_shard(layer, param_name, loaded, shard_id, rows)
 
     def process_weights_after_loading(self, layer):
         if layer.qtype is not None or layer.dense_weight is not None:
             return
-        ids = layer.shard_ids
-        if set(layer.gguf_shards) != set(ids) or set(layer.gguf_shard_types) != set(ids):
-            raise WeightLoadError(f"GGUF layer: shards {sorted(layer.gguf_shards, key=str)} "
-                                  f"loaded, expected {list(ids)}")
-        device = layer.qweight.device
-        types = {layer.gguf_shard_types[i] for i in ids}
-        native = (len(types) == 1 and next(iter(types)) in GGUF_NATIVE_TYPES
-                  and (device.type == "cuda" or (device.type == "cpu"
-                                                 and gguf_kernels_available())))
-        if native and layer.batch_invariant and device.type != "cpu":
-            raise ValueError("batch_invariant: the batch-invariant GGUF kernel runs on the "
-                             f"CPU only, not on {device}")
-        if native:
-            qtype = next(iter(types))
-            width = row_bytes(qtype, layer.in_features)
-            for i in ids:
-                if layer.gguf_shards[i].shape[1] != width:
-                    raise WeightLoadError(
-                        f"qweight: rows of {layer.gguf_shards[i].shape[1]} bytes do not hold "
-                        f"{layer.in_features} {_ggml_type_name(qtype)} weights ({width} bytes)")
-            packed = torch.cat([layer.gguf_shards[i] for i in ids]).to(device)
-            layer.qweight = nn.Parameter(packed, requires_grad=False)
-            layer.qweight_type = nn.Parameter(torch.tensor(qtype, dtype=torch.int64,
-                                                           device=device), requires_grad=False)
-            layer.qtype = qtype
-        else:
-            logger.debug("GGUF layer with types %s: dequantized to a dense weight",
-                         sorted(_ggml_type_name(t) for t in types))
-            if layer.batch_invariant:
-                raise ValueError("batch_invariant: a GGUF layer of types "
-                                 f"{sorted(_ggml_type_name(t) for t in types)} has no "
-                                 "batch-invariant kernel")
-            dense = torch.cat([dequantize_rows(layer.gguf_shards[i], layer.gguf_shard_types[i],
-                                               layer.in_features) for i in ids])
-            layer.dense_weight = dense.to(device=device, dtype=layer.params_dtype)
-            del layer.qweight, layer.qweight_type
-        layer.gguf_shards, layer.gguf_shard_types = {}, {}
+        _pack_shards(layer, layer.shard_ids, layer.in_features)
 
     def apply(self, layer, x):
         if layer.dense_weight is not None:
@@ -154,13 +101,127 @@ class GGUFLinearMethod(LinearMethodBase):
                            fused_only=layer.batch_invariant)
 
 
-def gguf_memory_bytes(model: nn.Module) -> int:
-    """Bytes held by the linear layers' weights of ``model`` (packed or dense)."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            for t in (getattr(module, "qweight", None), getattr(module, "dense_weight", None),
-                      getattr(module, "weight", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+def _pack_shards(layer: nn.Module, ids, in_features: int) -> None:
+    """Turn the loaded shards of ``layer`` into one ``qweight`` (native type) or one
+    ``dense_weight`` (the fallback); see :class:`GGUFLinearMethod`."""
+    if set(layer.gguf_shards) != set(ids) or set(layer.gguf_shard_types) != set(ids):
+        raise WeightLoadError(f"GGUF layer: shards {sorted(layer.gguf_shards, key=str)} "
+                              f"loaded, expected {list(ids)}")
+    device = layer.qweight.device
+    types = {layer.gguf_shard_types[i] for i in ids}
+    native = (len(types) == 1 and next(iter(types)) in GGUF_NATIVE_TYPES
+              and (device.type == "cuda" or (device.type == "cpu"
+                                             and gguf_kernels_available())))
+    if native and getattr(layer, "batch_invariant", False) and device.type != "cpu":
+        raise ValueError("batch_invariant: the batch-invariant GGUF kernel runs on the "
+                         f"CPU only, not on {device}")
+    if native:
+        qtype = next(iter(types))
+        width = row_bytes(qtype, in_features)
+        for i in ids:
+            if layer.gguf_shards[i].shape[1] != width:
+                raise WeightLoadError(
+                    f"qweight: rows of {layer.gguf_shards[i].shape[1]} bytes do not hold "
+                    f"{in_features} {_ggml_type_name(qtype)} weights ({width} bytes)")
+        shards = [layer.gguf_shards[i] for i in ids]
+        # One shard is used as is: a tied output projection shares the embedding's.
+        packed = (shards[0] if len(shards) == 1 else torch.cat(shards)).to(device)
+        layer.qweight = nn.Parameter(packed, requires_grad=False)
+        layer.qweight_type = nn.Parameter(torch.tensor(qtype, dtype=torch.int64,
+                                                       device=device), requires_grad=False)
+        layer.qtype = qtype
+    else:
+        logger.debug("GGUF layer with types %s: dequantized to a dense weight",
+                     sorted(_ggml_type_name(t) for t in types))
+        if getattr(layer, "batch_invariant", False):
+            raise ValueError("batch_invariant: a GGUF layer of types "
+                             f"{sorted(_ggml_type_name(t) for t in types)} has no "
+                             "batch-invariant kernel")
+        dense = torch.cat([dequantize_rows(layer.gguf_shards[i], layer.gguf_shard_types[i],
+                                           in_features) for i in ids])
+        layer.dense_weight = dense.to(device=device, dtype=layer.params_dtype)
+        del layer.qweight, layer.qweight_type
+    layer.gguf_shards, layer.gguf_shard_types = {}, {}
+
+
+def _load_shard(layer: nn.Module, param_name: str, loaded: torch.Tensor,
+                shard_id: int | None, rows: int) -> None:
+    """Keep one loaded GGUF tensor of ``layer`` (``qweight`` rows or ``qweight_type``)."""
+    if param_name == "qweight":
+        if loaded.dtype != torch.uint8 or loaded.dim() != 2 or loaded.shape[0] != rows:
+            raise WeightLoadError(f"qweight: expected uint8 [{rows}, bytes], got "
+                                  f"{tuple(loaded.shape)} {loaded.dtype}")
+        layer.gguf_shards[shard_id] = loaded.contiguous()
+    elif param_name == "qweight_type":
+        if loaded.numel() != 1:
+            raise WeightLoadError(f"qweight_type: expected one ggml type id, got "
+                                  f"{tuple(loaded.shape)}")
+        layer.gguf_shard_types[shard_id] = int(loaded.reshape(()).item())
+    else:
+        raise WeightLoadError(f"a GGUF layer stores no {param_name!r} "
+                              "(it expects qweight and qweight_type)")
+
+
+def _init_gguf_params(layer: nn.Module, params_dtype: torch.dtype) -> None:
+    # Placeholders: the packed width depends on the ggml type, known at load.
+    layer.register_parameter("qweight", nn.Parameter(torch.empty(0, dtype=torch.uint8),
+                                                     requires_grad=False))
+    layer.register_parameter("qweight_type", nn.Parameter(torch.empty(0, dtype=torch.int64),
+                                                          requires_grad=False))
+    layer.params_dtype = params_dtype
+    layer.gguf_shards = {}        # shard id -> uint8 rows
+    layer.gguf_shard_types = {}   # shard id -> ggml type id
+    layer.qtype = None            # set once processed: the type the kernel reads
+    layer.dense_weight = None     # set once processed: the fallback's weight
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding whose table stays in GGUF blocks (``qweight`` uint8
+    ``[V, row_bytes]``): a lookup gathers the rows of the ids and dequantizes only those.
+
+    Args:
+        num_embeddings: ``V``; embedding_dim: ``H`` (a multiple of 32 for a native type).
+        params_dtype: dtype of the looked-up vectors.
+
+    Shapes: ``input_ids`` ``[T]`` int64 -> ``[T, H]`` in ``params_dtype``. A type
+    without a kernel is dequantized once at load to a dense table (as linear layers).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        _init_gguf_params(self, params_dtype or torch.get_default_dtype())
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """See :meth:`LinearMethodBase.load_weight` (raises :class:`WeightLoadError`)."""
+        _load_shard(self, param_name, loaded, shard_id, self.num_embeddings)
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded table (idempotent)."""
+        if self.qtype is None and self.dense_weight is None:
+            _pack_shards(self, (None,), self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.dense_weight is not None:
+            return F.embedding(input_ids, self.dense_weight)
+        rows = self.qweight.index_select(0, input_ids)            # [T, row_bytes]
+        if rows.device.type == "cpu":
+            from tandem.kernels.cpu.gguf_linear import gguf_dequantize
+
+            out = gguf_dequantize(rows, self.qtype, self.embedding_dim)
+        else:
+            from tandem.kernels.reference import dequantize_gguf_reference
+
+            out = dequantize_gguf_reference(rows, self.qtype, self.embedding_dim)
+        return out.to(self.params_dtype)
+
+    def share_with(self, layer: Linear) -> None:
+        """Give the tied output projection ``layer`` (a GGUF :class:`Linear` of shape
+        ``[V, H]``) this table's loaded blocks, before either is processed: both then
+        read the same tensor."""
+        layer.gguf_shards = dict(self.gguf_shards)
+        layer.gguf_shard_types = dict(self.gguf_shard_types)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"

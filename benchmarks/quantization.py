@@ -1,0 +1,189 @@
+"""Weight and KV memory, capacity and throughput per quantization format, in one run.
+
+Each format is an ``LLM`` configuration on the same model (the default
+SmolLM2-135M-Instruct GGUF unless ``--model``):
+
+- ``f32`` / ``bf16``: the file's blocks dequantized to dense float32 / bfloat16 at load;
+- ``gguf-f32`` / ``gguf-bf16``: ``quantization="gguf"``, the blocks kept packed and
+  read by the quantized kernels, activations in float32 / bfloat16;
+- ``gguf-q8_0``: the same on a Q8_0 file (``--q8-model``, e.g. made with
+  ``tandem quantize --method q8_0``);
+- extra formats are entries of :data:`FORMATS` (name -> model, LLM kwargs).
+
+For each: the bytes of the weights held in memory (every distinct tensor a module
+holds: parameters, buffers and the packed copies linear methods keep), the KV bytes
+per token, the engine's KV blocks and the largest number of concurrent sequences
+of ``--seq-len`` tokens when weights + KV share a ``--memory-budget-mib`` budget,
+single-stream decode speed (one prompt, greedy) and offline throughput (``--num-prompts``
+prompts, greedy, EOS ignored). ``--peers llama.cpp`` adds llama.cpp on the same GGUF
+files, through benchmarks/llama_cpp_peer.py in the venv of ``--llama-cpp-python``.
+
+    python benchmarks/quantization.py --out benchmarks/results/quantization.json
+    python benchmarks/quantization.py --formats f32,gguf-f32 --num-prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_throughput import make_workload  # noqa: E402
+
+# name -> (model path or a flag naming it (None: the default model), LLM kwargs)
+FORMATS: dict[str, tuple[str | None, dict]] = {
+    "f32": (None, {"dtype": "float32"}),
+    "bf16": (None, {"dtype": "bfloat16"}),
+    "gguf-f32": (None, {"dtype": "float32", "quantization": "gguf"}),
+    "gguf-bf16": (None, {"dtype": "bfloat16", "quantization": "gguf"}),
+    "gguf-q8_0": ("--q8-model", {"dtype": "float32", "quantization": "gguf"}),
+}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct tensors ``model``'s modules hold as weights: parameters,
+    buffers, and the packed copies kept as plain attributes by linear methods."""
+    seen, total = set(), 0
+    for module in model.modules():
+        tensors = list(module._parameters.values()) + list(module._buffers.values())
+        tensors += [getattr(module, a, None) for a in ("packed_weight", "invariant_weight",
+                                                       "dense_weight")]
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            try:
+                key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            except RuntimeError:        # opaque (oneDNN) tensors: count by size
+                key = id(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dict:
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    probe = LLM(model=model, num_blocks=8, **kwargs)
+    engine = probe.engine
+    w_bytes = weight_bytes(engine.model)
+    kv = engine.kv_cache.tensor                    # [L, 2, NB, BS, Hkv, D]
+    bytes_per_block = kv.numel() * kv.element_size() // kv.shape[2]
+    kv_bytes_per_token = bytes_per_block / engine.config.cache.block_size
+    budget = args.memory_budget_mib << 20
+    kv_budget = max(0, budget - w_bytes)
+    blocks_per_seq = -(-args.seq_len // engine.config.cache.block_size)
+    num_blocks = kv_budget // bytes_per_block
+    del probe, engine
+
+    llm = LLM(model=model, max_num_seqs=args.max_num_seqs,
+              kv_cache_memory_bytes=max(kv_budget, 64 << 20), **kwargs)
+    greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    single = llm.generate([prompts[0]], greedy)
+    single_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "model": model or "default", "llm_kwargs": kwargs,
+        "weight_bytes": w_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_blocks_in_budget": int(num_blocks),
+        "max_concurrent_seqs": int(num_blocks // blocks_per_seq),
+        "single_stream_tok_s": len(single[0].outputs[0].token_ids) / single_s,
+        "single_stream_seconds": single_s,
+        "offline_output_tok_s": n / dt, "offline_seconds": dt,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_llama_cpp(path: str, prompts, args) -> dict:
+    cmd = [args.llama_cpp_python, str(Path(__file__).with_name("llama_cpp_peer.py")),
+           "--model", path, "--num-prompts", str(len(prompts)), "--output-len",
+           str(args.output_len), "--min-prompt", str(args.min_prompt), "--max-prompt",
+           str(args.max_prompt), "--seed", str(args.seed), "--threads",
+           str(torch.get_num_threads())]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="f32,bf16,gguf-f32,gguf-bf16,gguf-q8_0",
+                    help=f"comma-separated, from {', '.join(FORMATS)}")
+    ap.add_argument("--q8-model", default=None, help="a Q8_0 GGUF of the same model")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--min-prompt", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=1024,
+                    help="tokens per sequence for the capacity column")
+    ap.add_argument("--memory-budget-mib", type=int, default=512,
+                    help="weights + KV budget for the capacity column (MiB)")
+    ap.add_argument("--peers", default="", help="llama.cpp (needs --llama-cpp-python)")
+    ap.add_argument("--llama-cpp-python", default="/work/lcpp-venv/bin/python")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    names = [x for x in args.formats.split(",") if x]
+    unknown = set(names) - set(FORMATS)
+    if unknown:
+        ap.error(f"--formats: unknown {sorted(unknown)}, expected some of {', '.join(FORMATS)}")
+    prompts = make_workload(args.num_prompts, args.min_prompt, args.max_prompt, 49152, args.seed)
+    result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "formats": {}}
+    first_outputs = None
+    for name in names:
+        model, kwargs = FORMATS[name]
+        if model is not None and model.startswith("--"):
+            model = getattr(args, model[2:].replace("-", "_"))
+            if model is None:
+                print(f"{name}: skipped (no {FORMATS[name][0]})")
+                continue
+        r = run_format(name, model, kwargs, prompts, args)
+        outputs = r.pop("outputs")
+        if first_outputs is None:
+            first_outputs, first = outputs, name
+        else:
+            r[f"outputs_equal_to_{first}"] = sum(a == b for a, b in zip(first_outputs, outputs))
+        result["formats"][name] = r
+        print(f"{name:10s} weights {r['weight_bytes'] / 2**20:7.1f} MiB  KV {r['kv_bytes_per_token']:6.0f} "
+              f"B/token  seqs@{args.memory_budget_mib}MiB {r['max_concurrent_seqs']:4d}  "
+              f"single {r['single_stream_tok_s']:6.1f} tok/s  offline {r['offline_output_tok_s']:6.1f} tok/s",
+              flush=True)
+    if "llama.cpp" in args.peers.split(","):
+        files = {"gguf-q4_1": None, "gguf-q8_0": args.q8_model}
+        for name, path in files.items():
+            if path is None and name == "gguf-q4_1":
+                from tandem.engine.model.model_files import resolve_model
+                path = resolve_model(None).path
+            if path is None:
+                continue
+            r = run_llama_cpp(path, prompts, args)
+            result["formats"][f"llama.cpp-{name[5:]}"] = r
+            print(f"llama.cpp {name[5:]:5s} single {r['single_stream_tok_s']:6.1f} tok/s  "
+                  f"offline {r['offline_output_tok_s']:6.1f} tok/s", flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
