@@ -20,6 +20,12 @@ files, through benchmarks/llama_cpp_peer.py in the venv of ``--llama-cpp-python`
 
     python benchmarks/quantization.py --out benchmarks/results/quantization.json
     python benchmarks/quantization.py --formats f32,gguf-f32 --num-prompts 8
+    python benchmarks/quantization.py --kernels     # the linear kernels alone, per batch size
+
+``--kernels`` times one projection of the model's shapes (gate-up, ``[3072, 576]``)
+per activation rows M: the GGUF in-register kernel, dequantize + GEMM, and the dense
+float32 / bfloat16 paths the unquantized method runs, to place
+``kernels.cpu.gguf_linear.MAX_FUSED_ROWS``.
 """
 
 from __future__ import annotations
@@ -108,6 +114,48 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
     }
 
 
+def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30) -> dict:
+    import numpy as np
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize, quantize
+
+    from tandem.kernels.cpu.gguf_linear import gguf_dequantize, gguf_linear
+    from tandem.kernels.cpu.linear import invariant_linear, pack_invariant_weight
+
+    def best_us(fn) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 4] * 1e6       # lower quartile: less noise
+
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    out = {}
+    for qtype in (QT.Q4_1, QT.Q8_0):
+        qw = torch.from_numpy(quantize(w, qtype))
+        dense = torch.from_numpy(np.asarray(dequantize(qw.numpy(), qtype)).reshape(n, k).copy())
+        bf16_panels = pack_invariant_weight(dense.bfloat16())
+        for m in rows:
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            out[f"{qtype.name} M={m}"] = r = {
+                "gguf_fused_f32_us": best_us(lambda: gguf_linear(x, qw, int(qtype), k,
+                                                                  fused_only=True)),
+                "gguf_dequant_gemm_f32_us": best_us(
+                    lambda: F.linear(x, gguf_dequantize(qw, int(qtype), k))),
+                "gguf_fused_bf16_us": best_us(lambda: gguf_linear(xb, qw, int(qtype), k,
+                                                                   fused_only=True)),
+                "dense_f32_us": best_us(lambda: F.linear(x, dense)),
+                "dense_bf16_invariant_us": best_us(lambda: invariant_linear(xb, bf16_panels, n)),
+            }
+            print(f"{qtype.name} M={m:4d} " + "  ".join(f"{key[:-3]} {v:8.0f}us"
+                                                        for key, v in r.items()), flush=True)
+    return out
+
+
 def run_llama_cpp(path: str, prompts, args) -> dict:
     cmd = [args.llama_cpp_python, str(Path(__file__).with_name("llama_cpp_peer.py")),
            "--model", path, "--num-prompts", str(len(prompts)), "--output-len",
@@ -138,8 +186,15 @@ def main() -> None:
     ap.add_argument("--peers", default="", help="llama.cpp (needs --llama-cpp-python)")
     ap.add_argument("--llama-cpp-python", default="/work/lcpp-venv/bin/python")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", action="store_true", help="time the linear kernels only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.kernels:
+        result = {"threads": torch.get_num_threads(), "kernels": time_kernels()}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return
 
     names = [x for x in args.formats.split(",") if x]
     unknown = set(names) - set(FORMATS)

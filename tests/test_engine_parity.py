@@ -101,7 +101,7 @@ def test_prefix_caching_on_off(base_llm, prompts, reference):
     for o, p in zip(second, prompts):
         assert o.num_cached_tokens == ((len(p) - 1) // bs) * bs
     off = LLM(dtype="float32", num_blocks=512, enable_prefix_caching=False, weights_from=base_llm)
-    check_parity(off, prompts, reference)
+    check_parity(off, prompts[:3] + prompts[-1:], reference[:3] + reference[-1:])
     second_off = off.generate(prompts[:2], GREEDY)   # the same prompts again: no hits
     assert all(o.num_cached_tokens == 0 for o in second_off)
     assert off.engine.kv_cache_manager.prefix_cache_hits == 0
@@ -128,7 +128,9 @@ def test_greedy_parity_torch_backend(base_llm, prompts, reference):
     """The pure-torch CPU path (used where no C++ compiler builds the kernels)."""
     llm = LLM(dtype="float32", num_blocks=512, attention_backend="torch", weights_from=base_llm)
     assert llm.engine.backend.name == "torch"
-    check_parity(llm, prompts, reference)
+    # Short chat and raw prompts, and the longest (its prefill spans several chunks).
+    keep = [0, 4, 5, 7]
+    check_parity(llm, [prompts[i] for i in keep], [reference[i] for i in keep])
 
 
 def _agreement(outputs, reference) -> int:

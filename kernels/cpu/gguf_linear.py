@@ -24,9 +24,9 @@ GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
     8: ("Q8_0", 32, 34),
 }
 # Above this many activation rows a product dequantizes the weight and runs a GEMM.
-# On AVX2 the in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM
-# but re-dequantizes each block once per 4 rows; it stays faster up to about 16 rows
-# (measured with benchmarks/quantization.py).
+# The in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM but
+# re-dequantizes each block once per 4 rows (``benchmarks/quantization.py --kernels``
+# places the crossover).
 MAX_FUSED_ROWS = 16
 
 
