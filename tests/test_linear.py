@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.config import EngineConfig, ModelConfig
-from tandem.engine.model.linear import (LINEAR_METHODS, Linear, UnquantizedLinearMethod,
-                                  get_linear_method, process_weights_after_loading)
+from tandem.engine.model.linear import (Linear, UnquantizedLinearMethod,
+                                        process_weights_after_loading)
+from tandem.engine.quantization.registry import LINEAR_METHODS, get_linear_method
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.weights import WeightLoadError, load_weights
 from tandem.kernels.cpu.linear import (invariant_linear, invariant_linear_available,

@@ -20,15 +20,15 @@ Its :class:`LinearMethodBase` decides the rest:
 - the matmul itself (:meth:`~LinearMethodBase.apply`).
 
 Methods are chosen by the config string ``EngineConfig.quantization`` through
-:data:`LINEAR_METHODS`: ``none`` (dense, unquantized) here, the quantized formats in
-:mod:`tandem.engine.quantization` (``gguf``: a GGUF file's blocks kept packed).
+:data:`tandem.engine.quantization.registry.LINEAR_METHODS`: ``none`` (dense,
+unquantized) is defined here, the quantized formats in :mod:`tandem.engine.quantization`.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -161,33 +161,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight)
         return F.linear(x, layer.weight)
-
-
-def _gguf_method() -> LinearMethodBase:
-    from tandem.engine.quantization.gguf_linear import GGUFLinearMethod  # imports this module
-    return GGUFLinearMethod()
-
-
-# Config string (``EngineConfig.quantization``) -> factory of the method. Quantized
-# formats import their module in their factory (they build on this module).
-LINEAR_METHODS: dict[str, Callable[[], LinearMethodBase]] = {
-    "none": UnquantizedLinearMethod,
-    "gguf": _gguf_method,
-}
-
-
-def get_linear_method(name: str) -> LinearMethodBase:
-    """The linear method for a ``quantization`` config string.
-
-    Raises:
-        ValueError: unknown name (the message names the field and the known names).
-    """
-    try:
-        factory = LINEAR_METHODS[name]
-    except KeyError:
-        raise ValueError(f"quantization: unknown {name!r}, "
-                         f"expected one of {', '.join(LINEAR_METHODS)}") from None
-    return factory()
 
 
 class Linear(nn.Module):

@@ -27,7 +27,8 @@ from torch import nn
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import (Linear, LinearMethodBase, UnquantizedLinearMethod,
-                                  get_linear_method, process_weights_after_loading)
+                                        process_weights_after_loading)
+from tandem.engine.quantization.registry import get_linear_method
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.kernels.reference import rope_cos_sin_cache
 
