@@ -32,6 +32,13 @@ def check_dtype_name(name: str) -> str:
     return name
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+"""``CacheConfig.kv_cache_dtype`` names: ``auto`` stores K/V in the model dtype;
+``fp8_e4m3`` stores them as ``torch.float8_e4m3fn`` (1 byte per element) with
+per-(layer, KV head) float32 scales calibrated at engine start (see
+:mod:`tandem.engine.runtime.kv_scales`)."""
+
+
 def parse_dtype(name: str) -> "torch.dtype":
     """``"float32" | "bfloat16" | "float16"`` -> torch dtype (imports torch).
 
@@ -168,6 +175,12 @@ class CacheConfig:
             Not allocated when the preemption mode is ``recompute``.
         num_host_blocks: host blocks for swapped-out requests; None sizes the
             host pool from ``swap_space_bytes``; 0 disables swapping.
+        kv_cache_dtype: element type of the K and V caches (device and host pool),
+            one of :data:`KV_CACHE_DTYPES`: ``auto`` (the model dtype) or
+            ``fp8_e4m3`` (``torch.float8_e4m3fn``, one byte per element: twice the
+            blocks of bfloat16 in the same ``kv_cache_memory_bytes``, four times
+            those of float32; K and V quantized with fixed per-(layer, KV head)
+            scales calibrated at engine start).
     """
 
     block_size: int = 16
@@ -176,8 +189,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 1 << 30
     num_host_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -291,7 +308,8 @@ class EngineConfig:
 
     Attributes:
         model: None (the default model), a .gguf path, or a checkpoint directory.
-        dtype: weights, activations and KV dtype name.
+        dtype: weights and activations dtype name (and the KV cache's, unless
+            ``cache.kv_cache_dtype`` says otherwise).
         device: ``"cpu"`` or ``"cuda[:N]"``.
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
@@ -346,6 +364,15 @@ class EngineConfig:
                                  f"(attention_backend auto or cpu), not {self.attention_backend!r}")
             if self.dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"batch_invariant: float32 or bfloat16, not {self.dtype!r}")
+            if self.cache.kv_cache_dtype != "auto":
+                raise ValueError("batch_invariant: needs kv_cache_dtype auto (the invariant "
+                                 f"attention path has no {self.cache.kv_cache_dtype!r} KV cache)")
+        if self.cache.kv_cache_dtype != "auto" and (
+                self.attention_backend == "triton"
+                or (self.attention_backend == "auto" and not self.device.startswith("cpu"))):
+            raise ValueError(f"kv_cache_dtype {self.cache.kv_cache_dtype!r}: not supported by "
+                             "the triton attention backend yet (use attention_backend torch "
+                             "or cpu, or kv_cache_dtype auto)")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

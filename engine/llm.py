@@ -25,7 +25,8 @@ class LLM:
         model: None (the default model), a .gguf file or a checkpoint directory.
         dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
         block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
-        swap_space_bytes, num_host_blocks: see :class:`CacheConfig`.
+        swap_space_bytes, num_host_blocks, kv_cache_dtype: see :class:`CacheConfig`
+            (``kv_cache_dtype``: ``auto``, the model dtype, or ``fp8_e4m3``).
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
@@ -56,7 +57,8 @@ class LLM:
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,
-                 quantization: str = "none", weights_from: "LLM | None" = None):
+                 quantization: str = "none", kv_cache_dtype: str = "auto",
+                 weights_from: "LLM | None" = None):
         if isinstance(speculative_config, dict):
             unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
             if unknown:
@@ -71,7 +73,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
-                              swap_space_bytes=swap_space_bytes, num_host_blocks=num_host_blocks),
+                              swap_space_bytes=swap_space_bytes, num_host_blocks=num_host_blocks,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,

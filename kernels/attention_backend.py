@@ -77,18 +77,26 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend.
 
         Args:
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``.
-            key_cache, value_cache: ``[NB, BS, Hkv, D]`` of this layer; written at
-                ``meta.slot_mapping``.
+            key_cache, value_cache: ``[NB, BS, Hkv, D]`` of this layer, in the
+                model dtype or ``torch.float8_e4m3fn``; written at ``meta.slot_mapping``.
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale.
+            k_scale, v_scale: ``[Hkv]`` float32 per-head scales of an fp8 cache
+                (stored = e4m3(clamp(x / scale, +-448)), read = scale * stored; see
+                :mod:`tandem.kernels.reference`); None for a cache in the model dtype.
 
         Returns:
             ``[T, Hq, D]``.
+
+        Raises:
+            ValueError: an fp8 cache without scales, or one the backend cannot read.
         """
 
     @abstractmethod
@@ -108,7 +116,7 @@ class AttentionBackend(ABC):
 
 # numpy has no bfloat16: gather 2-byte elements as int16 (a copy moves bits, not values).
 _BITS_AS = {torch.bfloat16: torch.int16, torch.float16: torch.float16,
-            torch.float32: torch.float32}
+            torch.float32: torch.float32, torch.float8_e4m3fn: torch.uint8}
 
 
 def gather_blocks_cpu(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -129,17 +137,20 @@ _DECODE_GROUP = 16   # sequences per padded group in CPU decode attention
 
 def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         max_seq_len: int) -> torch.Tensor:
+                         max_seq_len: int, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention for CPU tensors (see :func:`_decode_attention_group`).
 
     Large batches are sorted by context length and cut into groups of
     ``_DECODE_GROUP`` sequences, each padded only to its own longest context, so
-    short sequences do not pay for the longest one's padding.
+    short sequences do not pay for the longest one's padding. An fp8 cache's
+    gathered blocks are dequantized with ``k_scale``/``v_scale`` ``[Hkv]`` into the
+    query's dtype.
     """
     b = query.shape[0]
     if b <= _DECODE_GROUP:
         return _decode_attention_group(query, key_cache, value_cache, block_tables, seq_lens,
-                                       scale, max_seq_len)
+                                       scale, max_seq_len, k_scale, v_scale)
     lens = seq_lens.tolist()
     order = sorted(range(b), key=lens.__getitem__)
     out = torch.empty_like(query)
@@ -147,14 +158,16 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         rows = order[start:start + _DECODE_GROUP]
         idx = torch.tensor(rows)
         out[idx] = _decode_attention_group(query[idx], key_cache, value_cache, block_tables[idx],
-                                           seq_lens[idx], scale, max(lens[r] for r in rows))
+                                           seq_lens[idx], scale, max(lens[r] for r in rows),
+                                           k_scale, v_scale)
     return out
 
 
 def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, max_seq_len: int
-                            ) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention for CPU tensors, same contract as
     :func:`tandem.kernels.reference.paged_decode_attention_ref` (``[B, Hq, D]``).
 
@@ -171,15 +184,19 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
     nblk = (max_seq_len + bs - 1) // bs
     length = nblk * bs
     ids = block_tables[:, :nblk].reshape(-1).long()
-    k = gather_blocks_cpu(key_cache, ids).view(b, length, hkv * d)
-    v = gather_blocks_cpu(value_cache, ids).view(b, length, hkv * d)
+    k = gather_blocks_cpu(key_cache, ids)
+    v = gather_blocks_cpu(value_cache, ids)
+    if ref._check_scales(key_cache, k_scale, v_scale):
+        k = ref.dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
+        v = ref.dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
+    k, v = k.view(b, length, hkv * d), v.view(b, length, hkv * d)
     q_bd = query.new_zeros(b, hkv, g, hkv, d)
     q_bd.diagonal(dim1=1, dim2=3).copy_(query.view(b, hkv, g, d).permute(0, 2, 3, 1))
     scores = torch.bmm(q_bd.view(b, hq, hkv * d), k.transpose(1, 2)).float()   # [B, Hq, L]
     scores *= scale
     pad = torch.arange(length)[None, :] >= seq_lens[:, None].long()
     scores.masked_fill_(pad[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value_cache.dtype)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     full = torch.bmm(probs, v)                                                 # [B, Hq, Hkv*D]
     out = full.view(b, hkv, g, hkv, d).diagonal(dim1=1, dim2=3)                # [B, G, D, Hkv]
     return out.permute(0, 3, 1, 2).reshape(b, hq, d)
@@ -187,48 +204,63 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
 
 class TorchAttentionBackend(AttentionBackend):
     """The CPU path: torch ops (the references of :mod:`tandem.kernels.reference`, and a
-    faster equivalent for decode attention on CPU tensors)."""
+    faster equivalent for decode attention on CPU tensors). Reads an fp8 cache by
+    dequantizing the gathered blocks into the model dtype."""
 
     name = "torch"
 
     @staticmethod
-    def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
+    def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                k_scale=None, v_scale=None):
         if query.device.type == "cpu":
             return decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens,
-                                        scale, max_seq_len)
+                                        scale, max_seq_len, k_scale, v_scale)
         return ref.paged_decode_attention_ref(query, key_cache, value_cache, block_tables,
-                                              seq_lens, scale, max_seq_len)
+                                              seq_lens, scale, max_seq_len, k_scale, v_scale)
 
-    def attention(self, query, key, value, key_cache, value_cache, meta, scale):
-        ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
-        return self.attend(query, key, value, key_cache, value_cache, meta, scale)
+    def attention(self, query, key, value, key_cache, value_cache, meta, scale,
+                  k_scale=None, v_scale=None):
+        ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
+                                  k_scale, v_scale)
+        return self.attend(query, key, value, key_cache, value_cache, meta, scale,
+                           k_scale, v_scale)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`attention` after the cache write: decodes through :meth:`_decode`,
         each prefill chunk through a fused causal SDPA (its fresh K/V directly when
-        nothing precedes the chunk, else its context gathered from the cache)."""
+        nothing precedes the chunk, else its context gathered from the cache).
+
+        With an fp8 cache every chunk reads its K/V from the cache (dequantized),
+        its own tokens' included: a token's attention then sees the same K/V
+        whether it is computed in the first chunk, a later chunk, after a prefix-
+        cache hit or on another engine that received the blocks."""
         nd = meta.num_decodes
+        fp8 = ref._check_scales(key_cache, k_scale, v_scale)
         if nd == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                scale, meta.max_seq_len)
+                                scale, meta.max_seq_len, k_scale, v_scale)
         out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                    meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]))
+                                    meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]),
+                                    k_scale, v_scale)
         qsl = meta.query_start_loc_cpu
         hq, hkv = query.shape[1], key.shape[1]
         for i in range(nd, meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
             q_len, seq_len = end - start, meta.seq_lens_cpu[i]
             q = query[start:end].transpose(0, 1)
-            if q_len == seq_len:
+            if q_len == seq_len and not fp8:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
-                k = ref._gather_kv(key_cache, meta.block_tables[i], seq_len).transpose(0, 1)
-                v = ref._gather_kv(value_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+                k = ref._gather_kv(key_cache, meta.block_tables[i], seq_len, k_scale,
+                                   query.dtype).transpose(0, 1)
+                v = ref._gather_kv(value_cache, meta.block_tables[i], seq_len, v_scale,
+                                   query.dtype).transpose(0, 1)
             out[start:end] = ref._causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
         return out
 

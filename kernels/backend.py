@@ -27,11 +27,20 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V at ``meta.slot_mapping``, then decode attention for
         the first ``meta.num_decodes`` sequences and causal prefill attention over
         the cache for the rest. Shapes as in :meth:`AttentionBackend.attention`.
+
+        Raises:
+            ValueError: a ``float8_e4m3fn`` cache (``kv_cache_dtype fp8_e4m3``): the
+                Triton kernels read caches in the model dtype only, for now.
         """
+        if key_cache.dtype == torch.float8_e4m3fn or value_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("kv_cache_dtype fp8_e4m3: not supported by the triton attention "
+                             "backend yet (use kv_cache_dtype auto, or the torch/cpu backend)")
         reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes

@@ -13,6 +13,12 @@ KV cache layout (one layer): ``key_cache`` and ``value_cache`` are each
 ``[NB, BS, Hkv, D]``; token ``t`` of a sequence lives in block
 ``block_table[t // BS]`` at offset ``t % BS``. A *slot* is
 ``block_id * BS + offset``.
+
+FP8 KV cache (``kv_cache_dtype fp8_e4m3``): the caches may be
+``torch.float8_e4m3fn`` with float32 scales ``k_scale``, ``v_scale`` ``[Hkv]`` per
+KV head; an element is stored as ``e4m3(clamp(x / scale[h], +-448))`` and read
+back as ``scale[h] * value``. Every function below takes the scales as optional
+arguments and requires them with an fp8 cache.
 """
 
 from __future__ import annotations
@@ -21,31 +27,82 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_E4M3_MAX = 448.0
+"""Largest finite ``torch.float8_e4m3fn`` value."""
+
+
+def quantize_fp8_e4m3_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., Hkv, D]`` (any float dtype) -> ``float8_e4m3fn`` of the same shape:
+    ``clamp(x.float() / scale[h], -448, 448)`` rounded to nearest even.
+
+    Args:
+        scale: ``[Hkv]`` float32, > 0.
+    """
+    q = x.float() / scale.to(device=x.device, dtype=torch.float32)[:, None]
+    return q.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8_e4m3_ref(x: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """``float8_e4m3fn`` ``x`` ``[..., Hkv, D]`` -> ``scale[h] * x`` in ``dtype``
+    (computed in float32, then rounded once)."""
+    return (x.float() * scale.to(device=x.device, dtype=torch.float32)[:, None]).to(dtype)
+
+
+def _check_scales(cache: torch.Tensor, k_scale, v_scale) -> bool:
+    """Whether ``cache`` is fp8; raises ValueError for an fp8 cache without scales."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale/v_scale: required with a float8_e4m3fn KV cache")
+    return True
+
+
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
     """Write new K/V into the paged cache, in place.
 
     Args:
         key, value: ``[T, Hkv, D]``.
-        key_cache, value_cache: ``[NB, BS, Hkv, D]``, same dtype as key/value.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]``, same dtype as key/value, or
+            ``torch.float8_e4m3fn`` (K/V quantized by :func:`quantize_fp8_e4m3_ref`).
         slot_mapping: ``[T]`` int64 slot of each token (``block_id * BS + offset``).
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache.
+
+    Raises:
+        ValueError: an fp8 cache without scales.
     """
     nb, bs = key_cache.shape[0], key_cache.shape[1]
+    if _check_scales(key_cache, k_scale, v_scale):
+        # torch has no index_copy_ for float8 on the CPU: move the bytes.
+        key = quantize_fp8_e4m3_ref(key, k_scale).view(torch.uint8)
+        value = quantize_fp8_e4m3_ref(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(nb * bs, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(nb * bs, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[num_tokens, Hkv, D]`` of one sequence, read through its block table."""
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+               scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``[num_tokens, Hkv, D]`` of one sequence, read through its block table; an
+    fp8 cache is dequantized with ``scale`` ``[Hkv]`` into ``dtype``."""
     bs = cache.shape[1]
     nblk = (num_tokens + bs - 1) // bs
-    return cache[block_table[:nblk].long()].flatten(0, 1)[:num_tokens]
+    out = cache[block_table[:nblk].long()].flatten(0, 1)[:num_tokens]
+    if cache.dtype == torch.float8_e4m3fn:
+        out = dequantize_fp8_e4m3_ref(out, scale, dtype)
+    return out
 
 
 def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
                                value_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float,
-                               max_seq_len: int | None = None) -> torch.Tensor:
+                               max_seq_len: int | None = None,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     Args:
@@ -56,9 +113,14 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
             query token (its K/V must already be in the cache).
         scale: softmax scale, usually ``D ** -0.5``.
         max_seq_len: ``max(seq_lens)`` if the caller knows it (saves a sync).
+        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache,
+            whose gathered blocks are dequantized into the query's dtype.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype (accumulated in float32).
+
+    Raises:
+        ValueError: an fp8 cache without scales.
     """
     b, hq, d = query.shape
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -67,8 +129,12 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
     nblk = (max_seq_len + bs - 1) // bs
     table = block_tables[:, :nblk].long()
     # [B, nblk*BS, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache[table].flatten(1, 2).transpose(1, 2)
-    v = value_cache[table].flatten(1, 2).transpose(1, 2)
+    k = key_cache[table].flatten(1, 2)
+    v = value_cache[table].flatten(1, 2)
+    if _check_scales(key_cache, k_scale, v_scale):
+        k = dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
+        v = dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     length = k.shape[2]
     mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].long()
     q = query.view(b, hq, 1, d)
@@ -80,7 +146,8 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
 def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
                                 value_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: list[int], seq_lens: list[int],
-                                scale: float) -> torch.Tensor:
+                                scale: float, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed variable-length query chunks over paged KV.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``
@@ -96,17 +163,23 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
         query_start_loc: ``B + 1`` host ints, cumulative query lengths.
         seq_lens: ``B`` host ints, context lengths after this step.
         scale: softmax scale.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache.
 
     Returns:
         ``[T, Hq, D]``.
+
+    Raises:
+        ValueError: an fp8 cache without scales.
     """
     hq, hkv = query.shape[1], key_cache.shape[2]
+    _check_scales(key_cache, k_scale, v_scale)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
-        k = _gather_kv(key_cache, block_tables[i], seq_len).transpose(0, 1)   # [Hkv, S, D]
-        v = _gather_kv(value_cache, block_tables[i], seq_len).transpose(0, 1)
+        k = _gather_kv(key_cache, block_tables[i], seq_len, k_scale,
+                       query.dtype).transpose(0, 1)                            # [Hkv, S, D]
+        v = _gather_kv(value_cache, block_tables[i], seq_len, v_scale, query.dtype).transpose(0, 1)
         q = query[start:end].transpose(0, 1)                                   # [Hq, q_len, D]
         out[start:end] = _causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
     return out

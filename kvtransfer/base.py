@@ -167,8 +167,12 @@ class KVReceiver(ABC):
 
 def check_send_args(ticket: KVTransferTicket, layer: int, src_block_ids: Sequence[int],
                     kv_cache: torch.Tensor) -> None:
-    """The checks every :meth:`KVSender.send_layer` makes before touching the wire."""
-    check_compatible(KVLayout.from_cache(kv_cache), ticket.layout)
+    """The checks every :meth:`KVSender.send_layer` makes before touching the wire.
+
+    The transport sees only the tensor: its shape and dtype are checked here, the
+    fp8 scales' checksum by the connector (taken from the ticket)."""
+    check_compatible(KVLayout.from_cache(kv_cache, ticket.layout.kv_scales_checksum),
+                     ticket.layout)
     if not 0 <= layer < ticket.layout.num_layers:
         raise ValueError(f"layer {layer} out of range [0, {ticket.layout.num_layers})")
     if len(src_block_ids) != ticket.num_sent_blocks:
@@ -178,8 +182,10 @@ def check_send_args(ticket: KVTransferTicket, layer: int, src_block_ids: Sequenc
 
 
 def check_receive_args(ticket: KVTransferTicket, kv_cache: torch.Tensor) -> None:
-    """The checks every :meth:`KVReceiver.receive_layers` makes before waiting."""
-    check_compatible(ticket.layout, KVLayout.from_cache(kv_cache))
+    """The checks every :meth:`KVReceiver.receive_layers` makes before waiting (shape
+    and dtype; the scales' checksum is the connector's to check)."""
+    check_compatible(ticket.layout,
+                     KVLayout.from_cache(kv_cache, ticket.layout.kv_scales_checksum))
     _check_block_range(ticket.sent_dst_block_ids, kv_cache.shape[2], "dst_block_ids")
 
 

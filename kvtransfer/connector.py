@@ -34,14 +34,21 @@ class TransportKVConnector(KVConnector):
             every layer, before the transfer counts as failed.
         num_receive_threads: receives that run at once (others queue; their
             layers are staged meanwhile).
+        kv_scales: ``[L, 2, Hkv]`` float32 scales of an fp8 ``kv_cache`` (their
+            checksum joins the layout, so a peer quantizing with other scales is
+            refused); None for a cache in the model dtype. The quantized bytes
+            travel as they are; the scales never do.
     """
 
     def __init__(self, transport: str, kv_cache: Any, notify: Callable[[], None] | None = None,
-                 transfer_timeout_s: float = 60.0, num_receive_threads: int = 4):
+                 transfer_timeout_s: float = 60.0, num_receive_threads: int = 4,
+                 kv_scales: Any = None):
+        from tandem.engine.runtime.kv_scales import scales_checksum
+
         super().__init__(kv_cache, notify)
         self.transport = get_transport(transport)
         self.transfer_timeout_s = transfer_timeout_s
-        self._layout = KVLayout.from_cache(kv_cache)
+        self._layout = KVLayout.from_cache(kv_cache, scales_checksum(kv_scales))
         self._senders: dict[str, KVSender] = {}
         self._receivers: dict[str, KVReceiver] = {}
         # peer id -> the producer generation its channel is for: consumer side the

@@ -35,6 +35,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 
@@ -55,7 +56,12 @@ class KVLayout:
         block_size: tokens per block (dim 3).
         num_kv_heads: KV heads held by this worker (dim 4).
         head_dim: elements per head (dim 5).
-        dtype: element type name: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: element type name: ``"float32"``, ``"bfloat16"``, ``"float16"`` or
+            ``"float8_e4m3fn"`` (``kv_cache_dtype fp8_e4m3``).
+        kv_scales_checksum: for an fp8 cache, :func:`tandem.engine.runtime.kv_scales.scales_checksum`
+            of the per-head scales its bytes were quantized with (both ends
+            calibrate them independently; equal checksums mean the bytes mean the
+            same); ``""`` for a cache in the model dtype.
 
     Raises:
         ValueError: a non-positive dimension or an unknown dtype name.
@@ -66,6 +72,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_scales_checksum: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -76,8 +83,9 @@ class KVLayout:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
-        """Layout of a ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` cache.
+    def from_cache(cls, kv_cache: torch.Tensor, kv_scales_checksum: str = "") -> KVLayout:
+        """Layout of a ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+        cache (quantized with scales of checksum ``kv_scales_checksum``, if fp8).
 
         Raises:
             ValueError: the tensor is not 6-D with size 2 in dim 1, or has an
@@ -89,7 +97,7 @@ class KVLayout:
                 f"got shape {tuple(kv_cache.shape)}")
         name = str(kv_cache.dtype).removeprefix("torch.")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(num_layers, block_size, num_kv_heads, head_dim, name)
+        return cls(num_layers, block_size, num_kv_heads, head_dim, name, kv_scales_checksum)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,6 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="KV cache element type: auto (the model dtype) or fp8_e4m3 (1 byte "
+                        "per element with per-head scales calibrated at start; twice the "
+                        "blocks of bfloat16 per GiB; torch/cpu attention backends)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -90,7 +94,8 @@ def _engine_config(args):
         batch_invariant=args.batch_invariant, speculative=speculative,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill))
@@ -347,7 +352,7 @@ def _cmd_generate(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               num_blocks=args.num_blocks, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-              enable_prefix_caching=not args.no_prefix_caching,
+              enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
               enable_chunked_prefill=not args.no_chunked_prefill, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,

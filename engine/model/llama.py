@@ -62,7 +62,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
-                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+                cos_sin_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         t = h.shape[0]
         qkv = self.qkv_proj(h)                                   # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -70,7 +71,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = backend.rotary_embedding(positions, q, k, cos_sin_cache)
-        o = backend.attention(q, k, v, key_cache, value_cache, meta, self.scale)  # [T, Hq, D]
+        o = backend.attention(q, k, v, key_cache, value_cache, meta, self.scale,
+                              k_scale, v_scale)                  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -156,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend,
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                after_layer: Callable[[int], None] | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder on one step's packed tokens.
 
         Args:
@@ -168,6 +171,8 @@ class LlamaForCausalLM(nn.Module):
             after_layer: called with the layer index once that layer's K/V are in
                 ``kv_caches`` (the prefill worker starts that layer's KV transfer
                 there, overlapping it with the next layer's compute).
+            kv_scales: ``[L, 2, Hkv]`` float32 K and V scales of an fp8 ``kv_caches``
+                (``KVCache.scales``); None for a cache in the model dtype.
 
         Returns:
             Final hidden states ``[T, H]`` (after the last RMSNorm).
@@ -182,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
                 h, residual = backend.rms_norm(h, layer.input_layernorm.weight,
                                                layer.input_layernorm.eps, residual)
             h = layer.self_attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                                self.cos_sin_cache)
+                                self.cos_sin_cache,
+                                None if kv_scales is None else kv_scales[i, 0],
+                                None if kv_scales is None else kv_scales[i, 1])
             h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
                                            layer.post_attention_layernorm.eps, residual)
             h = layer.mlp(h, backend)

@@ -16,6 +16,8 @@ from tandem.engine.kv.kv_cache_manager import KVCacheManager
 from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
 from tandem.engine.model.llama import load_model
 from tandem.engine.model.model_files import resolve_model
+from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
+                                             kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
 from tandem.engine.scheduling.request import Request, RequestStatus, TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
@@ -67,8 +69,16 @@ class LLMEngine:
                                                        config.batch_invariant)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
-        bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size,
-                                                  config.torch_dtype)
+        kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, config.torch_dtype)
+        kv_scales = None
+        if kv_dtype == torch.float8_e4m3fn:
+            if weights_from is not None and weights_from.kv_cache.scales is not None:
+                kv_scales = weights_from.kv_cache.scales     # same model: same calibration
+            else:
+                kv_scales = calibrate_kv_scales(
+                    self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
+                    config.torch_dtype, self.device)
+        bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size, kv_dtype)
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // bytes_per_block)
         if config.scheduler.preemption_mode == "recompute":
             num_host_blocks = 0     # never swaps: no host memory to hold
@@ -76,8 +86,8 @@ class LLMEngine:
             num_host_blocks = cc.num_host_blocks
         else:
             num_host_blocks = cc.swap_space_bytes // bytes_per_block
-        self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, config.torch_dtype,
-                                self.device, num_host_blocks)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, kv_dtype,
+                                self.device, num_host_blocks, kv_scales)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                num_host_blocks, enable_kv_events)
         # A lone request must always fit in the pool, or it could be preempted
@@ -91,7 +101,8 @@ class LLMEngine:
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
-                                                 transfer_timeout_s=transfer_timeout_s)
+                                                 transfer_timeout_s=transfer_timeout_s,
+                                                 kv_scales=self.kv_cache.scales)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
                                   self.kv_cache_manager.get_block_ids, self.device,
                                   kv_connector=self.kv_connector)

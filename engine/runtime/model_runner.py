@@ -66,12 +66,33 @@ class KVCache:
     device is CUDA, so copies to and from it run at full link speed); host block
     ``h`` holds a swapped-out device block.
 
+    With an fp8 cache (``dtype`` ``torch.float8_e4m3fn``, ``kv_cache_dtype
+    fp8_e4m3``) both tensors hold the quantized bytes, and ``scales`` ``[L, 2, Hkv]``
+    float32 on the device are the per-(layer, K/V, KV head) scales they were
+    quantized with (see :mod:`tandem.engine.runtime.kv_scales`): fixed for the
+    cache's lifetime, so a block copied, swapped or transferred keeps its meaning.
+
     Args:
+        dtype: storage dtype (the model dtype, or ``torch.float8_e4m3fn``).
         num_host_blocks: blocks of ``host_tensor`` (0: no swap space).
+        scales: ``[L, 2, Hkv]`` float32, required for (and only for) an fp8 cache.
+
+    Raises:
+        ValueError: an fp8 dtype without scales (or of another shape), or scales
+            for a cache in another dtype.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_host_blocks: int = 0):
+                 device: torch.device, num_host_blocks: int = 0,
+                 scales: torch.Tensor | None = None):
+        if (dtype == torch.float8_e4m3fn) != (scales is not None):
+            raise ValueError("scales: required for a float8_e4m3fn KV cache, and only for one")
+        if scales is not None:
+            if tuple(scales.shape) != (cfg.num_layers, 2, cfg.num_kv_heads):
+                raise ValueError(f"scales: expected shape {(cfg.num_layers, 2, cfg.num_kv_heads)}, "
+                                 f"got {tuple(scales.shape)}")
+            scales = scales.to(device=device, dtype=torch.float32).contiguous()
+        self.scales = scales
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_host_blocks = num_host_blocks
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -86,7 +107,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V, stored as ``dtype`` (the
+        KV cache's: 1 byte per element for fp8, 2 for bfloat16, 4 for float32)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
@@ -198,7 +220,8 @@ class ModelRunner:
         if saves:
             self.kv_connector.start_save(saves)
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
-                            self.kv_connector.save_kv_layer if saves else None)
+                            self.kv_connector.save_kv_layer if saves else None,
+                            kv_scales=self.kv_cache.scales)
         failures = self.kv_connector.wait_for_save() if saves else {}
         return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures,
                                  self._prompt_logprobs(hidden, ordered, meta))

@@ -90,6 +90,7 @@ def node_ip_address() -> str:
 def model_info(engine, config: EngineConfig) -> dict:
     return {"model_name": engine.model_files.name, "max_model_len": engine.max_model_len,
             "block_size": config.cache.block_size, "dtype": config.dtype,
+            "kv_cache_dtype": config.cache.kv_cache_dtype,
             "vocab_size": engine.tokenizer.vocab_size,
             "model_vocab_size": engine.model_config.vocab_size,
             "num_blocks": engine.kv_cache_manager.num_blocks}

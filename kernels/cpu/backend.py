@@ -7,6 +7,11 @@ small torch ops). Prefill attention runs there too in bfloat16 on CPUs with
 AVX-512 BF16; otherwise (float32, older CPUs) it stays on torch's fused CPU
 flash attention (see :class:`~tandem.kernels.attention_backend.TorchAttentionBackend`).
 float32 and bfloat16 only.
+
+An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
+``reshape_and_cache`` and read by the compiled fp8 decode kernel; prefill chunks
+then take the torch path, which dequantizes the gathered blocks (the bfloat16
+prefill kernel reads bfloat16 caches only).
 """
 
 from __future__ import annotations
@@ -43,23 +48,36 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
 
     @staticmethod
-    def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
+    def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                k_scale=None, v_scale=None):
         return ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                          seq_lens, scale)
+                                          seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Shapes as in :meth:`AttentionBackend.attention`. Decodes read the cache in
         place; prefill chunks go through :func:`ops.paged_prefill_attention` where it
-        runs (bfloat16, AVX-512 BF16), else through :meth:`TorchAttentionBackend.attend`."""
-        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        runs (bfloat16 cache, AVX-512 BF16), else through
+        :meth:`TorchAttentionBackend.attend`.
+
+        Raises:
+            ValueError: an fp8 cache in batch-invariant mode, or without scales.
+        """
+        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                              k_scale, v_scale)
         nd = meta.num_decodes
         if self.batch_invariant:
+            if key_cache.dtype != query.dtype:
+                raise ValueError("batch_invariant: needs kv_cache_dtype auto")
             return self.attend_per_token(query, key_cache, value_cache, meta, scale)
         if (nd == meta.num_seqs or not self._bf16_prefill or query.dtype != torch.bfloat16
+                or key_cache.dtype != torch.bfloat16
                 or not ops.prefill_head_dim_ok(query.shape[2])):
-            return self.attend(query, key, value, key_cache, value_cache, meta, scale)
+            return self.attend(query, key, value, key_cache, value_cache, meta, scale,
+                               k_scale, v_scale)
         out = torch.empty_like(query)
         if nd:
             ops.paged_decode_attention(query[:nd], key_cache, value_cache,

@@ -118,11 +118,18 @@ _SIGNATURES = {
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "linear": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
     "gguf_linear": [_PTR, _I64, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _INT],
+    # fp8 (e4m3) KV cache: the suffix names the query / K-V input dtype.
+    "decode_attention_fp8": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                             _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT],
+    "reshape_and_cache_fp8": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                              _PTR, _PTR],
 }
 # Kernels without a dtype suffix: (argument types, result type).
 _UNSUFFIXED = {
     "gguf_dequantize": ([_PTR, _PTR, _INT, _I64, _I64, _INT], None),
     "gguf_block_bytes": ([_INT], _INT),
+    "fp8_e4m3_encode": ([_PTR, _PTR, _I64], None),
+    "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
 }
 # Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
 _BF16_ONLY = {

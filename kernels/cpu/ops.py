@@ -1,7 +1,8 @@
 """Python entry points of the compiled CPU kernels (``csrc/``: decode_attention.cpp,
 prefill_attention.cpp, elementwise.cpp).
 
-Every function takes CPU tensors of one dtype, float32 or bfloat16, whose rows
+Every function takes CPU tensors of one dtype, float32 or bfloat16 (the KV cache
+may instead be ``torch.float8_e4m3fn``, with per-KV-head float32 scales), whose rows
 may be strided (views into a fused QKV output) but whose innermost ``[H, D]`` is
 contiguous; anything else raises ``ValueError``. Each has a torch reference in
 :mod:`tandem.kernels.reference` with the same contract, which the tests compare
@@ -38,10 +39,53 @@ def _rows(x: torch.Tensor, what: str) -> int:
     return x.stride(0)
 
 
+def _fp8_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``None`` for a cache in the model dtype; for a ``float8_e4m3fn`` cache
+    ``[NB, BS, Hkv, D]`` the two scales as contiguous float32 ``[Hkv]``.
+
+    Raises:
+        ValueError: an fp8 cache without both scales, or scales of another shape.
+    """
+    if key_cache.dtype != torch.float8_e4m3fn:
+        return None
+    hkv = key_cache.shape[2]
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale/v_scale: required with a float8_e4m3fn KV cache")
+    scales = tuple(s.to(torch.float32).contiguous() for s in (k_scale, v_scale))
+    if any(tuple(s.shape) != (hkv,) for s in scales):
+        raise ValueError(f"k_scale/v_scale: expected shape ({hkv},), got "
+                         f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+    return scales
+
+
+def fp8_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (any shape) -> its e4m3 codes as ``uint8``, by the compiled
+    encoder of the KV-cache writes: round to nearest even, saturating to +-448,
+    NaN -> 0x7F with x's sign. Meant to equal ``x.to(torch.float8_e4m3fn)`` bit for bit."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    load_library().tandem_fp8_e4m3_encode(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def fp8_e4m3_decode(codes: torch.Tensor, vectorized: bool = True) -> torch.Tensor:
+    """``uint8`` e4m3 codes -> float32 values, by the compiled decoder: the 256-entry
+    table (``vectorized=False``), or the row decoder of the fp8 attention kernels
+    (F16C where the CPU has it; exact except for the NaN codes 0x7F and 0xFF)."""
+    codes = codes.view(torch.uint8).contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    load_library().tandem_fp8_e4m3_decode(codes.data_ptr(), out.data_ptr(), codes.numel(),
+                                          int(vectorized))
+    return out
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention reading K/V blocks in place (no gathered copy).
 
     For every (sequence, KV head) pair the ``Hq / Hkv`` query heads that share the
@@ -51,15 +95,22 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
 
     Args:
         query: ``[B, Hq, D]``.
-        key_cache, value_cache: ``[NB, BS, Hkv, D]``, contiguous.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]``, contiguous, in the query's
+            dtype or ``torch.float8_e4m3fn``.
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths (tokens), each >= 1; the current
             token's K/V must already be in the cache.
         scale: softmax scale.
         out: optional ``[B, Hq, D]`` destination (may be a row-strided view).
+        k_scale, v_scale: ``[Hkv]`` float32 dequantization scales of an fp8 cache
+            (K = k_scale[h] * stored value); ignored otherwise.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype.
+
+    Raises:
+        ValueError: non-contiguous caches, non-int32 tables or lengths, an fp8
+            cache without scales.
     """
     b, hq, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -71,6 +122,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         out = torch.empty_like(query)
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
+    fp8 = _fp8_scales(key_cache, k_scale, v_scale)
+    if fp8 is not None:
+        _fn("decode_attention_fp8", query.dtype)(
+            out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
+            key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), b, hq, hkv, d, bs, scale, fp8[0].data_ptr(), fp8[1].data_ptr(),
+            torch.get_num_threads())
+        return out
     _fn("decode_attention", query.dtype)(
         out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
         key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
@@ -137,12 +196,29 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the cache ``[NB, BS, Hkv, D]`` at
-    ``slot_mapping`` ``[T]`` (int64 ``block * BS + offset``; negative = skip)."""
+    ``slot_mapping`` ``[T]`` (int64 ``block * BS + offset``; negative = skip).
+
+    A ``torch.float8_e4m3fn`` cache stores ``e4m3(clamp(x / scale[h], +-448))``
+    (round to nearest even) with the ``[Hkv]`` float32 ``k_scale``/``v_scale``,
+    bit for bit as :func:`tandem.kernels.reference.reshape_and_cache_ref`.
+
+    Raises:
+        ValueError: non-contiguous caches; an fp8 cache without scales.
+    """
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache/value_cache: must be contiguous")
     slots = slot_mapping.to(torch.int64).contiguous()
+    fp8 = _fp8_scales(key_cache, k_scale, v_scale)
+    if fp8 is not None:
+        _fn("reshape_and_cache_fp8", key.dtype)(
+            key.data_ptr(), _rows(key, "key"), value.data_ptr(), _rows(value, "value"),
+            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+            key.shape[1], key.shape[2], fp8[0].data_ptr(), fp8[1].data_ptr())
+        return
     _fn("reshape_and_cache", key.dtype)(
         key.data_ptr(), _rows(key, "key"), value.data_ptr(), _rows(value, "value"),
         key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0],

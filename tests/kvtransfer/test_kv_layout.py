@@ -123,10 +123,13 @@ def test_ticket_round_trip_through_plain_types():
     assert data == {"request_id": "req-1", "transfer_id": 5, "dst_block_ids": [9, 4, 17, 2, 30],
                     "num_cached_tokens": 32, "num_tokens": 80,
                     "layout": {"num_layers": 30, "block_size": 16, "num_kv_heads": 3,
-                               "head_dim": 64, "dtype": "float32"},
+                               "head_dim": 64, "dtype": "float32", "kv_scales_checksum": ""},
                     "attempt": 0, "producer_generation": 0}
     # JSON is the strictest of the boundaries it crosses (Ray pickles, gRPC Struct is JSON-like).
     assert KVTransferTicket.from_dict(json.loads(json.dumps(data))) == ticket
+    # A layout from before fp8 KV caches (no checksum) is a model-dtype cache's.
+    del data["layout"]["kv_scales_checksum"]
+    assert KVTransferTicket.from_dict(data) == ticket
 
 
 def test_ticket_carries_attempt_and_producer_generation():

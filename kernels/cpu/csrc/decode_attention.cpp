@@ -6,6 +6,7 @@
 // C ABI for ../ops.py: pointers, sizes and row strides in elements.
 
 #include "common.h"
+#include "fp8.h"
 
 namespace tandem_cpu {
 namespace {
@@ -351,6 +352,78 @@ void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, 
     }
 }
 
+// Decode attention over an fp8 (e4m3) cache with per-KV-head scales: K = k_scale[h]
+// * e4m3 value, V = v_scale[h] * e4m3 value. One (sequence, KV head) pair: the G
+// query rows, times the softmax scale and k_scale[h], are kept as float32; each
+// cached K row is decoded to float32 once (F16C, see fp8.h) and scored against
+// all G rows; exact float32 softmax; each V row decoded once and accumulated
+// into G x D float32 sums, scaled by v_scale[h] at the end. The same steps for
+// any batch.
+template <typename T>
+void decode_one_fp8(T* out, const T* q, const fp8* kc, const fp8* vc, const int32_t* table,
+                    int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
+                    float scale, float k_scale, float v_scale, std::vector<float>& buf) {
+    buf.resize(static_cast<size_t>(g_size * (len + 2 * d) + d));
+    float* scores = buf.data();            // [G, len]
+    float* acc = scores + g_size * len;    // [G, D]
+    float* qf = acc + g_size * d;          // [G, D]
+    float* x = qf + g_size * d;            // [D]: one decoded K or V row
+    const int64_t row = hkv * d;
+    const float qscale = scale * k_scale;
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(h * g_size + g) * d + i]) * qscale;
+    for (int64_t t = 0; t < len; ++t) {
+        fp8_e4m3_row_to_float(kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d,
+                              x, d);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float* qg = qf + g * d;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < d; ++i) s += qg[i] * x[i];
+            scores[g * len + t] = s;
+        }
+    }
+    softmax_rows(scores, g_size, len);
+    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+        fp8_e4m3_row_to_float(vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d,
+                              x, d);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float p = scores[g * len + t];
+            float* ag = acc + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * x[i];
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i] * v_scale);
+    }
+}
+
+template <typename T>
+void decode_attention_fp8(T* out, int64_t out_stride, const T* q, int64_t q_stride, const fp8* kc,
+                          const fp8* vc, const int32_t* tables, int64_t table_stride,
+                          const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+                          int64_t bs, float scale, const float* k_scale, const float* v_scale,
+                          int num_threads) {
+    const int64_t g_size = hq / hkv;
+    int64_t tokens = 0;
+    for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
+#pragma omp parallel num_threads(threads_for(tokens * hq * d, num_threads, 1 << 16))
+    {
+        std::vector<float> buf;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < b; ++s) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                decode_one_fp8<T>(out + s * out_stride, q + s * q_stride, kc, vc,
+                                  tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs,
+                                  scale, k_scale[h], v_scale[h], buf);
+            }
+        }
+    }
+}
+
 }  // namespace
 }  // namespace tandem_cpu
 
@@ -364,6 +437,16 @@ using tandem_cpu::bf16;
         tandem_cpu::decode_attention<T>(static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,  \
                             static_cast<const T*>(kc), static_cast<const T*>(vc), tables,        \
                             table_stride, seq_lens, b, hq, hkv, d, bs, scale, nt);               \
+    }                                                                                             \
+    extern "C" void tandem_decode_attention_fp8_##SUFFIX(                                        \
+        void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
+        const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,    \
+        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale,                  \
+        const float* k_scale, const float* v_scale, int nt) {                                    \
+        tandem_cpu::decode_attention_fp8<T>(                                                      \
+            static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,                \
+            static_cast<const tandem_cpu::fp8*>(kc), static_cast<const tandem_cpu::fp8*>(vc),    \
+            tables, table_stride, seq_lens, b, hq, hkv, d, bs, scale, k_scale, v_scale, nt);     \
     }
 
 TANDEM_EXPORT(f32, float)

@@ -2,6 +2,7 @@
 // residual add, rotary embedding and SiLU-and-mul. C ABI for ../ops.py.
 
 #include "common.h"
+#include "fp8.h"
 
 namespace tandem_cpu {
 namespace {
@@ -14,6 +15,31 @@ void reshape_and_cache(const T* key, int64_t key_stride, const T* value, int64_t
         if (slot < 0) continue;   // padding token: nothing to store
         std::memcpy(kc + slot * row, key + t * key_stride, sizeof(T) * row);
         std::memcpy(vc + slot * row, value + t * value_stride, sizeof(T) * row);
+    }
+}
+
+// reshape_and_cache into an fp8 (e4m3) cache: element (t, h, i) is stored as
+// e4m3(clamp(x / scale[h], +-448)) (saturating, round to nearest even), with the
+// division done in float32 as torch's reference does.
+template <typename T>
+void reshape_and_cache_fp8(const T* key, int64_t key_stride, const T* value, int64_t value_stride,
+                           fp8* kc, fp8* vc, const int64_t* slots, int64_t n, int64_t hkv,
+                           int64_t d, const float* k_scale, const float* v_scale) {
+    const int64_t row = hkv * d;
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;   // padding token: nothing to store
+        const T* kr = key + t * key_stride;
+        const T* vr = value + t * value_stride;
+        fp8* ko = kc + slot * row;
+        fp8* vo = vc + slot * row;
+        for (int64_t h = 0; h < hkv; ++h) {
+            const float ks = k_scale[h], vs = v_scale[h];
+            for (int64_t i = h * d; i < (h + 1) * d; ++i) {
+                ko[i] = fp8_e4m3_from_float(to_float(kr[i]) / ks);
+                vo[i] = fp8_e4m3_from_float(to_float(vr[i]) / vs);
+            }
+        }
     }
 }
 
@@ -120,7 +146,33 @@ using tandem_cpu::bf16;
     extern "C" void tandem_silu_and_mul_##SUFFIX(void* out, const void* x, int64_t n, int64_t f,  \
                                                  int nt) {                                        \
         tandem_cpu::silu_and_mul<T>(static_cast<T*>(out), static_cast<const T*>(x), n, f, nt);               \
+    }                                                                                             \
+    extern "C" void tandem_reshape_and_cache_fp8_##SUFFIX(                                       \
+        const void* key, int64_t key_stride, const void* value, int64_t value_stride, void* kc,  \
+        void* vc, const int64_t* slots, int64_t n, int64_t hkv, int64_t d, const float* k_scale, \
+        const float* v_scale) {                                                                   \
+        tandem_cpu::reshape_and_cache_fp8<T>(static_cast<const T*>(key), key_stride,             \
+                                             static_cast<const T*>(value), value_stride,         \
+                                             static_cast<tandem_cpu::fp8*>(kc),                  \
+                                             static_cast<tandem_cpu::fp8*>(vc), slots, n, hkv, d, \
+                                             k_scale, v_scale);                                   \
     }
 
 TANDEM_EXPORT(f32, float)
 TANDEM_EXPORT(bf16, bf16)
+
+// e4m3 conversions on their own, for tests against torch.float8_e4m3fn.
+extern "C" void tandem_fp8_e4m3_encode(const float* x, uint8_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = tandem_cpu::fp8_e4m3_from_float(x[i]);
+}
+
+// vectorized != 0: the row decoder of the fp8 attention kernels (F16C where
+// available); 0: the 256-entry table alone.
+extern "C" void tandem_fp8_e4m3_decode(const uint8_t* x, float* out, int64_t n, int vectorized) {
+    if (vectorized) {
+        tandem_cpu::fp8_e4m3_row_to_float(x, out, n);
+        return;
+    }
+    const float* table = tandem_cpu::fp8_e4m3_table();
+    for (int64_t i = 0; i < n; ++i) out[i] = table[x[i]];
+}
