@@ -134,7 +134,8 @@ class ModelConfig:
         if cfg.get("model_type") not in ("llama", "mistral", "qwen2") and \
                 "LlamaForCausalLM" not in cfg.get("architectures", []):
             raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
-        if cfg.get("rope_scaling"):
+        if cfg.get("rope_scaling") or \
+                (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
             raise ValueError("rope_scaling is not supported yet")
         if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
             raise ValueError("attention biases are not supported yet")
@@ -149,7 +150,9 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            # transformers >= 5 writes the base inside "rope_parameters" only.
+            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0),
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),

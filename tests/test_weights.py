@@ -69,3 +69,22 @@ def test_gguf_names_map_strictly():
     assert gguf_name_to_hf("token_embd.weight") == "model.embed_tokens.weight"
     with pytest.raises(WeightLoadError, match="unknown GGUF tensor"):
         gguf_name_to_hf("blk.0.attn_q_norm.weight")
+
+
+def test_rope_base_is_read_from_rope_parameters(tmp_path):
+    """transformers >= 5 writes ``rope_parameters`` (no top-level ``rope_theta``);
+    the default model's export (100000) must not fall back to 10000."""
+    import json
+
+    from tandem.engine.config import ModelConfig
+
+    base = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    for extra, want in [({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}},
+                         100000.0), ({"rope_theta": 500000.0}, 500000.0), ({}, 10000.0)]:
+        (tmp_path / "config.json").write_text(json.dumps(base | extra))
+        assert ModelConfig.from_hf_config(str(tmp_path)).rope_theta == want
+    (tmp_path / "config.json").write_text(json.dumps(
+        base | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="rope_scaling is not supported"):
+        ModelConfig.from_hf_config(str(tmp_path))
