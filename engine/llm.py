@@ -31,7 +31,8 @@ class LLM:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
         quantization: the linear layers' weight format (``EngineConfig.quantization``):
-            ``none`` (dense in ``dtype``), ``gguf`` (a GGUF file's blocks kept packed).
+            ``none`` (dense in ``dtype``), ``gguf`` (a GGUF file's blocks kept packed),
+            ``awq`` (an AWQ int4 checkpoint directory, AutoAWQ gemm layout).
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before

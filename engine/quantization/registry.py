@@ -17,11 +17,17 @@ def _gguf_method() -> LinearMethodBase:
     return GGUFLinearMethod()
 
 
+def _awq_method() -> LinearMethodBase:
+    from tandem.engine.quantization.awq_linear import AWQLinearMethod
+    return AWQLinearMethod()
+
+
 # Config string -> factory of the method. A quantized format's module is imported by
 # its factory, so choosing ``none`` never loads one.
 LINEAR_METHODS: dict[str, Callable[[], LinearMethodBase]] = {
     "none": UnquantizedLinearMethod,
     "gguf": _gguf_method,
+    "awq": _awq_method,
 }
 
 
