@@ -1,0 +1,712 @@
+"""AWQ: activation-aware int4 weight quantization (Lin et al. 2023, "AWQ: Activation-aware
+Weight Quantization for LLM Compression and Acceleration", Section 3).
+
+A small fraction of input channels carries large activations, and the error of a
+rounded weight is multiplied by its input. AWQ therefore scales each input channel
+``j`` of a linear layer up by ``s_j`` before rounding and its input down by the same
+factor, ``y = (x diag(s)^-1) Q(W diag(s))^T``, which protects the salient channels
+(Section 3.2). The inverse scale is folded into the operation that produces ``x``,
+so serving costs nothing extra. The scales come from a search (Section 3.3): with
+``s_x`` the mean input magnitude per channel, ``s = s_x ** alpha`` for ``alpha`` on
+a grid in ``[0, 1)``, keeping the ``alpha`` whose quantized block output is closest
+(mean squared error) to the float one on calibration data. ``alpha = 0`` is plain
+round-to-nearest (RTN), so the search is never worse than RTN on that data. A
+second search clips each weight group's range (``max |w|`` shrunk by a ratio, the
+ratio minimizing the group's output error), as AutoAWQ's ``auto_clip`` does.
+
+Per Llama decoder layer, the groups of linears that share an input, and where the
+inverse scale goes:
+
+========================  ====================  =====================================
+scaled linears            their input           ``1 / s`` folded into
+========================  ====================  =====================================
+q, k, v                   input_layernorm(h)    ``input_layernorm.weight``
+o                         attention output      rows of ``v_proj`` (only without GQA)
+gate, up                  post_attention norm   ``post_attention_layernorm.weight``
+down                      silu(gate) * up       rows of ``up_proj``
+========================  ====================  =====================================
+
+``o_proj``'s input channels are the ``num_heads * head_dim`` attention outputs, and
+``v_proj`` produces ``num_kv_heads * head_dim`` channels, each read by
+``num_heads / num_kv_heads`` query heads: one scale per ``o_proj`` input channel
+cannot be folded into ``v_proj`` unless the two are the same channels, i.e.
+``num_heads == num_kv_heads``. Under GQA (the default model: 9 query, 3 KV heads)
+that pair is skipped and ``o_proj`` is quantized without scales, as AutoAWQ does.
+
+**Inputs of each layer.** Every layer is calibrated on the *float* model's
+activations: layer ``i + 1`` sees the float output of layer ``i`` (before its
+scales, clipping and rounding), as AutoAWQ does and as the paper's activation
+statistics are defined. The searches then optimise each block for the
+activations it will mostly see at serving time, rather than for a calibration
+stream bent by the rounding of the layers before it, and the layers' searches are
+independent of one another (a layer's scaled-but-unrounded output equals its float
+output, so folding alone never moves the next layer's inputs).
+
+Quantization: ``bits``-bit asymmetric round-to-nearest per group of ``group_size``
+consecutive input channels of each output row: ``step = (max - min) / (2^bits - 1)``
+rounded to float16 (the checkpoint's dtype, so the search sees exactly what is
+served), ``zero = round(-min / step)``, ``q = clamp(round(w / step) + zero, 0,
+2^bits - 1)``, ``w' = (q - zero) * step``.
+
+The result is written in AutoAWQ's "gemm" checkpoint layout
+(:mod:`tandem.engine.quantization.awq_linear`), which ``LLM(model=dir,
+quantization="awq")`` serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.weights import WeightLoadError
+from tandem.engine.quantization.awq_linear import PACK_FACTOR, pack_int4
+from tandem.kernels.reference import rms_norm_ref, rope_cos_sin_cache
+
+logger = logging.getLogger(__name__)
+
+# Projection leaf name -> (module, checkpoint projection name).
+LINEAR_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                "down": "mlp.down_proj"}
+NORM_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+# Linears whose range is clipped; AutoAWQ leaves q and k alone (their error passes
+# through the softmax, which the per-group output error below does not model).
+CLIPPED = ("v", "o", "gate", "up", "down")
+# Files of a Hugging Face checkpoint directory that describe the tokenizer and
+# generation, copied next to the quantized weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+# -- quantization --------------------------------------------------------------------------
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N, K]`` -> ``[N, K / g, g]``; raises ValueError when ``g`` does not divide ``K``."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the input width {k}")
+    return w.reshape(n, k // group_size, group_size)
+
+
+def _round_groups(wg: torch.Tensor, bits: int, wmin: torch.Tensor | None = None,
+                  wmax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wg`` ``[N, G, g]`` float32 -> float32 ``(codes [N, G, g], zeros [N, G, 1],
+    steps [N, G, 1])`` (the quantizer of :func:`quantize_groups`); ``wmin``/``wmax``
+    ``[N, G, 1]``, the groups' extremes, when the caller knows them."""
+    qmax = 2 ** bits - 1
+    if wmin is None or wmax is None:
+        wmin, wmax = torch.aminmax(wg, dim=-1, keepdim=True)
+    steps = ((wmax - wmin).clamp_(min=1e-5) / qmax).half().float()
+    zeros = torch.round(-wmin / steps).clamp_(0, qmax)
+    codes = (wg / steps).round_().add_(zeros).clamp_(0, qmax)
+    return codes, zeros, steps
+
+
+def quantize_groups(w: torch.Tensor, bits: int, group_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest of each group of ``group_size`` input channels.
+
+    Args:
+        w: float weight ``[N, K]`` (``nn.Linear`` orientation).
+        bits: code width (codes ``0 .. 2^bits - 1``).
+        group_size: ``g``, which must divide ``K``.
+
+    Returns:
+        ``(codes, zeros, steps)``: int32 ``[N, K]``, int32 ``[N, K / g]`` and
+        float32 ``[N, K / g]`` holding float16-representable steps, with
+        ``w ~ (codes - zeros) * steps`` per group.
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``K``.
+    """
+    codes, zeros, steps = _round_groups(_groups(w.float(), group_size), bits)
+    return (codes.reshape(w.shape).to(torch.int32), zeros[..., 0].to(torch.int32),
+            steps[..., 0])
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``w`` ``[N, K]`` rounded as :func:`quantize_groups` rounds it, back in float32:
+    ``(codes - zeros) * steps``, the weight the checkpoint serves."""
+    codes, zeros, steps = _round_groups(_groups(w.float(), group_size), bits)
+    return codes.sub_(zeros).mul_(steps).reshape(w.shape)
+
+
+def pack_awq_weight(w: torch.Tensor, bits: int, group_size: int) -> dict[str, torch.Tensor]:
+    """One linear's weight ``[N, K]`` as AWQ gemm-layout tensors.
+
+    Returns:
+        ``{"qweight": int32 [K, N / 8], "qzeros": int32 [K / g, N / 8],
+        "scales": float16 [K / g, N]}``, which
+        :func:`~tandem.engine.quantization.awq_linear.dequantize_awq` turns back into
+        exactly :func:`fake_quantize` of ``w``.
+
+    Raises:
+        ValueError: ``bits != 4``, ``N`` not a multiple of 8, ``g`` not dividing ``K``.
+    """
+    if bits != 4:
+        raise ValueError(f"bits: the AWQ gemm layout packs 4-bit codes, got {bits}")
+    codes, zeros, steps = quantize_groups(w, bits, group_size)
+    return {"qweight": pack_int4(codes.t().contiguous()),
+            "qzeros": pack_int4(zeros.t().contiguous()),
+            "scales": steps.t().contiguous().half()}
+
+
+# -- the float decoder layer ---------------------------------------------------------------
+def layer_weights(weights: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layer ``layer`` under short names (``q``, ..., ``down``:
+    ``[out, in]``; ``ln1``, ``ln2``: ``[H]``), the same tensor objects as in
+    ``weights`` (Hugging Face names)."""
+    p = f"model.layers.{layer}"
+    out = {k: weights[f"{p}.{v}.weight"] for k, v in LINEAR_NAMES.items()}
+    return out | {k: weights[f"{p}.{v}.weight"] for k, v in NORM_NAMES.items()}
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (Hugging Face Llama) rotation of ``[B, heads, S, D]`` by ``[S, D/2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention_block(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                    wv: torch.Tensor, wo: torch.Tensor, cos_sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention of ``B`` sequences, as the served model computes it.
+
+    Args:
+        x: normalised hidden states ``[B, S, H]`` float32.
+        wq, wk, wv, wo: ``[Hq D, H]``, ``[Hkv D, H]``, ``[Hkv D, H]``, ``[H, Hq D]``.
+        cos_sin: ``[>= S, D]`` from :func:`~tandem.kernels.reference.rope_cos_sin_cache`.
+
+    Returns:
+        ``(o_in, out)``: the attention output before ``o_proj`` ``[B, S, Hq D]`` and
+        the block's output ``[B, S, H]``.
+    """
+    b, s, _ = x.shape
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = (x @ wq.t()).view(b, s, hq, d).transpose(1, 2)
+    k = (x @ wk.t()).view(b, s, hkv, d).transpose(1, 2)
+    v = (x @ wv.t()).view(b, s, hkv, d).transpose(1, 2)
+    cos, sin = cos_sin[:s, : d // 2], cos_sin[:s, d // 2:]
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5,
+                                       enable_gqa=hq != hkv)
+    o_in = o.transpose(1, 2).reshape(b, s, hq * d)
+    return o_in, o_in @ wo.t()
+
+
+def mlp_block(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU MLP: ``x`` ``[..., H]`` -> ``(down_proj input [..., F], output [..., H])``."""
+    act = F.silu(x @ wg.t()) * (x @ wu.t())
+    return act, act @ wd.t()
+
+
+@dataclass
+class LayerActivations:
+    """The float layer's activations on the calibration batch (``[B, S, .]`` float32)."""
+
+    attn_in: torch.Tensor      # input_layernorm(h): q/k/v input
+    o_in: torch.Tensor         # attention output: o_proj input
+    attn_out: torch.Tensor     # o_proj output
+    mlp_in: torch.Tensor       # post_attention_layernorm(h + attn_out): gate/up input
+    down_in: torch.Tensor      # silu(gate) * up: down_proj input
+    mlp_out: torch.Tensor      # down_proj output
+    out: torch.Tensor          # the layer's output (next layer's input)
+
+
+def decoder_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], h: torch.Tensor,
+                  cos_sin: torch.Tensor) -> LayerActivations:
+    """One float Llama decoder layer on ``h`` ``[B, S, H]``, keeping its activations."""
+    eps = cfg.rms_norm_eps
+    attn_in = rms_norm_ref(h, lw["ln1"], eps)
+    o_in, attn_out = attention_block(cfg, attn_in, lw["q"], lw["k"], lw["v"], lw["o"], cos_sin)
+    h = h + attn_out
+    mlp_in = rms_norm_ref(h, lw["ln2"], eps)
+    down_in, mlp_out = mlp_block(mlp_in, lw["gate"], lw["up"], lw["down"])
+    return LayerActivations(attn_in, o_in, attn_out, mlp_in, down_in, mlp_out, h + mlp_out)
+
+
+def model_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 input_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``[B, S, V]`` of the float model in ``weights`` on ``input_ids`` ``[B, S]``."""
+    cos_sin = rope_cos_sin_cache(cfg.head_dim, input_ids.shape[1], cfg.rope_theta)
+    h = weights["model.embed_tokens.weight"].float()[input_ids]
+    for i in range(cfg.num_layers):
+        h = decoder_layer(cfg, {k: v.float() for k, v in layer_weights(weights, i).items()},
+                          h, cos_sin).out
+    h = rms_norm_ref(h, weights["model.norm.weight"].float(), cfg.rms_norm_eps)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    return h @ head.float().t()
+
+
+# -- the searches --------------------------------------------------------------------------
+@dataclass
+class ScaleSearch:
+    """Outcome of one group's scale search (Section 3.3).
+
+    Attributes:
+        alpha: the chosen exponent (0: the RTN scales, all ones).
+        mse_rtn: block output MSE with plain RTN weights (``alpha = 0``).
+        mse_awq: block output MSE with the chosen scales (``<= mse_rtn``).
+        scales: ``[K]`` float32 per-input-channel scales ``s`` (weights multiplied,
+            the input divided).
+    """
+
+    alpha: float
+    mse_rtn: float
+    mse_awq: float
+    scales: torch.Tensor
+
+
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor],
+                  block: Callable[[list[torch.Tensor]], torch.Tensor], target: torch.Tensor,
+                  bits: int, group_size: int, grid: int) -> ScaleSearch:
+    """Grid search of ``s = s_x ** alpha`` for linears sharing the input ``x``.
+
+    ``s_x`` is the mean ``|x|`` per input channel; ``s`` is normalised by
+    ``sqrt(max(s) min(s))`` (AutoAWQ's normalisation; it keeps scales around 1
+    and changes nothing else: rounding is invariant to a global scale up to the
+    float16 steps). For each ``alpha`` in ``0, 1/grid, ..., (grid-1)/grid`` the
+    linears' weights become ``Q(W diag(s)) diag(s)^-1`` (what the scaled, folded
+    and quantized model computes on the unscaled input) and ``block`` is run.
+
+    Args:
+        x: the linears' common input ``[..., K]``.
+        weights: their weights ``[N_i, K]`` (float32).
+        block: ``block(weights) -> output``, the float computation from ``x`` to the
+            output whose error is measured, with the given weights in place of
+            ``weights``.
+        target: ``block(weights)`` with the float weights.
+        bits, group_size: the quantizer.
+        grid: number of ``alpha`` values (1: RTN only).
+
+    Returns:
+        the :class:`ScaleSearch` of the best ``alpha`` (the first one on ties).
+    """
+    s_x = x.reshape(-1, x.shape[-1]).abs().mean(dim=0)
+    trials = []                                          # (mse, alpha, scales)
+    for i in range(grid):
+        alpha = i / grid
+        if i == 0:
+            s = torch.ones_like(s_x)                     # RTN
+        else:
+            s = s_x.pow(alpha).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+        quantized = [fake_quantize(w * s, bits, group_size) / s for w in weights]
+        trials.append((float((block(quantized) - target).pow(2).mean()), alpha, s))
+    mse, alpha, s = min(trials, key=lambda t: t[0])      # the first of equal ones
+    return ScaleSearch(alpha, trials[0][0], mse, s)
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
+                grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+    """Per weight group, the clipping range that best preserves the group's output.
+
+    For each output row ``n`` and input group ``j``, the partial product
+    ``y[t, n, j] = sum_{k in j} x[t, k] w[n, k]`` is compared with the same sum
+    over ``Q(clamp(w, -r m, r m))``, ``m = max |w|`` of the group, for shrink ratios
+    ``r = 1 - i / grid``, ``i = 0 .. max_shrink * grid - 1`` (AutoAWQ's ``auto_clip``:
+    20 and 0.5, ratios 1 down to 0.55); the ratio with the smallest mean squared
+    error over the tokens wins (``r = 1``, no clipping, is always a candidate, so
+    no group's error grows). The error of a weight change ``d`` is computed through
+    the group's Gram matrix, ``mean_t (x_tj . d)^2 = d^T (X_j^T X_j / T) d``: exact,
+    over every token, at a cost that does not grow with the token count.
+
+    Args:
+        w: the (scaled) weight ``[N, K]`` float32.
+        x: its (scaled) input ``[..., K]``.
+        bits, group_size: the quantizer.
+        grid, max_shrink: the ratios tried.
+
+    Returns:
+        ``[N, K / g]`` float32: the clipping bound ``r m`` of each group.
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    n, k = w.shape
+    ng = k // group_size
+    xg = x.reshape(-1, ng, group_size).transpose(0, 1)                   # [ng, T, g]
+    gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]                # [ng, g, g]
+    wg = _groups(w.float(), group_size)                                  # [N, ng, g]
+    wmin, wmax = torch.aminmax(wg, dim=-1, keepdim=True)
+    m = torch.maximum(wmax, -wmin)                                       # [N, ng, 1]
+    best_err = torch.full((n, ng), math.inf)
+    best_bound = m[..., 0].clone()
+    for i in range(max(1, int(max_shrink * grid))):
+        b = m * (1 - i / grid)
+        # Clamping moves the extremes to exactly these (no second pass for them).
+        codes, zeros, steps = _round_groups(torch.clamp(wg, -b, b), bits,
+                                            torch.maximum(wmin, -b), torch.minimum(wmax, b))
+        dt = codes.sub_(zeros).mul_(steps).sub_(wg).transpose(0, 1)      # [ng, N, g]
+        err = (torch.bmm(dt, gram) * dt).sum(dim=-1).t()                 # [N, ng]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_bound = torch.where(better, b[..., 0], best_bound)
+    return best_bound
+
+
+def apply_clip(w: torch.Tensor, bound: torch.Tensor, group_size: int) -> None:
+    """Clamp each group of ``w`` ``[N, K]`` to ``[-bound, bound]`` (``[N, K / g]``), in place."""
+    b = bound[..., None]
+    w.copy_(torch.clamp(_groups(w, group_size), -b, b).reshape(w.shape))
+
+
+def fold_layer_scales(lw: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None]
+                      ) -> None:
+    """Fold a layer's AWQ scales into its float weights, in place (function unchanged).
+
+    Args:
+        lw: :func:`layer_weights` of the layer (float32, modified in place).
+        scales: ``{"qkv", "o", "gate_up", "down"}`` -> ``[K]`` scales of that group's
+            input channels, or None (not scaled). The scaled linears' columns are
+            multiplied by ``s``; ``1 / s`` goes into ``input_layernorm.weight``
+            (qkv), the rows of ``v_proj`` (o), ``post_attention_layernorm.weight``
+            (gate_up) or the rows of ``up_proj`` (down).
+
+    Raises:
+        ValueError: an ``o`` scale whose size is not ``v_proj``'s output width
+            (GQA: the pair cannot be folded).
+    """
+    s = scales.get("qkv")
+    if s is not None:
+        lw["ln1"].div_(s)
+        for name in ("q", "k", "v"):
+            lw[name].mul_(s)
+    s = scales.get("o")
+    if s is not None:
+        if lw["v"].shape[0] != s.numel():
+            raise ValueError(f"o_proj scales ({s.numel()}) cannot fold into v_proj "
+                             f"({lw['v'].shape[0]} outputs)")
+        lw["v"].div_(s[:, None])
+        lw["o"].mul_(s)
+    s = scales.get("gate_up")
+    if s is not None:
+        lw["ln2"].div_(s)
+        lw["gate"].mul_(s)
+        lw["up"].mul_(s)
+    s = scales.get("down")
+    if s is not None:
+        lw["up"].div_(s[:, None])
+        lw["down"].mul_(s)
+
+
+def fold_scales(weights: dict[str, torch.Tensor], cfg: ModelConfig,
+                scales: list[dict[str, torch.Tensor | None]]) -> None:
+    """:func:`fold_layer_scales` for every layer (``scales[i]`` of layer ``i``), in place."""
+    for i in range(cfg.num_layers):
+        fold_layer_scales(layer_weights(weights, i), scales[i])
+
+
+def awq_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivations,
+              cos_sin: torch.Tensor, bits: int, group_size: int, grid: int,
+              clip: bool, clip_grid: int = 20) -> dict:
+    """Search, fold and clip one layer's weights in place (they stay float32).
+
+    Args:
+        lw: :func:`layer_weights` of the layer, float32, modified in place.
+        acts: the float layer's :class:`LayerActivations` on the calibration batch.
+
+    Returns:
+        ``{"qkv" | "o" | "gate_up" | "down": ScaleSearch or None (o under GQA),
+        "clip": {linear: mean shrink ratio}}``.
+    """
+    fq, fk, fv, fo = lw["q"].clone(), lw["k"].clone(), lw["v"].clone(), lw["o"].clone()
+    fg, fu, fd = lw["gate"].clone(), lw["up"].clone(), lw["down"].clone()
+    found: dict = {}
+    found["qkv"] = search_scales(
+        acts.attn_in, [fq, fk, fv],
+        lambda w: attention_block(cfg, acts.attn_in, w[0], w[1], w[2], fo, cos_sin)[1],
+        acts.attn_out, bits, group_size, grid)
+    found["o"] = None
+    if fv.shape[0] == fo.shape[1]:          # num_heads == num_kv_heads
+        found["o"] = search_scales(acts.o_in, [fo], lambda w: acts.o_in @ w[0].t(),
+                                   acts.attn_out, bits, group_size, grid)
+    found["gate_up"] = search_scales(
+        acts.mlp_in, [fg, fu], lambda w: mlp_block(acts.mlp_in, w[0], w[1], fd)[1],
+        acts.mlp_out, bits, group_size, grid)
+    found["down"] = search_scales(acts.down_in, [fd], lambda w: acts.down_in @ w[0].t(),
+                                  acts.mlp_out, bits, group_size, grid)
+    fold_layer_scales(lw, {k: (v.scales if v is not None else None) for k, v in found.items()})
+    ratios = {}
+    if clip:
+        def scaled(x: torch.Tensor, key: str) -> torch.Tensor:
+            return x if found[key] is None else x / found[key].scales
+        inputs = {"v": scaled(acts.attn_in, "qkv"), "o": scaled(acts.o_in, "o"),
+                  "gate": scaled(acts.mlp_in, "gate_up"), "up": scaled(acts.mlp_in, "gate_up"),
+                  "down": scaled(acts.down_in, "down")}
+        for name in CLIPPED:
+            bound = search_clip(lw[name], inputs[name], bits, group_size, clip_grid)
+            m = _groups(lw[name], group_size).abs().amax(dim=-1)
+            ratios[name] = float((bound / m.clamp(min=1e-12)).mean())
+            apply_clip(lw[name], bound, group_size)
+    found["clip"] = ratios
+    return found
+
+
+def awq_transform(cfg: ModelConfig, weights: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                  *, bits: int = 4, group_size: int = 128, grid: int = 20, clip: bool = True,
+                  clip_grid: int = 20, progress: Callable[[int, dict], None] | None = None
+                  ) -> list[dict]:
+    """Scale (and clip) every decoder layer's float weights in place, ready to round.
+
+    Each layer is calibrated on the float model's activations (see the module
+    docstring): the calibration batch is run through the original layer first, its
+    output feeds the next layer, then the layer's weights are searched and changed.
+
+    Args:
+        cfg: the model.
+        weights: Hugging Face names -> float32 tensors; the decoder layers' linear
+            weights and norms are modified in place.
+        input_ids: calibration tokens ``[B, S]`` int64.
+        bits, group_size, grid, clip, clip_grid: see :func:`awq_quantize`.
+        progress: called as ``progress(layer, result)`` after each layer.
+
+    Returns:
+        one :func:`awq_layer` result per layer.
+    """
+    if grid < 1:
+        raise ValueError(f"grid: must be >= 1, got {grid}")
+    cos_sin = rope_cos_sin_cache(cfg.head_dim, input_ids.shape[1], cfg.rope_theta)
+    with torch.no_grad():
+        h = weights["model.embed_tokens.weight"][input_ids].float()
+        results = []
+        for i in range(cfg.num_layers):
+            lw = layer_weights(weights, i)
+            acts = decoder_layer(cfg, lw, h, cos_sin)
+            h = acts.out
+            results.append(awq_layer(cfg, lw, acts, cos_sin, bits, group_size, grid, clip,
+                                     clip_grid))
+            if progress is not None:
+                progress(i, results[-1])
+    return results
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def load_dense(model_path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+    """A dense Llama checkpoint's config and float32 tensors (Hugging Face names).
+
+    Args:
+        model_path: None (the default model), a .gguf file, or a Hugging Face
+            checkpoint directory.
+
+    Returns:
+        ``(config, {name: float32 tensor}, ModelFiles)``; a tied ``lm_head.weight``
+        is dropped.
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``model_path``.
+        ValueError: a checkpoint that is already quantized, or not Llama.
+        WeightLoadError: a decoder tensor missing.
+    """
+    from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.model.weights import iter_safetensors
+
+    files = resolve_model(model_path)
+    if files.format == "gguf":
+        from tandem.engine.model.llama import gguf_checkpoint
+
+        cfg, tensors = gguf_checkpoint(files)
+    else:
+        with open(os.path.join(files.path, "config.json")) as f:
+            if "quantization_config" in json.load(f):
+                raise ValueError(f"model_path: {files.path} is already quantized "
+                                 "(its config.json has a quantization_config)")
+        cfg = ModelConfig.from_hf_config(files.path)
+        tensors = iter_safetensors(files.path)
+    weights = {name: t.float().contiguous() for name, t in tensors
+               if not name.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{v}.weight" for i in range(cfg.num_layers)
+        for v in (*LINEAR_NAMES.values(), *NORM_NAMES.values())]
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise WeightLoadError(f"checkpoint lacks {missing[:4]}"
+                              + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
+    return cfg, weights, files
+
+
+def calibration_ids(tokenizer, text: str, num_tokens: int, seq_len: int = 512) -> torch.Tensor:
+    """The calibration batch: ``text``'s tokens cut into sequences.
+
+    Args:
+        tokenizer: a :class:`~tandem.engine.text.tokenizer.Tokenizer`.
+        text: calibration text.
+        num_tokens: tokens to use at most.
+        seq_len: tokens per sequence.
+
+    Returns:
+        int64 ``[B, S]``: ``B = min(num_tokens, len) // seq_len`` sequences of
+        ``S = seq_len`` tokens, or one sequence of every token when there are fewer
+        than ``seq_len``.
+
+    Raises:
+        ValueError: fewer than 2 tokens, or a non-positive count.
+    """
+    if num_tokens < 2 or seq_len < 2:
+        raise ValueError("num_calibration_tokens and calibration_seq_len: must be >= 2")
+    ids = tokenizer.encode(text)[:num_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"calibration_text: {len(ids)} tokens, need at least 2")
+    if len(ids) < seq_len:
+        return torch.tensor([ids], dtype=torch.int64)
+    b = len(ids) // seq_len
+    return torch.tensor(ids[: b * seq_len], dtype=torch.int64).view(b, seq_len)
+
+
+def _linear_name(name: str) -> str | None:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3.mlp.up_proj``; else None."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.[a-z]+_proj)\.weight", name)
+    return m.group(1) if m else None
+
+
+def _hf_config(cfg: ModelConfig) -> dict:
+    """A Hugging Face Llama config.json for a model known only by its ModelConfig (GGUF)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_model_len,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+
+
+def write_checkpoint(output_dir: str, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                     files, bits: int, group_size: int, tokenizer=None) -> None:
+    """Round ``weights``' decoder linears and write an AWQ gemm checkpoint directory.
+
+    Writes ``model.safetensors`` (per linear ``qweight``/``qzeros``/``scales``, every
+    other tensor float16), ``config.json`` (the source's, or one made from ``cfg`` for
+    a GGUF source, with ``torch_dtype`` float16 and the ``quantization_config``) and
+    the tokenizer (the source directory's files, or the GGUF's tokenizer saved with
+    ``save_pretrained``; ``tokenizer``, the source's
+    :class:`~tandem.engine.text.tokenizer.Tokenizer` if already built).
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        prefix = _linear_name(name)
+        if prefix is None:
+            out[name] = w.half().contiguous()
+        else:
+            for leaf, t in pack_awq_weight(w, bits, group_size).items():
+                out[f"{prefix}.{leaf}"] = t
+    save_file(out, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    if files.format == "hf":
+        with open(os.path.join(files.path, "config.json")) as f:
+            config = json.load(f)
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(files.path, name)):
+                shutil.copyfile(os.path.join(files.path, name), os.path.join(output_dir, name))
+    else:
+        from tandem.engine.text.tokenizer import Tokenizer
+
+        config = _hf_config(cfg)
+        (tokenizer or Tokenizer(files)).hf_tokenizer.save_pretrained(output_dir)
+    config["torch_dtype"] = config["dtype"] = "float16"
+    config["quantization_config"] = {"quant_method": "awq", "bits": bits,
+                                     "group_size": group_size, "zero_point": True,
+                                     "version": "gemm"}
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str, *,
+                 bits: int = 4, group_size: int = 128, num_calibration_tokens: int = 4096,
+                 calibration_seq_len: int = 512, grid: int = 20, clip: bool = True,
+                 clip_grid: int = 20, tokenizer=None) -> dict:
+    """Quantize a dense Llama model with AWQ and write an AutoAWQ "gemm" checkpoint.
+
+    Args:
+        model_path: None (the default model's GGUF file), a .gguf file, or a dense
+            Hugging Face checkpoint directory.
+        output_dir: directory to write (created; its files are overwritten).
+        calibration_text: text whose tokens calibrate the scales (not a path).
+        bits: code width; the gemm layout is 4-bit only.
+        group_size: input channels per scale/zero point; must divide every linear's
+            input width (576 and 1536 for the default model: 64 does, 128 does not).
+        num_calibration_tokens: at most this many tokens of the text are used, cut
+            into sequences of ``calibration_seq_len`` tokens.
+        grid: ``alpha`` values searched, ``0, 1/grid, ..., (grid-1)/grid``; 1 is
+            plain RTN scales.
+        clip: run the clipping search (Section 3 / AutoAWQ ``auto_clip``) on v, o,
+            gate, up and down; off with ``grid=1`` gives plain RTN.
+        clip_grid: the clipping search tries shrink ratios ``1 - i / clip_grid`` for
+            ``i < clip_grid / 2`` (AutoAWQ: 20, ratios 1 .. 0.55).
+        tokenizer: the source's :class:`~tandem.engine.text.tokenizer.Tokenizer`, if
+            the caller has one (saves loading it again); None loads it.
+
+    Returns:
+        stats: ``bits``, ``group_size``, ``calibration_tokens``,
+        ``calibration_sequences``, ``grid``, ``clip``, ``seconds``, ``skipped``
+        (pairs not scaled, with the reason), and ``layers``: per layer
+        ``{"qkv" | "o" | "gate_up" | "down": {"alpha", "mse_rtn", "mse_awq"} or None,
+        "clip": {linear: mean shrink ratio}}``, and ``scales``: per layer the ``[K]``
+        float32 scales of each group (None where not scaled).
+
+    Raises:
+        ValueError: ``bits != 4``, a ``group_size`` that does not divide an input width,
+            too little calibration text, ``output_dir`` being the source directory, an
+            already quantized source.
+        FileNotFoundError, WeightLoadError: see :func:`load_dense`.
+    """
+    from tandem.engine.text.tokenizer import Tokenizer
+
+    start = time.perf_counter()
+    if bits != 4:
+        raise ValueError(f"bits: the AWQ gemm layout packs 4-bit codes, got {bits}")
+    cfg, weights, files = load_dense(model_path)
+    if os.path.realpath(output_dir) == os.path.realpath(files.directory):
+        raise ValueError(f"output_dir: {output_dir} is the source model's directory")
+    widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size}
+    bad = sorted(k for k in widths if k % group_size)
+    if group_size < 1 or bad:
+        raise ValueError(f"group_size: {group_size} does not divide the input width(s) "
+                         f"{bad} of this model's linears")
+    outs = {cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size,
+            cfg.intermediate_size}
+    if any(n % PACK_FACTOR for n in outs):
+        raise ValueError(f"model: output widths {sorted(outs)} must be multiples of 8")
+    tokenizer = tokenizer or Tokenizer(files)
+    ids = calibration_ids(tokenizer, calibration_text, num_calibration_tokens,
+                          calibration_seq_len)
+
+    def progress(i: int, r: dict) -> None:
+        logger.info("awq layer %d: %s", i, ", ".join(
+            f"{k} alpha={v.alpha:.2f} mse {v.mse_rtn:.3g}->{v.mse_awq:.3g}"
+            for k, v in r.items() if isinstance(v, ScaleSearch)))
+
+    results = awq_transform(cfg, weights, ids, bits=bits, group_size=group_size, grid=grid,
+                            clip=clip, clip_grid=clip_grid, progress=progress)
+    write_checkpoint(output_dir, cfg, weights, files, bits, group_size, tokenizer)
+    skipped = [] if cfg.num_heads == cfg.num_kv_heads else [
+        f"v_proj -> o_proj: num_heads {cfg.num_heads} != num_kv_heads {cfg.num_kv_heads} (GQA)"]
+    groups = ("qkv", "o", "gate_up", "down")
+    return {
+        "bits": bits, "group_size": group_size, "grid": grid, "clip": clip,
+        "clip_grid": clip_grid,
+        "calibration_tokens": ids.numel(), "calibration_sequences": ids.shape[0],
+        "skipped": skipped, "output_dir": output_dir,
+        "layers": [{**{g: (None if r[g] is None else {"alpha": r[g].alpha, "mse_rtn": r[g].mse_rtn,
+                                                      "mse_awq": r[g].mse_awq}) for g in groups},
+                    "clip": r["clip"]} for r in results],
+        "scales": [{g: (None if r[g] is None else r[g].scales) for g in groups} for r in results],
+        "seconds": time.perf_counter() - start,
+    }
