@@ -109,14 +109,17 @@ class AWQLinearMethod(LinearMethodBase):
 
     :meth:`create_weights` registers, under the checkpoint's leaf names,
     ``qweight`` int32 ``[K, N / 8]``, ``qzeros`` int32 ``[K / g, N / 8]`` and
-    ``scales`` float32 ``[K / g, N]`` (the checkpoint's float16 steps, exactly).
+    ``scales`` ``[K / g, N]`` (created in the params dtype, so that it follows the
+    model's ``.to(dtype)``; held in float32 from the first loaded tensor on, so the
+    checkpoint's float16 steps stay exact).
     A fused layer (``[q, kv, kv]``, ``[F, F]``) concatenates its sub-matrices along
     ``N``: shard ``i`` fills columns ``offset_i .. offset_i + n_i`` of ``scales`` and
     the packed columns ``offset_i / 8 ..`` of ``qweight`` and ``qzeros``, so every
     sub-matrix width must be a multiple of 8.
 
     :meth:`process_weights_after_loading` dequantizes to a dense ``weight``
-    ``[N, K]`` in the layer's params dtype and drops the packed tensors; from there
+    ``[N, K]`` in the model's dtype (``scales``' dtype before loading; the product
+    ``(q - z) * s`` is formed in float32) and drops the packed tensors; from there
     on the layer is the dense method's (:class:`UnquantizedLinearMethod`: ``F.linear``,
     or its packed CPU kernels for bfloat16 and batch invariance). A kernel that
     multiplies by the packed int4 weights directly is future work: today AWQ saves
