@@ -152,7 +152,7 @@ def test_method_from_quantization_config():
 
 def test_registry_and_config_know_awq():
     from tandem.engine.config import EngineConfig
-    from tandem.engine.model.linear import get_linear_method
+    from tandem.engine.quantization.registry import get_linear_method
 
     assert isinstance(get_linear_method("awq"), AWQLinearMethod)
     assert EngineConfig(quantization="awq").quantization == "awq"
