@@ -33,10 +33,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    p.add_argument("--quantization", default="none", choices=["none", "gguf"],
-                   help="linear layers' weight format: none (dense, in --dtype) or gguf (a "
+    p.add_argument("--quantization", default="none", choices=["none", "gguf", "awq"],
+                   help="linear layers' weight format: none (dense, in --dtype), gguf (a "
                         "GGUF model's Q4_0/Q4_1/Q8_0 blocks kept packed, read by the "
-                        "quantized kernels; see docs/quantization.md)")
+                        "quantized kernels), awq (an AutoAWQ int4 checkpoint); see "
+                        "docs/quantization.md")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: compute every token the same way whatever else is batched, so "
                         "seeded and greedy outputs do not depend on batch composition, "
