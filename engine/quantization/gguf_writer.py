@@ -12,7 +12,9 @@ one with ``gguf.GGUFWriter``:
   ``gguf.quants.dequantize`` and quantized to the new type with
   ``gguf.quants.quantize``, row by row; the rows stay in the order the file stores
   them (``attn_q`` / ``attn_k`` in llama.cpp's permuted order, which a row-wise
-  requantization keeps), so the result is read exactly as the source is;
+  requantization keeps), so the result is read exactly as the source is. A tensor
+  already stored in the target type is copied as stored (requantizing it could only
+  add rounding);
 - 1-D tensors (the norms) are written as F32; other tensors are copied as stored.
 
 Tensors are written one at a time (the output's layout is planned from the shapes
@@ -136,7 +138,7 @@ def _converted(t, out_type, shape: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(quantize(w, out_type))
 
 
-def requantize_gguf(src: str, dst: str, qtype: str, *, keep_embedding: bool = False) -> dict:
+def requantize_gguf(src, dst: str, qtype: str, *, keep_embedding: bool = False) -> dict:
     """Write ``dst``: the GGUF file ``src`` with its matrices requantized to ``qtype``.
 
     See the module docstring for what is converted and what is copied. The output
@@ -144,8 +146,10 @@ def requantize_gguf(src: str, dst: str, qtype: str, *, keep_embedding: bool = Fa
     complete, so ``dst`` never holds a partial file.
 
     Args:
-        src: path of the source ``.gguf`` file (any tensor types ``gguf.quants`` can
-            dequantize, for the tensors that are converted).
+        src: the source ``.gguf`` file: its path (``str`` or ``os.PathLike``), or a
+            ``gguf.GGUFReader`` already open on it (opening one parses every metadata
+            field, the tokenizer's vocabulary element by element: seconds). Its
+            converted tensors may be of any type ``gguf.quants`` can dequantize.
         dst: path of the file to write (replaced if it exists); must differ from ``src``.
         qtype: the target type, one of :data:`REQUANTIZE_TYPES`.
         keep_embedding: copy ``token_embd`` / ``output`` as stored instead of
@@ -174,10 +178,11 @@ def requantize_gguf(src: str, dst: str, qtype: str, *, keep_embedding: bool = Fa
 
     if qtype not in REQUANTIZE_TYPES:
         raise ValueError(f"qtype: {qtype!r} is not one of {', '.join(REQUANTIZE_TYPES)}")
-    if os.path.exists(dst) and os.path.samefile(src, dst):
+    reader = src if isinstance(src, GGUFReader) else GGUFReader(src)
+    src_path = reader.data.filename     # the reader's np.memmap
+    if os.path.exists(dst) and os.path.samefile(src_path, dst):
         raise ValueError(f"dst: {dst!r} is the source file")
     target = QT[qtype]
-    reader = GGUFReader(src)
     arch_field = reader.fields.get(Keys.General.ARCHITECTURE)
     if arch_field is None:
         raise ValueError(f"{src}: no {Keys.General.ARCHITECTURE} field")
@@ -238,6 +243,6 @@ def requantize_gguf(src: str, dst: str, qtype: str, *, keep_embedding: bool = Fa
         "kinds": kinds,
         "tensor_bytes_before": sum(k["bytes_before"] for k in kinds.values()),
         "tensor_bytes_after": sum(k["bytes_after"] for k in kinds.values()),
-        "file_bytes_before": os.path.getsize(src),
+        "file_bytes_before": os.path.getsize(src_path),
         "file_bytes_after": os.path.getsize(dst),
     }
