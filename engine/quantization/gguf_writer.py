@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 #: Target types :func:`requantize_gguf` writes, by their ``gguf.GGMLQuantizationType`` name.
 REQUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "F32")
@@ -138,7 +141,8 @@ def _converted(t, out_type, shape: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(quantize(w, out_type))
 
 
-def requantize_gguf(src, dst: str, qtype: str, *, keep_embedding: bool = False) -> dict:
+def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike, qtype: str,
+                    *, keep_embedding: bool = False) -> dict:
     """Write ``dst``: the GGUF file ``src`` with its matrices requantized to ``qtype``.
 
     See the module docstring for what is converted and what is copied. The output
@@ -165,9 +169,10 @@ def requantize_gguf(src, dst: str, qtype: str, *, keep_embedding: bool = False) 
 
     Raises:
         ValueError: ``qtype`` not one of :data:`REQUANTIZE_TYPES`; ``dst`` is ``src``;
-            ``src`` has no ``general.architecture`` or a metadata field that cannot
-            be copied (:func:`field_value`); a converted tensor's row length is not a
-            multiple of the target's block size; ``src`` is not a GGUF file.
+            ``src`` has no ``general.architecture``, is of the other byte order, or
+            has a metadata field that cannot be copied (:func:`field_value`); a
+            converted tensor's row length is not a multiple of the target's block
+            size; ``src`` is not a GGUF file.
         NotImplementedError: a converted tensor's type ``gguf.quants`` cannot
             dequantize.
         OSError: ``src`` cannot be read or ``dst`` written.
@@ -180,12 +185,15 @@ def requantize_gguf(src, dst: str, qtype: str, *, keep_embedding: bool = False) 
         raise ValueError(f"qtype: {qtype!r} is not one of {', '.join(REQUANTIZE_TYPES)}")
     reader = src if isinstance(src, GGUFReader) else GGUFReader(src)
     src_path = reader.data.filename     # the reader's np.memmap
+    if reader.byte_order != "I":
+        raise ValueError(f"{src_path}: a GGUF file of the other byte order than this "
+                         f"machine's is not supported")
     if os.path.exists(dst) and os.path.samefile(src_path, dst):
         raise ValueError(f"dst: {dst!r} is the source file")
     target = QT[qtype]
     arch_field = reader.fields.get(Keys.General.ARCHITECTURE)
     if arch_field is None:
-        raise ValueError(f"{src}: no {Keys.General.ARCHITECTURE} field")
+        raise ValueError(f"{src_path}: no {Keys.General.ARCHITECTURE} field")
     arch = arch_field.contents()
     plan = _plan(reader, target, keep_embedding)
 
