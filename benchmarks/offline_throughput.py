@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
@@ -35,12 +34,8 @@ from pathlib import Path
 
 import torch
 
-
-def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed: int):
-    rng = random.Random(seed)
-    # Skip the first ids (special/control tokens in most vocabularies).
-    return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num_prompts)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prompts import make_workload  # noqa: E402  -- also used by llama_cpp_peer.py
 
 
 class Breakdown:

@@ -1,0 +1,256 @@
+"""Requantize a GGUF file to another GGUF type (Q8_0, Q4_0, Q4_1, F16, F32).
+
+:func:`requantize_gguf` reads a GGUF file with ``gguf.GGUFReader`` and writes a new
+one with ``gguf.GGUFWriter``:
+
+- every metadata key/value field is copied with its stored value type (strings as
+  their raw bytes, arrays with their element type), except ``general.file_type``,
+  which names the new type (``gguf.LlamaFileType``);
+- the projection matrices (``attn_q``, ``attn_k``, ``attn_v``, ``attn_output``,
+  ``ffn_gate``, ``ffn_up``, ``ffn_down``) and, unless ``keep_embedding``, the
+  embedding and output matrices (``token_embd``, ``output``) are dequantized with
+  ``gguf.quants.dequantize`` and quantized to the new type with
+  ``gguf.quants.quantize``, row by row; the rows stay in the order the file stores
+  them (``attn_q`` / ``attn_k`` in llama.cpp's permuted order, which a row-wise
+  requantization keeps), so the result is read exactly as the source is. A tensor
+  already stored in the target type is copied as stored (requantizing it could only
+  add rounding);
+- 1-D tensors (the norms) are written as F32; other tensors are copied as stored.
+
+Tensors are written one at a time (the output's layout is planned from the shapes
+first), so memory holds one tensor's float32 copy at a time, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+#: Target types :func:`requantize_gguf` writes, by their ``gguf.GGMLQuantizationType`` name.
+REQUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "F32")
+
+#: GGUF tensor-name stems of the projection matrices (``blk.{i}.<stem>.weight``).
+PROJECTION_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                    "ffn_down")
+#: GGUF tensor names of the embedding and the output (LM head) matrices.
+EMBEDDING_NAMES = ("token_embd.weight", "output.weight")
+
+# Fields the reader synthesises from the file header; the writer writes its own.
+_HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+
+
+def tensor_kind(name: str, n_dims: int) -> str:
+    """The role of a GGUF tensor, as :func:`requantize_gguf` reports and treats it.
+
+    Returns:
+        ``"projection"`` (``blk.{i}.attn_q.weight``, ... see :data:`PROJECTION_STEMS`),
+        ``"embedding"`` (:data:`EMBEDDING_NAMES`), ``"norm"`` (any 1-D tensor) or
+        ``"other"``.
+    """
+    if n_dims == 1:
+        return "norm"
+    if name in EMBEDDING_NAMES:
+        return "embedding"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in PROJECTION_STEMS \
+            and parts[3] == "weight":
+        return "projection"
+    return "other"
+
+
+def _file_type(qtype) -> int:
+    from gguf import GGMLQuantizationType as QT
+    from gguf import LlamaFileType as FT
+
+    return int({QT.F32: FT.ALL_F32, QT.F16: FT.MOSTLY_F16, QT.Q4_0: FT.MOSTLY_Q4_0,
+                QT.Q4_1: FT.MOSTLY_Q4_1, QT.Q8_0: FT.MOSTLY_Q8_0}[qtype])
+
+
+def field_value(field) -> tuple[Any, Any, Any]:
+    """``(value, value_type, element_type)`` of one ``gguf.ReaderField``, exactly as
+    stored, in the form ``GGUFWriter.add_key_value`` writes back byte for byte.
+
+    Strings are ``bytes`` (not decoded, so any byte sequence survives), numbers
+    python ``int`` / ``float`` / ``bool`` of the stored width, arrays python lists with
+    ``element_type`` their ``GGUFValueType`` (None for a scalar or string).
+
+    Raises:
+        ValueError: an empty array or an array of arrays (``GGUFWriter`` cannot
+            write the first; ``GGUFReader`` flattens the second).
+    """
+    from gguf import GGUFValueType as VT
+
+    vtype = field.types[0]
+    if vtype == VT.STRING:
+        return bytes(field.parts[field.data[0]]), vtype, None
+    if vtype != VT.ARRAY:
+        return field.parts[field.data[0]][0].item(), vtype, None
+    if len(field.types) != 2:
+        kind = "an empty array" if len(field.types) == 1 else "an array of arrays"
+        raise ValueError(f"GGUF field {field.name!r} is {kind}, which cannot be copied")
+    etype = field.types[1]
+    if etype == VT.STRING:
+        return [bytes(field.parts[i]) for i in field.data], vtype, etype
+    return [field.parts[i][0].item() for i in field.data], vtype, etype
+
+
+def _plan(reader, qtype, keep_embedding: bool) -> list[tuple[Any, str, Any, tuple[int, ...], int]]:
+    """Per source tensor: ``(tensor, kind, out_type, numpy shape, out_nbytes)``.
+
+    Raises:
+        ValueError: a row length not a multiple of the target type's block size.
+    """
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import quant_shape_to_byte_shape
+
+    plan = []
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))   # GGUF lists fastest dim first
+        kind = tensor_kind(t.name, len(shape))
+        if kind == "norm":
+            out_type = QT.F32
+        elif kind == "projection" or (kind == "embedding" and not keep_embedding):
+            out_type = qtype
+        else:
+            out_type = t.tensor_type
+        if out_type == t.tensor_type:
+            nbytes = int(t.n_bytes)
+        else:
+            try:
+                nbytes = int(np.prod(quant_shape_to_byte_shape(shape, out_type)))
+            except ValueError as exc:
+                raise ValueError(f"tensor {t.name!r} {list(shape)}: {exc}") from None
+        plan.append((t, kind, out_type, shape, nbytes))
+    return plan
+
+
+def _converted(t, out_type, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``t``'s data in ``out_type``: as stored if the type is unchanged, else
+    dequantized to float32 and quantized (``gguf.quants``)."""
+    from gguf.quants import dequantize, quantize
+
+    if out_type == t.tensor_type:
+        return np.ascontiguousarray(t.data)
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    return np.ascontiguousarray(quantize(w, out_type))
+
+
+def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike, qtype: str,
+                    *, keep_embedding: bool = False) -> dict:
+    """Write ``dst``: the GGUF file ``src`` with its matrices requantized to ``qtype``.
+
+    See the module docstring for what is converted and what is copied. The output
+    is written to a temporary file beside ``dst`` and renamed into place once
+    complete, so ``dst`` never holds a partial file.
+
+    Args:
+        src: the source ``.gguf`` file: its path (``str`` or ``os.PathLike``), or a
+            ``gguf.GGUFReader`` already open on it (opening one parses every metadata
+            field, the tokenizer's vocabulary element by element: seconds). Its
+            converted tensors may be of any type ``gguf.quants`` can dequantize.
+        dst: path of the file to write (replaced if it exists); must differ from ``src``.
+        qtype: the target type, one of :data:`REQUANTIZE_TYPES`.
+        keep_embedding: copy ``token_embd`` / ``output`` as stored instead of
+            requantizing them.
+
+    Returns:
+        Statistics: ``{"qtype": str, "file_type": int, "tensors": int,
+        "kinds": {kind: {"count": int, "bytes_before": int, "bytes_after": int,
+        "types_before": [str], "types_after": [str]}}, "tensor_bytes_before": int,
+        "tensor_bytes_after": int, "file_bytes_before": int, "file_bytes_after":
+        int}``, kinds as :func:`tensor_kind` names them, bytes the tensors' data sizes
+        (file sizes for ``file_bytes_*``).
+
+    Raises:
+        ValueError: ``qtype`` not one of :data:`REQUANTIZE_TYPES`; ``dst`` is ``src``;
+            ``src`` has no ``general.architecture``, is of the other byte order, or
+            has a metadata field that cannot be copied (:func:`field_value`); a
+            converted tensor's row length is not a multiple of the target's block
+            size; ``src`` is not a GGUF file.
+        NotImplementedError: a converted tensor's type ``gguf.quants`` cannot
+            dequantize.
+        OSError: ``src`` cannot be read or ``dst`` written.
+    """
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.constants import GGML_QUANT_VERSION, Keys
+
+    if qtype not in REQUANTIZE_TYPES:
+        raise ValueError(f"qtype: {qtype!r} is not one of {', '.join(REQUANTIZE_TYPES)}")
+    reader = src if isinstance(src, GGUFReader) else GGUFReader(src)
+    src_path = reader.data.filename     # the reader's np.memmap
+    if reader.byte_order != "I":
+        raise ValueError(f"{src_path}: a GGUF file of the other byte order than this "
+                         f"machine's is not supported")
+    if os.path.exists(dst) and os.path.samefile(src_path, dst):
+        raise ValueError(f"dst: {dst!r} is the source file")
+    target = QT[qtype]
+    arch_field = reader.fields.get(Keys.General.ARCHITECTURE)
+    if arch_field is None:
+        raise ValueError(f"{src_path}: no {Keys.General.ARCHITECTURE} field")
+    arch = arch_field.contents()
+    plan = _plan(reader, target, keep_embedding)
+
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".gguf")
+    os.close(fd)
+    try:
+        writer = GGUFWriter(tmp, arch)
+        for key, field in reader.fields.items():
+            if key in _HEADER_FIELDS or key == Keys.General.ARCHITECTURE:
+                continue
+            if key == Keys.General.FILE_TYPE:
+                writer.add_key_value(key, _file_type(target), field.types[0])
+                continue
+            value, vtype, etype = field_value(field)
+            writer.add_key_value(key, value, vtype, sub_type=etype)
+        if Keys.General.FILE_TYPE not in reader.fields:
+            writer.add_key_value(Keys.General.FILE_TYPE, _file_type(target), GGUFValueType.UINT32)
+        if (Keys.General.QUANTIZATION_VERSION not in reader.fields
+                and target not in (QT.F32, QT.F16)):
+            writer.add_quantization_version(GGML_QUANT_VERSION)
+        writer.data_alignment = int(reader.alignment)
+        for t, _, out_type, shape, nbytes in plan:
+            writer.add_tensor_info(t.name, shape, np.dtype(np.float32), nbytes, raw_dtype=out_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t, _, out_type, shape, nbytes in plan:
+            data = _converted(t, out_type, shape)
+            if data.nbytes != nbytes:   # the plan and gguf.quants disagree: a bug, not a user error
+                raise AssertionError(f"{t.name}: {data.nbytes} bytes written, {nbytes} planned")
+            writer.write_tensor_data(data)
+        writer.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+    kinds: dict[str, dict] = {}
+    for t, kind, out_type, _, nbytes in plan:
+        k = kinds.setdefault(kind, {"count": 0, "bytes_before": 0, "bytes_after": 0,
+                                    "types_before": set(), "types_after": set()})
+        k["count"] += 1
+        k["bytes_before"] += int(t.n_bytes)
+        k["bytes_after"] += nbytes
+        k["types_before"].add(t.tensor_type.name)
+        k["types_after"].add(QT(out_type).name)
+    for k in kinds.values():
+        k["types_before"], k["types_after"] = sorted(k["types_before"]), sorted(k["types_after"])
+    return {
+        "qtype": qtype,
+        "file_type": _file_type(target),
+        "tensors": len(plan),
+        "kinds": kinds,
+        "tensor_bytes_before": sum(k["bytes_before"] for k in kinds.values()),
+        "tensor_bytes_after": sum(k["bytes_after"] for k in kinds.values()),
+        "file_bytes_before": os.path.getsize(src_path),
+        "file_bytes_after": os.path.getsize(dst),
+    }

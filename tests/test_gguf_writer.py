@@ -1,0 +1,246 @@
+"""Requantizing a GGUF file (engine/quantization/gguf_writer.py): the default model
+rewritten as Q8_0 keeps every metadata field, holds exactly gguf-py's requantization
+of every tensor, and serves the same greedy tokens natively and dense."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import dequantize, quantize
+
+from tandem.engine.quantization.gguf_writer import (field_value, requantize_gguf,
+                                                    tensor_kind)
+
+
+def test_tensor_kinds():
+    assert tensor_kind("blk.3.attn_q.weight", 2) == "projection"
+    assert tensor_kind("blk.12.ffn_down.weight", 2) == "projection"
+    assert tensor_kind("token_embd.weight", 2) == "embedding"
+    assert tensor_kind("output.weight", 2) == "embedding"
+    assert tensor_kind("blk.0.attn_norm.weight", 1) == "norm"
+    assert tensor_kind("output_norm.weight", 1) == "norm"
+    assert tensor_kind("blk.0.attn_q.bias", 2) == "other"
+
+
+VT = GGUFValueType
+RNG = np.random.default_rng(0)
+
+
+def _matrix(rows: int, cols: int) -> np.ndarray:
+    return RNG.standard_normal((rows, cols)).astype(np.float32)
+
+
+def tiny_gguf(path, *, file_type: bool = True, alignment: int | None = None,
+              extra_fields=(), extra_tensors=()) -> str:
+    """A small GGUF file written with gguf-py: fields of every value type and a few
+    tensors of each kind in several types (not a loadable model)."""
+    w = GGUFWriter(str(path), "llama")
+    for key, value, vtype in [("t.u8", 200, VT.UINT8), ("t.i8", -5, VT.INT8),
+                              ("t.u16", 60000, VT.UINT16), ("t.i16", -30000, VT.INT16),
+                              ("t.u32", 4_000_000_000, VT.UINT32),
+                              ("t.i32", -2_000_000_000, VT.INT32),
+                              ("t.u64", 2 ** 63 + 5, VT.UINT64), ("t.i64", -2 ** 62, VT.INT64),
+                              ("t.f32", 0.1, VT.FLOAT32), ("t.f64", 0.1, VT.FLOAT64),
+                              ("t.bool", True, VT.BOOL), ("t.str", "h\u00e9llo", VT.STRING),
+                              ("t.bytes", b"\xff\xfe not utf-8", VT.STRING)]:
+        w.add_key_value(key, value, vtype)
+    w.add_key_value("t.arr_u8", [1, 2, 255], VT.ARRAY, sub_type=VT.UINT8)
+    w.add_key_value("t.arr_i64", [-1, 2 ** 40], VT.ARRAY, sub_type=VT.INT64)
+    w.add_key_value("t.arr_f64", [0.1, -2.5], VT.ARRAY, sub_type=VT.FLOAT64)
+    w.add_key_value("t.arr_bool", [True, False], VT.ARRAY, sub_type=VT.BOOL)
+    w.add_key_value("t.arr_str", ["a", "b\u00e9", ""], VT.ARRAY, sub_type=VT.STRING)
+    for key, value, vtype in extra_fields:
+        w.add_key_value(key, value, vtype)
+    if file_type:
+        w.add_file_type(int(LlamaFileType.MOSTLY_Q4_1))
+        w.add_quantization_version(2)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    w.add_tensor("token_embd.weight", quantize(_matrix(96, 64), QT.Q8_0), raw_dtype=QT.Q8_0)
+    w.add_tensor("blk.0.attn_norm.weight", RNG.standard_normal(64).astype(np.float16))
+    w.add_tensor("blk.0.attn_q.weight", quantize(_matrix(64, 64), QT.Q4_1), raw_dtype=QT.Q4_1)
+    w.add_tensor("blk.0.attn_k.weight", quantize(_matrix(32, 64), QT.Q4_0), raw_dtype=QT.Q4_0)
+    w.add_tensor("blk.0.ffn_down.weight", _matrix(64, 96))
+    w.add_tensor("blk.0.ffn_up.weight", _matrix(96, 64).astype(np.float16))
+    w.add_tensor("blk.0.extra.weight", _matrix(3, 5))
+    w.add_tensor("output_norm.weight", RNG.standard_normal(64).astype(np.float32))
+    w.add_tensor("output.weight", quantize(_matrix(96, 64), QT.Q8_0), raw_dtype=QT.Q8_0)
+    for name, data in extra_tensors:
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def expected_tensor(t, qtype: QT, keep_embedding: bool = False) -> tuple[QT, np.ndarray]:
+    """``(type, data)`` a requantized file must hold for source tensor ``t``."""
+    kind = tensor_kind(t.name, len(t.shape))
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if kind == "norm":
+        return QT.F32, w
+    if kind == "other" or (kind == "embedding" and keep_embedding) or t.tensor_type == qtype:
+        return t.tensor_type, t.data
+    return qtype, quantize(w, qtype)
+
+
+FILE_TYPES = {"Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+              "Q4_1": LlamaFileType.MOSTLY_Q4_1, "F16": LlamaFileType.MOSTLY_F16,
+              "F32": LlamaFileType.ALL_F32}
+
+
+@pytest.mark.parametrize("keep_embedding", [False, True])
+@pytest.mark.parametrize("qtype", sorted(FILE_TYPES))
+def test_tiny_file_fields_and_tensors_exactly(tmp_path, qtype, keep_embedding):
+    src = GGUFReader(tiny_gguf(tmp_path / "src.gguf"))
+    dst = tmp_path / "dst.gguf"
+    dst.write_bytes(b"an older file")                         # replaced
+    stats = requantize_gguf(str(tmp_path / "src.gguf"), str(dst), qtype,
+                            keep_embedding=keep_embedding)
+    out = GGUFReader(str(dst))
+    assert list(out.fields) == list(src.fields)
+    for key, field in src.fields.items():
+        if key == "general.file_type":
+            assert field_value(out.fields[key]) == (int(FILE_TYPES[qtype]), VT.UINT32, None)
+        elif not key.startswith("GGUF."):
+            assert field_value(out.fields[key]) == field_value(field), key
+    assert field_value(out.fields["t.bytes"])[0] == b"\xff\xfe not utf-8"
+    assert [t.name for t in out.tensors] == [t.name for t in src.tensors]
+    for s, o in zip(src.tensors, out.tensors):
+        qt, data = expected_tensor(s, QT[qtype], keep_embedding)
+        assert o.tensor_type == qt, s.name
+        assert o.shape.tolist() == s.shape.tolist()
+        assert np.array_equal(o.data.reshape(-1), np.asarray(data).reshape(-1)), s.name
+    kinds = stats["kinds"]
+    assert {k: v["count"] for k, v in kinds.items()} == {"embedding": 2, "norm": 2,
+                                                         "projection": 4, "other": 1}
+    assert kinds["norm"]["types_before"] == ["F16", "F32"]
+    assert kinds["norm"]["types_after"] == ["F32"]
+    assert kinds["other"]["bytes_after"] == kinds["other"]["bytes_before"] == 3 * 5 * 4
+    assert kinds["projection"]["types_after"] == [qtype]
+    assert stats["tensor_bytes_after"] == sum(int(t.n_bytes) for t in out.tensors)
+    assert stats["file_bytes_after"] == dst.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst.gguf", "src.gguf"]
+
+
+def test_file_type_and_quantization_version_added_and_alignment_kept(tmp_path):
+    src = tiny_gguf(tmp_path / "src.gguf", file_type=False, alignment=64)
+    requantize_gguf(src, str(tmp_path / "q.gguf"), "Q4_0")
+    requantize_gguf(src, str(tmp_path / "f.gguf"), "F16")
+    q, f = GGUFReader(str(tmp_path / "q.gguf")), GGUFReader(str(tmp_path / "f.gguf"))
+    source_keys = list(GGUFReader(src).fields)
+    assert list(q.fields) == source_keys + ["general.file_type", "general.quantization_version"]
+    assert field_value(q.fields["general.file_type"]) == (int(LlamaFileType.MOSTLY_Q4_0),
+                                                          VT.UINT32, None)
+    assert field_value(q.fields["general.quantization_version"]) == (2, VT.UINT32, None)
+    assert list(f.fields) == source_keys + ["general.file_type"]
+    for r in (q, f):
+        assert r.alignment == 64
+        assert all(t.data_offset % 64 == 0 for t in r.tensors)
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="qtype"):
+        requantize_gguf(str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "Q4_K")
+    src = tiny_gguf(tmp_path / "src.gguf")
+    with pytest.raises(ValueError, match="dst"):
+        requantize_gguf(src, src, "Q8_0")
+    nested = tiny_gguf(tmp_path / "nested.gguf",
+                       extra_fields=[("t.nested", [[1, 2], [3]], VT.ARRAY)])
+    with pytest.raises(ValueError, match="t.nested"):
+        requantize_gguf(nested, str(tmp_path / "out.gguf"), "Q8_0")
+    odd = tiny_gguf(tmp_path / "odd.gguf", extra_tensors=[("blk.1.attn_v.weight", _matrix(4, 48))])
+    with pytest.raises(ValueError, match="blk.1.attn_v.weight"):
+        requantize_gguf(odd, str(tmp_path / "out.gguf"), "Q8_0")
+    requantize_gguf(odd, str(tmp_path / "out.gguf"), "F16")   # F16 has no blocks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nested.gguf", "odd.gguf",
+                                                          "out.gguf", "src.gguf"]
+
+
+@pytest.fixture(scope="module")
+def requantized(model_files, tmp_path_factory):
+    """``(source reader, Q8_0 file path, its reader, stats)``: the default model
+    requantized to Q8_0 once for the module."""
+    src = GGUFReader(model_files.path)
+    dst = str(tmp_path_factory.mktemp("gguf") / "model-q8_0.gguf")
+    stats = requantize_gguf(src, dst, "Q8_0")
+    return src, dst, GGUFReader(dst), stats
+
+
+@pytest.mark.slow
+def test_metadata_fields_are_the_source_fields(requantized):
+    src, _, out, _ = requantized
+    assert list(out.fields) == list(src.fields)
+    for key, field in src.fields.items():
+        if key in ("GGUF.tensor_count", "GGUF.kv_count", "GGUF.version"):
+            assert out.fields[key].contents() == field.contents()
+        elif key == "general.file_type":
+            assert field_value(out.fields[key]) == (int(LlamaFileType.MOSTLY_Q8_0),
+                                                    GGUFValueType.UINT32, None)
+        else:
+            assert field_value(out.fields[key]) == field_value(field), key
+    assert len(out.fields["tokenizer.ggml.tokens"].data) == 49152
+    assert out.alignment == src.alignment
+
+
+@pytest.mark.slow
+def test_every_tensor_is_gguf_requantization_exactly(requantized):
+    src, dst, out, stats = requantized
+    assert [t.name for t in out.tensors] == [t.name for t in src.tensors]
+    expected_types = {"projection": QT.Q8_0, "embedding": QT.Q8_0, "norm": QT.F32}
+    counts = {}
+    for s, o in zip(src.tensors, out.tensors):
+        kind = tensor_kind(s.name, len(s.shape))
+        counts[kind] = counts.get(kind, 0) + 1
+        assert o.tensor_type == expected_types[kind], s.name
+        assert o.shape.tolist() == s.shape.tolist()
+        w = np.asarray(dequantize(s.data, s.tensor_type), dtype=np.float32)
+        # Equal blocks, so equal dequantized values (and cheaper to compare).
+        expected = w.reshape(o.data.shape) if kind == "norm" else quantize(w, QT.Q8_0)
+        assert np.array_equal(o.data, expected), s.name
+    assert counts == {"projection": 210, "embedding": 1, "norm": 61}
+    kinds = stats["kinds"]
+    assert {k: v["count"] for k, v in kinds.items()} == counts
+    assert kinds["projection"]["types_before"] == ["Q4_1"]
+    assert kinds["projection"]["types_after"] == ["Q8_0"]
+    # Q4_1: 20 bytes per 32 weights; Q8_0: 34.
+    assert kinds["projection"]["bytes_after"] == kinds["projection"]["bytes_before"] // 20 * 34
+    assert kinds["embedding"]["bytes_after"] == kinds["embedding"]["bytes_before"]
+    assert kinds["norm"]["bytes_after"] == kinds["norm"]["bytes_before"]
+    assert stats["tensor_bytes_after"] == sum(int(t.n_bytes) for t in out.tensors)
+    assert stats["file_bytes_after"] == out.data.shape[0]
+
+
+@pytest.fixture(scope="module")
+def served(requantized, tmp_path_factory):
+    """``(native, dense)``: Tandem on the Q8_0 file, its blocks kept packed
+    (``quantization="gguf"``) and dequantized (``"none"``), float32. Both share a
+    model-file cache of their own, so the tokenizer is converted once."""
+    from tandem.engine.llm import LLM
+
+    _, dst, _, _ = requantized
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        native = LLM(model=dst, dtype="float32", num_blocks=16, quantization="gguf")
+        dense = LLM(model=dst, dtype="float32", num_blocks=16)
+    return native, dense
+
+
+@pytest.mark.slow
+def test_q8_0_file_serves_natively_as_dense(served):
+    from tandem.engine.model.linear import Linear
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    native, dense = served
+    model = native.engine.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert len(layers) == 4 * native.engine.model_config.num_layers
+    assert {m.qtype for m in layers} == {int(QT.Q8_0)}
+    ids = [native.tokenizer.encode(p) for p in ["The capital of France is", "def fibonacci(n):"]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for a, b in zip(native.generate(ids, greedy), dense.generate(ids, greedy)):
+        assert len(a.outputs[0].token_ids) == 8
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
