@@ -14,8 +14,9 @@ For each: the bytes of the weights held in memory (every distinct tensor a modul
 holds: parameters, buffers and the packed copies linear methods keep), the KV bytes
 per token, the engine's KV blocks and the largest number of concurrent sequences
 of ``--seq-len`` tokens when weights + KV share a ``--memory-budget-mib`` budget,
-single-stream decode speed (one prompt, greedy) and offline throughput (``--num-prompts``
-prompts, greedy, EOS ignored). ``--peers llama.cpp`` adds llama.cpp on the same GGUF
+single-stream prefill and decode speed (``--single-prompts`` prompts one at a time,
+greedy: prefill = time to the first token, decode = the other ``--output-len - 1``) and
+offline throughput (``--num-prompts`` prompts at once, greedy, EOS ignored). ``--peers llama.cpp`` adds llama.cpp on the same GGUF
 files, through benchmarks/llama_cpp_peer.py in the venv of ``--llama-cpp-python``.
 
     python benchmarks/quantization.py --out benchmarks/results/quantization.json
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_throughput import make_workload  # noqa: E402
+from bench_prompts import make_workload  # noqa: E402
 
 # name -> (model path or a flag naming it (None: the default model), LLM kwargs)
 FORMATS: dict[str, tuple[str | None, dict]] = {
@@ -51,6 +52,10 @@ FORMATS: dict[str, tuple[str | None, dict]] = {
     "gguf-f32": (None, {"dtype": "float32", "quantization": "gguf"}),
     "gguf-bf16": (None, {"dtype": "bfloat16", "quantization": "gguf"}),
     "gguf-q8_0": ("--q8-model", {"dtype": "float32", "quantization": "gguf"}),
+    "gguf-f32-fp8kv": (None, {"dtype": "float32", "quantization": "gguf",
+                              "kv_cache_dtype": "fp8_e4m3"}),
+    "bf16-fp8kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}),
+    "awq": ("--awq-model", {"dtype": "float32", "quantization": "awq"}),
 }
 
 
@@ -95,9 +100,19 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
               kv_cache_memory_bytes=max(kv_budget, 64 << 20), **kwargs)
     greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    single = llm.generate([prompts[0]], greedy)
-    single_s = time.perf_counter() - t0
+    # Single stream, one prompt at a time (as llama_cpp_peer.py measures llama.cpp):
+    # prefill = the time to the first token, decode = the rest.
+    prefill_s = decode_s = 0.0
+    single = prompts[:args.single_prompts]
+    for p in single:
+        t0 = time.perf_counter()
+        llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t1 = time.perf_counter()
+        llm.generate([p], SamplingParams(max_tokens=args.output_len, temperature=0.0,
+                                         ignore_eos=True, ))
+        t2 = time.perf_counter()
+        prefill_s += t1 - t0
+        decode_s += max(1e-9, (t2 - t1) - (t1 - t0))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, greedy)
     dt = time.perf_counter() - t0
@@ -107,8 +122,8 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_bytes_per_token,
         "kv_blocks_in_budget": int(num_blocks),
         "max_concurrent_seqs": int(num_blocks // blocks_per_seq),
-        "single_stream_tok_s": len(single[0].outputs[0].token_ids) / single_s,
-        "single_stream_seconds": single_s,
+        "prefill_tok_s": sum(map(len, single)) / prefill_s,
+        "decode_tok_s": len(single) * (args.output_len - 1) / decode_s,
         "offline_output_tok_s": n / dt, "offline_seconds": dt,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
@@ -158,26 +173,29 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30
 
 def run_llama_cpp(path: str, prompts, args) -> dict:
     cmd = [args.llama_cpp_python, str(Path(__file__).with_name("llama_cpp_peer.py")),
-           "--model", path, "--num-prompts", str(len(prompts)), "--output-len",
+           path, "--num-prompts", str(args.single_prompts), "--output-len",
            str(args.output_len), "--min-prompt", str(args.min_prompt), "--max-prompt",
            str(args.max_prompt), "--seed", str(args.seed), "--threads",
            str(torch.get_num_threads())]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="f32,bf16,gguf-f32,gguf-bf16,gguf-q8_0",
+    ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"comma-separated, from {', '.join(FORMATS)}")
     ap.add_argument("--q8-model", default=None, help="a Q8_0 GGUF of the same model")
+    ap.add_argument("--awq-model", default=None, help="an AWQ checkpoint of the same model")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--single-prompts", type=int, default=4,
+                    help="prompts run one at a time for the prefill / decode columns")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=1024,
                     help="tokens per sequence for the capacity column")
@@ -220,7 +238,8 @@ def main() -> None:
         result["formats"][name] = r
         print(f"{name:10s} weights {r['weight_bytes'] / 2**20:7.1f} MiB  KV {r['kv_bytes_per_token']:6.0f} "
               f"B/token  seqs@{args.memory_budget_mib}MiB {r['max_concurrent_seqs']:4d}  "
-              f"single {r['single_stream_tok_s']:6.1f} tok/s  offline {r['offline_output_tok_s']:6.1f} tok/s",
+              f"prefill {r['prefill_tok_s']:6.1f} decode {r['decode_tok_s']:6.1f} tok/s  "
+              f"offline {r['offline_output_tok_s']:6.1f} tok/s",
               flush=True)
     if "llama.cpp" in args.peers.split(","):
         files = {"gguf-q4_1": None, "gguf-q8_0": args.q8_model}
@@ -232,8 +251,8 @@ def main() -> None:
                 continue
             r = run_llama_cpp(path, prompts, args)
             result["formats"][f"llama.cpp-{name[5:]}"] = r
-            print(f"llama.cpp {name[5:]:5s} single {r['single_stream_tok_s']:6.1f} tok/s  "
-                  f"offline {r['offline_output_tok_s']:6.1f} tok/s", flush=True)
+            print(f"llama.cpp-{name[5:]:5s} prefill {r['prefill_tok_s']:6.1f} decode "
+                  f"{r['decode_tok_s']:6.1f} tok/s", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -154,3 +154,19 @@ def test_real_model_matches_dense_and_transformers(gguf_llm, f32_weights, hf_gre
         for lp_a, lp_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert lp_a.token_id == lp_b.token_id
             assert math.isclose(lp_a.logprob, lp_b.logprob, abs_tol=2e-4)
+
+
+def test_bfloat16_activations_over_the_packed_blocks(gguf_llm):
+    """bfloat16 activations: the embedding's rows, the layers' outputs and a dense
+    fallback all take the model dtype (packed layers have no float parameter that
+    ``.to(dtype)`` would convert)."""
+    from tandem.engine.llm import LLM
+
+    bf16 = LLM(dtype="bfloat16", num_blocks=16, quantization="gguf")
+    model = bf16.engine.model
+    ids = torch.tensor(bf16.tokenizer.encode("The capital of France is"))
+    assert model.model.embed_tokens(ids).dtype == torch.bfloat16
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    got = bf16.generate([ids.tolist()], greedy)[0].outputs[0].token_ids
+    want = gguf_llm.generate([ids.tolist()], greedy)[0].outputs[0].token_ids
+    assert got[0] == want[0]           # " Paris": far from any near-tie

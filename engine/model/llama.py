@@ -299,6 +299,11 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, linear_method)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        # Packed layers hold no float parameter for .to(dtype) to convert: tell them
+        # the dtype their outputs (and any dense fallback) take.
+        if hasattr(module, "params_dtype"):
+            module.params_dtype = dtype
     weights.load_weights(model, tensors)
     if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
         model.model.embed_tokens.share_with(model.lm_head)
