@@ -296,7 +296,9 @@ class EngineConfig:
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
         quantization: the linear layers' weight format, a key of
-            :data:`tandem.engine.model.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``).
+            :data:`tandem.engine.model.linear.LINEAR_METHODS` (``none``: dense, in ``dtype``;
+            ``gptq``: a GPTQ checkpoint). A checkpoint whose config.json has a
+            ``quantization_config`` is loaded with its own method when this is ``none``.
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads of the process running this engine
             (None = leave as is); applied by the process's entry point with
@@ -329,7 +331,7 @@ class EngineConfig:
         check_dtype_name(self.dtype)
         # The registries live with torch code: imported here, not at module level, so
         # that importing this module (the scheduler does) never loads torch.
-        from tandem.engine.model.linear import LINEAR_METHODS
+        from tandem.engine.quantization import LINEAR_METHODS     # with "gptq" registered
         from tandem.kernels.registry import ATTENTION_BACKENDS
 
         if self.attention_backend not in ATTENTION_BACKENDS:

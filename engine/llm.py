@@ -29,6 +29,9 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
+        quantization: the linear layers' weight format (``EngineConfig.quantization``):
+            ``none`` (the default) loads a quantized checkpoint (a GPTQ directory
+            written by ``tandem quantize``) with its own method, a dense one dense.
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
@@ -50,7 +53,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None,
+                 quantization: str = "none", max_model_len: int | None = None,
+                 num_threads: int | None = None,
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,
@@ -64,7 +68,7 @@ class LLM:
             speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
-            max_model_len=max_model_len, num_threads=num_threads,
+            quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             batch_invariant=batch_invariant, speculative=speculative_config,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

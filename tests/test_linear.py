@@ -45,11 +45,16 @@ def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
 
 
 def test_unknown_quantization_names_the_field_and_the_known_names():
-    assert list(LINEAR_METHODS) == ["none"]
+    from tandem.engine.quantization import GPTQLinearMethod     # registers "gptq"
+
+    assert list(LINEAR_METHODS) == ["none", "gptq"]
     assert isinstance(get_linear_method("none"), UnquantizedLinearMethod)
-    with pytest.raises(ValueError, match=r"^quantization: unknown 'gptq', expected one of none$"):
-        get_linear_method("gptq")
-    with pytest.raises(ValueError, match=r"^quantization: unknown 'q4_0', expected one of none$"):
+    assert isinstance(get_linear_method("gptq"), GPTQLinearMethod)
+    with pytest.raises(ValueError, match=r"^quantization: unknown 'awq', expected one of none, "
+                                         r"gptq$"):
+        get_linear_method("awq")
+    with pytest.raises(ValueError, match=r"^quantization: unknown 'q4_0', expected one of none, "
+                                         r"gptq$"):
         EngineConfig(quantization="q4_0")
     assert EngineConfig().quantization == "none"
 
