@@ -317,7 +317,9 @@ class EngineConfig:
         attention_backend: ``auto``, ``torch``, ``cpu`` (compiled CPU kernels) or
             ``triton``.
         quantization: the linear layers' weight format, a key of
-            :data:`tandem.engine.quantization.registry.LINEAR_METHODS` (``none``: dense, in ``dtype``).
+            :data:`tandem.engine.quantization.registry.LINEAR_METHODS` (``none``: dense, in
+            ``dtype``). A checkpoint whose config.json has a ``quantization_config``
+            (GPTQ, AWQ) is loaded with its own method when this is ``none``.
         max_model_len: cap on the context length (None = the model's).
         num_threads: torch intra-op threads of the process running this engine
             (None = leave as is); applied by the process's entry point with

@@ -31,8 +31,9 @@ class LLM:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.
         quantization: the linear layers' weight format (``EngineConfig.quantization``):
-            ``none`` (dense in ``dtype``), ``gguf`` (a GGUF file's blocks kept packed),
-            ``awq`` (an AWQ int4 checkpoint directory, AutoAWQ gemm layout).
+            ``none`` (dense in ``dtype``; a quantized checkpoint directory, GPTQ or AWQ,
+            is loaded with the method its config.json names), ``gguf`` (a GGUF file's
+            blocks kept packed), ``gptq``, ``awq``.
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
@@ -54,7 +55,8 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None,
+                 quantization: str = "none", max_model_len: int | None = None,
+                 num_threads: int | None = None,
                  preemption_mode: str = "auto", swap_space_bytes: int = 1 << 30,
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,

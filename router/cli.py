@@ -6,6 +6,8 @@
     tandem generate --endpoint HOST:PORT "prompt"    gRPC client, streaming
     tandem chat --endpoint HOST:PORT "message"       gRPC client, chat template, streaming
     tandem generate "prompt" ...                     no endpoint: offline, engine in this process
+    tandem quantize --method gptq --output DIR       int4 GPTQ / RTN / AWQ checkpoint, or a
+                                                     GGUF file in another block type (q8_0)
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    p.add_argument("--quantization", default="none", choices=["none", "gguf", "awq"],
-                   help="linear layers' weight format: none (dense, in --dtype), gguf (a "
-                        "GGUF model's Q4_0/Q4_1/Q8_0 blocks kept packed, read by the "
-                        "quantized kernels), awq (an AutoAWQ int4 checkpoint); see "
-                        "docs/quantization.md")
+    p.add_argument("--quantization", default="none", choices=["none", "gguf", "gptq", "awq"],
+                   help="linear layers' weight format: none (dense, in --dtype; a GPTQ or AWQ "
+                        "checkpoint directory, e.g. from `tandem quantize`, is detected from its "
+                        "config.json), gguf (a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept packed, "
+                        "read by the quantized kernels), gptq, awq; see docs/quantization.md")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: compute every token the same way whatever else is batched, so "
                         "seeded and greedy outputs do not depend on batch composition, "
@@ -356,7 +358,8 @@ def _cmd_generate(args) -> int:
               enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
               enable_chunked_prefill=not args.no_chunked_prefill, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,
+              attention_backend=args.attention_backend, quantization=args.quantization,
+              batch_invariant=args.batch_invariant,
               speculative_config=_engine_config(args).speculative)
     params = _sampling_params(args)
     t0 = time.perf_counter()
@@ -373,6 +376,94 @@ def _cmd_generate(args) -> int:
     print(f"\n{len(outs)} prompts, {n_out} output tokens in {dt:.2f} s "
           f"({n_out / dt:.1f} tok/s, batched)", file=sys.stderr)
     return 0
+
+
+def _cmd_quantize(args) -> int:
+    from tandem.engine.quantization.quantize import quantize_model
+
+    t0 = time.perf_counter()
+    if args.method in GGUF_REQUANTIZE_METHODS:
+        from tandem.engine.model.model_files import resolve_model
+        from tandem.engine.quantization.gguf_writer import requantize_gguf
+
+        src = resolve_model(args.model)
+        if src.format != "gguf":
+            print(f"error: --method {args.method} rewrites a .gguf file; {src.path} is not one",
+                  file=sys.stderr)
+            return 2
+        stats = requantize_gguf(src.path, args.output, args.method.upper())
+        print(f"tandem: wrote {args.output}: {args.method.upper()}, "
+              f"{stats['file_bytes_after'] / 2**20:.1f} MiB (from "
+              f"{stats['file_bytes_before'] / 2**20:.1f}), in {time.perf_counter() - t0:.1f} s")
+        return 0
+    if args.method == "awq":
+        from importlib.resources import files
+
+        from tandem.engine.quantization.awq import awq_quantize
+
+        path = args.calibration_file or files("tandem.engine.quantization") / "data" / "calibration.txt"
+        with open(path) as f:
+            text = f.read()
+        kwargs = {"num_calibration_tokens": args.num_calibration_tokens} \
+            if args.num_calibration_tokens else {}
+        stats = awq_quantize(args.model, args.output, text, bits=args.bits,
+                             group_size=args.group_size, **kwargs)
+        print(f"tandem: wrote {args.output}: awq ({args.bits}-bit, group size "
+              f"{args.group_size}, {stats['calibration_tokens']} calibration tokens), in "
+              f"{time.perf_counter() - t0:.1f} s")
+        return 0
+    try:
+        result = quantize_model(
+            args.model, args.output, args.method, bits=args.bits, group_size=args.group_size,
+            desc_act=args.desc_act, damp=args.damp, calibration_file=args.calibration_file,
+            num_calibration_tokens=args.num_calibration_tokens,
+            uniform_hessian=args.uniform_hessian, progress=sys.stderr.isatty())
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    qc = result.quantization_config
+    details = [f"{qc['bits']}-bit", f"group size {qc['group_size']}"]
+    if qc["desc_act"]:
+        details.append("act-order")
+    if result.num_calibration_tokens:
+        details.append(f"{result.num_calibration_tokens} calibration tokens")
+    print(f"tandem: wrote {result.output}: {args.method} ({', '.join(details)}), "
+          f"{len(result.quantized)} linear layers, in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+GGUF_REQUANTIZE_METHODS = ("q8_0", "q4_0", "q4_1")
+
+
+def _add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", required=True, choices=["gptq", "rtn", "awq",
+                                                       *GGUF_REQUANTIZE_METHODS],
+                   help="gptq (Frantar et al. 2022: error feedback from calibration "
+                        "activations) or rtn (round-to-nearest, no calibration): an AutoGPTQ "
+                        "checkpoint dir; awq (Lin et al. 2023: activation-aware scales and "
+                        "clipping): an AutoAWQ checkpoint dir; q8_0, q4_0, q4_1: the GGUF file "
+                        "rewritten in that block type (--output is a .gguf path)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a dense Hugging Face checkpoint dir "
+                        "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--output", required=True,
+                   help="checkpoint directory to write (must not exist or be empty)")
+    p.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
+    p.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale/zero group (-1: one group per row)")
+    p.add_argument("--desc-act", action="store_true",
+                   help="gptq: act-order (quantize columns by decreasing activation energy)")
+    p.add_argument("--damp", type=float, default=0.01,
+                   help="gptq: Hessian dampening, a fraction of its mean diagonal")
+    p.add_argument("--calibration-file", default=None,
+                   help="gptq, awq: calibration text (default: the shipped data/calibration.txt)")
+    p.add_argument("--num-calibration-tokens", type=int, default=None,
+                   help="gptq, awq: use only the first N calibration tokens (default: all for "
+                        "gptq, 4096 for awq)")
+    p.add_argument("--uniform-hessian", action="store_true",
+                   help="gptq: count every calibration token once (the paper's H = 2 X X^T) "
+                        "instead of weighting the attention sink and massive activations "
+                        "(see tandem.engine.quantization.quantize.hessian_token_weights)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
+
+    q = sub.add_parser("quantize", help="quantize a model's linear layers: a GPTQ (gptq, rtn) "
+                                        "or AWQ checkpoint directory, or a GGUF file in "
+                                        "another block type")
+    _add_quantize_args(q)
+    q.set_defaults(func=_cmd_quantize)
     return parser
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import (Linear, LinearMethodBase, UnquantizedLinearMethod,
                                         process_weights_after_loading)
-from tandem.engine.quantization.registry import get_linear_method
+from tandem.engine.quantization.checkpoint import linear_method_for
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 from tandem.kernels.reference import rope_cos_sin_cache
 
@@ -275,14 +275,17 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         files: a resolved :class:`~tandem.engine.model.model_files.ModelFiles`.
         dtype: weights and activations dtype.
         device: where the weights live.
-        quantization: the linear method's config string (``EngineConfig.quantization``).
+        quantization: the linear method's config string (``EngineConfig.quantization``);
+            a checkpoint with a ``quantization_config`` (GPTQ) brings its own method
+            when this is ``none`` (:func:`~tandem.engine.quantization.checkpoint.linear_method_for`).
         batch_invariant: batch-invariant linear kernels (``EngineConfig.batch_invariant``).
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
 
     Raises:
-        ValueError: unknown ``quantization``; ``batch_invariant`` off the CPU.
+        ValueError: unknown ``quantization``, or one the checkpoint is not quantized
+            with; ``batch_invariant`` off the CPU.
         WeightLoadError: the checkpoint does not match the architecture.
     """
     from tandem.engine.model import weights
@@ -295,7 +298,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     else:
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)
-    linear_method = get_linear_method(quantization)
+    linear_method = linear_method_for(files, quantization)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, linear_method)
     model = model.to_empty(device=device).to(dtype)

@@ -17,6 +17,11 @@ def _gguf_method() -> LinearMethodBase:
     return GGUFLinearMethod()
 
 
+def _gptq_method() -> LinearMethodBase:
+    from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
+    return GPTQLinearMethod()
+
+
 def _awq_method() -> LinearMethodBase:
     from tandem.engine.quantization.awq_linear import AWQLinearMethod
     return AWQLinearMethod()
@@ -27,6 +32,7 @@ def _awq_method() -> LinearMethodBase:
 LINEAR_METHODS: dict[str, Callable[[], LinearMethodBase]] = {
     "none": UnquantizedLinearMethod,
     "gguf": _gguf_method,
+    "gptq": _gptq_method,
     "awq": _awq_method,
 }
 

@@ -1,0 +1,187 @@
+"""Serving GPTQ checkpoints (AutoGPTQ layout, :mod:`~tandem.engine.quantization.packing`):
+the ``gptq`` linear method (named in :mod:`tandem.engine.quantization.registry`,
+and chosen by :mod:`tandem.engine.quantization.checkpoint` for a checkpoint whose
+``quantization_config`` says ``gptq``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import nn
+
+from tandem.engine.model.linear import LinearMethodBase, UnquantizedLinearMethod
+from tandem.engine.model.weights import WeightLoadError, copy_checked
+from tandem.engine.quantization.packing import dequantize_packed, num_groups, pack_factor
+
+if TYPE_CHECKING:
+    from tandem.engine.model.linear import Linear
+
+_DENSE = UnquantizedLinearMethod()
+_PACKED = ("qweight", "qzeros", "scales", "g_idx")
+# quantization_config.checkpoint_format -> what is added to a stored zero point.
+_ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
+
+
+class GPTQLinearMethod(LinearMethodBase):
+    """GPTQ-quantized weights in the AutoGPTQ checkpoint layout.
+
+    Per layer with ``K`` inputs, ``N`` outputs (the fused sub-matrices side by side),
+    ``pf = 32 // bits`` and ``G = ceil(K / group_size)`` groups, the parameters are
+    the checkpoint's own tensors, under its leaf names:
+
+    - ``qweight`` int32 ``[K / pf, N]``; ``qzeros`` int32 ``[G, N / pf]``;
+    - ``scales`` ``[G, N]``: the checkpoint's float16 values, kept as their raw
+      bits (int16) so that the model's ``.to(dtype)`` never rounds them;
+    - ``g_idx`` int32 ``[K]``.
+
+    A fused layer (``qkv_proj``, ``gate_up_proj``) receives each sub-matrix at its
+    column offset of ``qweight``, ``scales`` and ``qzeros``; ``qzeros`` packs ``pf``
+    outputs per int32, so every sub-matrix's size must be a multiple of ``pf``.
+    ``g_idx`` runs along ``K``, which the sub-matrices share: they must all carry
+    the same one.
+
+    After loading, the weight is dequantized once
+    (``W[n, k] = (code - zero[g_idx[k], n]) * scale[g_idx[k], n]``, exact in float32)
+    to a dense ``weight`` ``[N, K]`` in the model's dtype, and the matmul is the
+    dense method's (:class:`~tandem.engine.model.linear.UnquantizedLinearMethod`:
+    ``F.linear``, or its packed bfloat16 / batch-invariant CPU kernels), so a GPTQ
+    layer computes exactly what a dense layer with the dequantized weight does.
+    This saves no memory or bandwidth at run time: packed int4 matmul kernels are
+    future work. The packed tensors stay on the layer.
+
+    Args:
+        bits: 2, 4 or 8.
+        group_size: input columns per group, or -1 (one group).
+        desc_act: the checkpoint was quantized in act-order (informational: ``g_idx``
+            carries the grouping either way).
+        zero_offset: added to each stored zero point, modulo ``2**bits``: 1 for
+            ``checkpoint_format`` ``gptq`` (v1, AutoGPTQ), 0 for ``gptq_v2``.
+
+    Raises:
+        ValueError: unsupported ``bits`` or ``group_size``.
+    """
+
+    name = "gptq"
+
+    def __init__(self, bits: int = 4, group_size: int = 128, desc_act: bool = False,
+                 zero_offset: int = 1):
+        self.pack_factor = pack_factor(bits)
+        if group_size != -1 and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size: expected -1 or an integer >= 1, got {group_size!r}")
+        self.bits, self.group_size, self.desc_act = bits, group_size, bool(desc_act)
+        self.zero_offset = zero_offset
+
+    @classmethod
+    def from_config(cls, quantization_config: dict) -> "GPTQLinearMethod":
+        """From a checkpoint's ``quantization_config`` (config.json) or quantize_config.json.
+
+        Raises:
+            ValueError: a field this method cannot serve (named as
+                ``quantization_config.<field>``).
+        """
+        qc = quantization_config
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in _ZERO_OFFSETS:
+            raise ValueError(f"quantization_config.checkpoint_format: {fmt!r} is not served "
+                             f"(expected one of {', '.join(_ZERO_OFFSETS)})")
+        try:
+            return cls(bits=int(qc.get("bits", 4)), group_size=int(qc.get("group_size", 128)),
+                       desc_act=bool(qc.get("desc_act", False)), zero_offset=_ZERO_OFFSETS[fmt])
+        except ValueError as exc:
+            raise ValueError(f"quantization_config.{exc}") from None
+
+    def create_weights(self, layer, in_features, output_sizes, params_dtype):
+        pf = self.pack_factor
+        if in_features % pf:
+            raise WeightLoadError(f"GPTQ packs {pf} inputs per int32 of qweight: "
+                                  f"in_features {in_features} is not a multiple of {pf}")
+        bad = [size for size in output_sizes if size % pf]
+        if bad:
+            raise WeightLoadError(f"GPTQ packs {pf} outputs per int32 of qzeros: output "
+                                  f"sizes {list(output_sizes)} are not all multiples of {pf}")
+        n = sum(output_sizes)
+        groups = num_groups(in_features, self.group_size)
+        shapes = {"qweight": ((in_features // pf, n), torch.int32),
+                  "qzeros": ((groups, n // pf), torch.int32),
+                  "scales": ((groups, n), torch.int16),       # float16 bits
+                  "g_idx": ((in_features,), torch.int32)}
+        for name, (shape, dtype) in shapes.items():
+            layer.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=dtype),
+                                                        requires_grad=False))
+        # Carries the model's dtype through ``.to(dtype)`` (every parameter above
+        # is an integer tensor, which ``.to`` leaves alone).
+        layer.register_buffer("dtype_probe", torch.empty(0, dtype=params_dtype), persistent=False)
+        layer.g_idx_shards = set()
+        layer.gptq_dequantized = False
+        layer.packed_weight = None
+        layer.invariant_weight = None
+
+    def load_weight(self, layer, param_name, loaded, shard_id):
+        if param_name not in _PACKED:
+            raise WeightLoadError(f"a GPTQ linear layer stores no {param_name!r} "
+                                  f"(it stores {', '.join(_PACKED)})")
+        if param_name == "scales":
+            if not loaded.is_floating_point():
+                raise WeightLoadError(f"scales: expected a float tensor, got {loaded.dtype}")
+            loaded = loaded.to(torch.float16).view(torch.int16)
+        elif loaded.dtype != torch.int32:
+            raise WeightLoadError(f"{param_name}: expected int32, got {loaded.dtype}")
+        target = getattr(layer, param_name).data
+        if param_name == "g_idx":
+            self._load_g_idx(layer, target, loaded, shard_id)
+            return
+        if shard_id is not None:
+            offset, size = layer.shard_offset(shard_id), layer.output_sizes[shard_id]
+            if param_name == "qzeros":
+                offset, size = offset // self.pack_factor, size // self.pack_factor
+            target = target.narrow(1, offset, size)
+        copy_checked(target, loaded)
+
+    @staticmethod
+    def _load_g_idx(layer, target, loaded, shard_id):
+        if shard_id is None or not layer.g_idx_shards:
+            copy_checked(target, loaded)
+        else:
+            if tuple(loaded.shape) != tuple(target.shape):
+                copy_checked(target, loaded)        # raises, naming both shapes
+            if not torch.equal(target, loaded.to(target.device)):
+                first = min(layer.g_idx_shards)
+                raise WeightLoadError(f"g_idx of sub-matrix {shard_id} differs from that of "
+                                      f"sub-matrix {first}: the sub-matrices fused into one "
+                                      "layer share its inputs and must share g_idx")
+        layer.g_idx_shards.add(shard_id)
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        """The layer's dense weight, float32 ``[N, K]``, from its packed tensors.
+
+        Raises:
+            WeightLoadError: a ``g_idx`` entry outside ``[0, G)``.
+        """
+        groups = layer.scales.shape[0]
+        g_idx = layer.g_idx
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise WeightLoadError(f"g_idx: values must lie in [0, {groups}), got "
+                                  f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+        return dequantize_packed(layer.qweight, layer.qzeros, layer.scales.view(torch.float16),
+                                 g_idx, self.bits, self.zero_offset)
+
+    def process_weights_after_loading(self, layer):
+        """Dequantize once to ``layer.weight`` (the model's dtype) and let the dense
+        method prepare it for its kernel (idempotent).
+
+        Raises:
+            WeightLoadError: a ``g_idx`` entry outside ``[0, G)``.
+            ValueError: ``batch_invariant`` off the CPU (the dense method's check).
+        """
+        if layer.gptq_dequantized:
+            return
+        weight = self.dequantized_weight(layer).to(layer.dtype_probe.dtype)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.gptq_dequantized = True
+        _DENSE.process_weights_after_loading(layer)
+
+    def apply(self, layer, x):
+        return _DENSE.apply(layer, x)
+
