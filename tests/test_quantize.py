@@ -307,12 +307,12 @@ def test_quantization_follows_the_checkpoint_or_names_the_conflict(tmp_path, rtn
     with pytest.raises(ValueError, match=r"^quantization: 'gptq' loads checkpoints quantized "
                                          r"with it .* has no quantization_config"):
         linear_method_for(resolve_model(None), "gptq")
-    awq = tmp_path / "awq"
-    awq.mkdir()
-    (awq / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(ValueError, match=r"^quantization: .* quantized with quant_method 'awq', "
+    exl2 = tmp_path / "exl2"
+    exl2.mkdir()
+    (exl2 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "exl2"}}))
+    with pytest.raises(ValueError, match=r"^quantization: .* quantized with quant_method 'exl2', "
                                          r"which is not served"):
-        linear_method_for(ModelFiles(str(awq), "hf", "awq"), "none")
+        linear_method_for(ModelFiles(str(exl2), "hf", "exl2"), "none")
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "config.json").write_text(json.dumps({"quantization_config": {
