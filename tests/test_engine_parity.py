@@ -84,7 +84,10 @@ def test_parity_each_prompt_alone(base_llm, prompts, reference):
         assert base_llm.generate([p], GREEDY)[0].outputs[0].token_ids == r
 
 
-@pytest.mark.parametrize("chunked,budget", [(True, 64), (False, 2048)])
+# Unchunked prefill at a 2048 budget schedules these prompts as the default does
+# (none exceeds it): test_greedy_parity_batched; serving/test_batch_invariance turns
+# chunking off. Here the small budget splits every long prompt into chunks.
+@pytest.mark.parametrize("chunked,budget", [(True, 64)])
 def test_chunked_prefill_on_off(base_llm, prompts, reference, chunked, budget):
     llm = LLM(dtype="float32", num_blocks=512, enable_chunked_prefill=chunked,
               max_num_batched_tokens=budget, weights_from=base_llm)
