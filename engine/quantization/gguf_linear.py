@@ -31,7 +31,8 @@ from torch import nn
 
 from tandem.engine.model.linear import Linear, LinearMethodBase
 from tandem.engine.model.weights import WeightLoadError
-from tandem.kernels.cpu.gguf_linear import GGUF_NATIVE_TYPES, gguf_kernels_available, row_bytes
+from tandem.kernels.cpu.gguf_linear import (GGUF_NATIVE_TYPES, gguf_dequantize,
+                                            gguf_kernels_available, gguf_linear, row_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ class GGUFLinearMethod(LinearMethodBase):
             from tandem.kernels.gguf_linear import gguf_linear as triton_gguf_linear
 
             return triton_gguf_linear(x, layer.qweight, layer.qtype, layer.in_features)
-        from tandem.kernels.cpu.gguf_linear import gguf_linear
-
         if x.dtype not in (torch.float32, torch.bfloat16):
             return gguf_linear(x.float(), layer.qweight, layer.qtype,
                                layer.in_features).to(x.dtype)
@@ -207,8 +206,6 @@ class GGUFEmbedding(nn.Module):
             return F.embedding(input_ids, self.dense_weight)
         rows = self.qweight.index_select(0, input_ids)            # [T, row_bytes]
         if rows.device.type == "cpu":
-            from tandem.kernels.cpu.gguf_linear import gguf_dequantize
-
             out = gguf_dequantize(rows, self.qtype, self.embedding_dim)
         else:
             from tandem.kernels.reference import dequantize_gguf_reference

@@ -74,6 +74,14 @@ inline float fast_exp(float x) {
 // and far more when the cores are shared with another process (a parallel region
 // waits for its slowest thread to be scheduled). The split never changes a
 // result: every kernel divides independent outputs only.
+// Grow-only float32 scratch (widened activations), one per calling thread, shared by
+// the kernels of every source file.
+inline float* float_scratch(size_t n) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+}
+
 inline int threads_for(int64_t work, int num_threads, int64_t grain) {
     const int64_t n = work / grain;
     return n < 1 ? 1 : (n < num_threads ? static_cast<int>(n) : num_threads);

@@ -330,26 +330,33 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* tab
                           scores + g_size * len);
 }
 
-template <typename T>
-void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
-                      const T* vc, const int32_t* tables, int64_t table_stride,
-                      const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t bs, float scale, int num_threads) {
-    const int64_t g_size = hq / hkv;
+// fn(s, h, buf) for every (sequence s, KV head h) pair of a batch of `b` sequences
+// over OpenMP threads, one grow-only float32 scratch `buf` per thread.
+template <typename Fn>
+void for_each_sequence_head(const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv,
+                            int64_t d, int num_threads, Fn fn) {
     int64_t tokens = 0;
     for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
 #pragma omp parallel num_threads(threads_for(tokens * hq * d, num_threads, 1 << 16))
     {
         std::vector<float> buf;
 #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t s = 0; s < b; ++s) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                decode_one<T>(out + s * out_stride, q + s * q_stride, kc, vc,
-                              tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs,
-                              scale, buf);
-            }
-        }
+        for (int64_t s = 0; s < b; ++s)
+            for (int64_t h = 0; h < hkv; ++h) fn(s, h, buf);
     }
+}
+
+template <typename T>
+void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
+                      const T* vc, const int32_t* tables, int64_t table_stride,
+                      const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+                      int64_t bs, float scale, int num_threads) {
+    const int64_t g_size = hq / hkv;
+    for_each_sequence_head(seq_lens, b, hq, hkv, d, num_threads,
+                           [&](int64_t s, int64_t h, std::vector<float>& buf) {
+        decode_one<T>(out + s * out_stride, q + s * q_stride, kc, vc, tables + s * table_stride,
+                      seq_lens[s], h, g_size, hkv, d, bs, scale, buf);
+    });
 }
 
 // Decode attention over an fp8 (e4m3) cache with per-KV-head scales: K = k_scale[h]
@@ -408,20 +415,12 @@ void decode_attention_fp8(T* out, int64_t out_stride, const T* q, int64_t q_stri
                           int64_t bs, float scale, const float* k_scale, const float* v_scale,
                           int num_threads) {
     const int64_t g_size = hq / hkv;
-    int64_t tokens = 0;
-    for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
-#pragma omp parallel num_threads(threads_for(tokens * hq * d, num_threads, 1 << 16))
-    {
-        std::vector<float> buf;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t s = 0; s < b; ++s) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                decode_one_fp8<T>(out + s * out_stride, q + s * q_stride, kc, vc,
-                                  tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs,
-                                  scale, k_scale[h], v_scale[h], buf);
-            }
-        }
-    }
+    for_each_sequence_head(seq_lens, b, hq, hkv, d, num_threads,
+                           [&](int64_t s, int64_t h, std::vector<float>& buf) {
+        decode_one_fp8<T>(out + s * out_stride, q + s * q_stride, kc, vc,
+                          tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs, scale,
+                          k_scale[h], v_scale[h], buf);
+    });
 }
 
 }  // namespace

@@ -175,12 +175,6 @@ void gguf_linear(T* out, int64_t out_stride, const float* x, int64_t xs, const u
     }
 }
 
-float* scratch(size_t n) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf.data();
-}
-
 }  // namespace
 }  // namespace tandem_cpu
 
@@ -203,7 +197,7 @@ void tandem_gguf_linear_f32(float* out, int64_t out_stride, const float* x, int6
 void tandem_gguf_linear_bf16(bf16* out, int64_t out_stride, const bf16* x, int64_t x_stride,
                              const uint8_t* qweight, int qtype, int64_t m, int64_t n, int64_t k,
                              int num_threads) {
-    float* x32 = scratch(static_cast<size_t>(m * k));
+    float* x32 = float_scratch(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < k; ++i) x32[r * k + i] = to_float(x[r * x_stride + i]);
     gguf_linear<bf16>(out, out_stride, x32, k, qweight, qtype, m, n, k, num_threads);

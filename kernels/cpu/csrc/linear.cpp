@@ -149,13 +149,6 @@ void linear(T* out, int64_t out_stride, const float* x, int64_t xs, const W* pac
     }
 }
 
-// Grow-only float32 scratch for widened activations, one per calling thread.
-float* scratch(size_t n) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf.data();
-}
-
 }  // namespace
 }  // namespace tandem_cpu
 
@@ -174,7 +167,7 @@ void tandem_linear_f32(float* out, int64_t out_stride, const float* x, int64_t x
 void tandem_linear_bf16(bf16* out, int64_t out_stride, const bf16* x, int64_t x_stride,
                         const bf16* packed, int64_t m, int64_t n, int64_t k, int num_threads) {
     const int64_t kp = k + (k & 1);
-    float* x32 = scratch(static_cast<size_t>(m * kp));
+    float* x32 = float_scratch(static_cast<size_t>(m * kp));
 #pragma omp parallel for schedule(static) num_threads(threads_for(m * k, num_threads, 1 << 15))
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t i = 0; i < k; ++i) x32[r * kp + i] = to_float(x[r * x_stride + i]);
