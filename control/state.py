@@ -7,6 +7,7 @@ clusters can share one Redis. Per worker id::
     {ns}:worker:{worker_id}   hash       worker_id, role, actor_name, info (JSON), generation
     {ns}:lease:{worker_id}    string     the generation holding the lease, PX ttl
     {ns}:workers              set        every registered worker id
+    {ns}:draining             hash       worker_id -> the generation being drained
 
 and once per cluster ``{ns}:epoch``, a random token the first reader creates: a
 changed or vanished token tells the routers that Redis lost its data.
@@ -320,6 +321,32 @@ class ClusterState:
             redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
         """
         return bool(self._suspect(keys=[self.key("lease", worker_id)], args=[generation]))
+
+    # -- draining (scale-down) ---------------------------------------------------------------
+    def set_draining(self, worker_id: str, generation: int) -> None:
+        """Mark incarnation ``generation`` of ``worker_id`` as draining: routers send it
+        no new requests (a later incarnation under the same id is not affected).
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
+        """
+        self.redis.hset(self.key("draining"), worker_id, int(generation))
+
+    def clear_draining(self, worker_id: str) -> None:
+        """Forget that ``worker_id`` was draining (it is gone, or back in service).
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
+        """
+        self.redis.hdel(self.key("draining"), worker_id)
+
+    def draining(self) -> dict[str, int]:
+        """Worker id -> the generation being drained.
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable.
+        """
+        return {wid: int(gen) for wid, gen in self.redis.hgetall(self.key("draining")).items()}
 
     def close(self) -> None:
         """Close the client's connections. Idempotent."""

@@ -43,6 +43,12 @@ class WorkerLost:
     reason: str
 
 
+def _serving(workers: list[WorkerHandle]) -> list[WorkerHandle]:
+    """The workers that take new requests: those not draining, or all of them when
+    every one is draining (a request is never refused because of a scale-down)."""
+    return [w for w in workers if not w.draining] or workers
+
+
 class Cluster:
     """Workers plus the per-request queues their outputs feed.
 
@@ -119,7 +125,7 @@ class Cluster:
         Raises:
             RuntimeError: no (other) decode worker is alive.
         """
-        alive = [w for w in self.registry.alive("decode") if w.worker_id not in exclude]
+        alive = _serving([w for w in self.registry.alive("decode") if w.worker_id not in exclude])
         ranked = self.policy.decode_candidates(alive, prompt_token_ids)
         try:
             wid = self.reservations.reserve("decode", [(w.worker_id, c) for w, c in ranked],
@@ -145,7 +151,7 @@ class Cluster:
         Raises:
             RuntimeError: no prefill worker is alive.
         """
-        return self.policy.pick_prefill(self.registry.alive("prefill"), prompt_token_ids)
+        return self.policy.pick_prefill(_serving(self.registry.alive("prefill")), prompt_token_ids)
 
     async def call(self, w: WorkerHandle, method: str, *args: Any) -> Any:
         """Call ``method`` on worker ``w``; errors are typed as

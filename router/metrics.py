@@ -94,6 +94,9 @@ class Metrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
+        self.load_reporter = None
+        """A :class:`tandem.control.load_reports.LoadReporter` told of every request's
+        arrival and end (for the planner), or None."""
         self.registry = r = CollectorRegistry()
         m, w = ["model_name"], ["model_name", "worker", "role"]
         # Worker-side gauges (latest step's snapshot).
@@ -301,6 +304,8 @@ class Metrics:
         self.invalid_requests.labels(self.model_name, field_name.split(".")[0]).inc()
 
     def request_started(self, v, decode_worker: str) -> RequestTrace:
+        if self.load_reporter is not None:
+            self.load_reporter.arrival(len(v.prompt_token_ids))
         return RequestTrace(v.request_id, len(v.prompt_token_ids), decode_worker)
 
     def kv_transferred(self, trace: RequestTrace, prefill_worker: str, ticket: dict,
@@ -390,6 +395,13 @@ class Metrics:
         tpot = None
         if trace.first_token is not None and samples[0].num_tokens > 1:
             tpot = ((trace.last_token or now) - trace.first_token) / (samples[0].num_tokens - 1)
+        if self.load_reporter is not None:
+            from tandem.control.load_reports import RequestSample
+
+            self.load_reporter.finished(RequestSample(
+                isl=trace.num_prompt_tokens, osl=trace.num_output_tokens, ttft_s=ttft, itl_s=tpot,
+                prefill=trace.prefill_worker or "", decode=trace.decode_worker,
+                ok=aborted_by is None and all(r in ("stop", "length") for r in reasons)))
         logger.info(
             "request finished id=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d "
             "ttft_s=%s tpot_s=%s e2e_s=%.4f finish_reason=%s prefill_worker=%s decode_worker=%s",

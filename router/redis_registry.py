@@ -59,6 +59,9 @@ class RedisRegistry(InProcessRegistry):
         self.starting: set[str] = set()
         """Ids whose new incarnation this process is still wiring (its supervisor puts
         it in service itself; a refresh must not do it before its KV channels exist)."""
+        self.retiring: set[str] = set()
+        """Ids this process is taking out of service (scale-down): a refresh must not
+        put them back while their records are still being dropped."""
 
     # -- refreshing ------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -68,12 +71,12 @@ class RedisRegistry(InProcessRegistry):
             redis.exceptions.ConnectionError: Redis is unreachable (the view is kept).
         """
         def read():       # the epoch after the records: a loss between them is seen
-            return self.state.workers(), self.state.epoch()
-        records, epoch = await asyncio.to_thread(read)
+            return self.state.workers(), self.state.draining(), self.state.epoch()
+        records, draining, epoch = await asyncio.to_thread(read)
         fresh: dict[str, tuple[WorkerRecord, Any]] = {}
         for rec in records:
             known = self._workers.get(rec.worker_id)
-            if rec.worker_id in self.starting:
+            if rec.worker_id in self.starting or rec.worker_id in self.retiring:
                 continue
             if rec.alive and (known is None or rec.generation > known.generation):
                 try:
@@ -82,10 +85,11 @@ class RedisRegistry(InProcessRegistry):
                     logger.debug("worker %s g%d: no actor (%s)", rec.worker_id, rec.generation, exc)
                     continue
                 fresh[rec.worker_id] = (rec, actor)
-        self.apply(records, fresh, epoch)
+        self.apply(records, fresh, epoch, draining)
 
     def apply(self, records: list[WorkerRecord],
-              actors: dict[str, tuple[WorkerRecord, Any]], epoch: str | None = None) -> None:
+              actors: dict[str, tuple[WorkerRecord, Any]], epoch: str | None = None,
+              draining: dict[str, int] | None = None) -> None:
         """Apply one read of the records (:meth:`refresh` without the I/O).
 
         Args:
@@ -93,10 +97,15 @@ class RedisRegistry(InProcessRegistry):
             actors: for records to put in service: their record and actor handle.
             epoch: the cluster state's epoch read after ``records`` (None: unknown);
                 a change since the last read starts the grace period.
+            draining: worker id -> generation being drained (None: unknown, keep the
+                handles' flags).
         """
         for rec, actor in actors.values():
             self.add(WorkerHandle(rec.worker_id, rec.role, actor, dict(rec.info),
                                   generation=rec.generation))
+        if draining is not None:
+            for w in self._workers.values():
+                w.draining = draining.get(w.worker_id) == w.generation
         live = {r.worker_id: r for r in records if r.alive}
         lapsed = [w for w in self._workers.values()
                   if w.alive and (w.worker_id not in live

@@ -41,6 +41,8 @@ class WorkerHandle:
         alive: False once a call to it failed because it is gone.
         generation: its incarnation number in the cluster state (0 without one):
             a restarted worker has a larger one; KV transfers carry it (fencing).
+        draining: being taken out of service (scale-down): routers send it no new
+            requests while another worker of its pool can take them.
     """
 
     worker_id: str
@@ -51,6 +53,7 @@ class WorkerHandle:
     inflight_prefill_tokens: int = 0
     alive: bool = True
     generation: int = 0
+    draining: bool = False
 
     @property
     def block_size(self) -> int | None:

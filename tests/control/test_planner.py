@@ -1,0 +1,302 @@
+"""The planner: leader election and load reports on a real redis-server, the sizing
+rules with exact numbers, and the guards (pending, cooldowns, N/(N-1), cold start,
+bounds, no flapping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.control.election import LeaderElection
+from tandem.control.load_reports import LoadReader, LoadReporter, RequestSample, WorkerLoad
+from tandem.control.planner import (IntervalStats, Planner, PlannerConfig, PoolSize, aggregate,
+                                    load_target, percentile, slo_target)
+
+
+# -- leader election ------------------------------------------------------------------------------
+
+def test_one_leader_and_failover_on_resign(state):
+    a = LeaderElection(state, "planner", ttl_s=5, candidate_id="a")
+    b = LeaderElection(state, "planner", ttl_s=5, candidate_id="b")
+    assert a.poll() and not b.poll()
+    assert a.poll() and not b.poll()             # renewals keep it
+    assert a.leader() == "a"
+    a.resign()
+    assert not a.is_leader and b.poll() and b.leader() == "b"
+    assert not a.poll()
+
+
+def test_a_stalled_leader_is_replaced_after_the_ttl_and_cannot_renew(state):
+    a = LeaderElection(state, "planner", ttl_s=0.3, candidate_id="a")
+    b = LeaderElection(state, "planner", ttl_s=0.3, candidate_id="b")
+    assert a.poll() and not b.poll()
+    time.sleep(0.45)                              # a stalls past its lease
+    assert not a.is_leader                        # it steps down by its own clock
+    assert b.poll() and b.leader() == "b"
+    assert not a.poll()                           # its renewal must not extend b's lease
+    assert state.redis.get(state.key("leader", "planner")) == "b"
+
+
+def test_election_rejects_bad_arguments(state):
+    with pytest.raises(ValueError, match="ttl_s"):
+        LeaderElection(state, "planner", ttl_s=0)
+    with pytest.raises(ValueError, match="role"):
+        LeaderElection(state, "")
+
+
+# -- load reports ---------------------------------------------------------------------------------
+
+def test_reports_round_trip_through_redis(state):
+    reader = LoadReader(state)
+    reporter = LoadReporter(state, "router-x")
+    reporter.arrival(7)
+    reporter.flush({})
+    assert reader.read().arrivals == []           # "$": the backlog before the planner started
+    sample = RequestSample(isl=12, osl=5, ttft_s=0.25, itl_s=None, prefill="prefill-0",
+                           decode="decode-1", ok=True)
+    reporter.arrival(12)
+    reporter.finished(sample)
+    n = reporter.flush({"decode-1": WorkerLoad("decode", 0, 0.5, 2, 1)})
+    assert n == 2
+    obs = reader.read()
+    assert obs.arrivals == [12] and obs.finished == [sample]
+    assert obs.first_ms is not None and obs.first_ms <= obs.last_ms
+    assert reader.read().finished == []           # each entry is read once
+    assert reader.worker_loads(["decode-1", "prefill-0"]) == {
+        "decode-1": WorkerLoad("decode", 0, 0.5, 2, 1)}
+    reader.forget_workers(["decode-1"])
+    assert reader.worker_loads(["decode-1"]) == {}
+
+
+# -- sizing rules ---------------------------------------------------------------------------------
+
+SLO = PlannerConfig(mode="slo", interval_s=10, ttft_slo_s=1.0, itl_slo_s=0.1,
+                    prefill_capacity_tok_s=200, decode_capacity_tok_s=40, min_samples=3,
+                    max_prefill=8, max_decode=8)
+
+
+def test_percentile_interpolates():
+    assert percentile([], 0.9) is None
+    assert percentile([3.0], 0.9) == 3.0
+    assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 0.9) == pytest.approx(10.0)
+    assert percentile([0, 10], 0.25) == pytest.approx(2.5)
+
+
+def test_slo_targets_follow_the_throughput_formulas():
+    # 10 requests in 10 s of ISL 500: 500 prompt tokens/s over 200 per worker -> 3.
+    stats = IntervalStats(seconds=10, num_arrivals=10, mean_isl=500, mean_osl=100,
+                          num_finished=10, ttft_p90_s=0.5, itl_p90_s=0.05)
+    assert slo_target("prefill", stats, SLO)[0] == 3
+    # 1 request/s of OSL 100 = 100 output tokens/s over 40 per worker -> 3.
+    assert slo_target("decode", stats, SLO)[0] == 3
+    # Over the SLO, the observed/target ratio lowers the capacity: 2x TTFT -> 100/worker -> 5.
+    late = IntervalStats(seconds=10, num_arrivals=10, mean_isl=500, mean_osl=100,
+                         num_finished=10, ttft_p90_s=2.0, itl_p90_s=0.4)
+    assert slo_target("prefill", late, SLO)[0] == 5
+    assert slo_target("decode", late, SLO)[0] == 10      # 100 / (40 * 0.25)
+    # Too few samples, or no capacity: no SLO answer (load mode decides).
+    few = IntervalStats(seconds=10, num_arrivals=2, mean_isl=500, num_finished=2)
+    assert slo_target("prefill", few, SLO) is None
+    no_cap = PlannerConfig(mode="slo", prefill_capacity_tok_s=None)
+    assert slo_target("prefill", stats, no_cap) is None
+
+
+def test_load_rules_saturate_and_check_n_over_n_minus_1():
+    cfg = PlannerConfig(prefill_queue_high=1000, decode_kv_high=0.7, decode_waiting_high=0.5,
+                        headroom=0.7)
+    assert load_target("prefill", 1, IntervalStats(10, prefill_queue=1500), cfg)[0] == 2
+    assert load_target("decode", 2, IntervalStats(10, decode_kv=0.8), cfg)[0] == 3
+    assert load_target("decode", 2, IntervalStats(10, decode_waiting=1.0), cfg)[0] == 3
+    # Two decode workers at 30% KV: on one they would be at 60% >= 0.7 x 0.7: keep both.
+    assert load_target("decode", 2, IntervalStats(10, decode_kv=0.3), cfg)[0] == 2
+    # At 20% they would be at 40% on one: shrink.
+    assert load_target("decode", 2, IntervalStats(10, decode_kv=0.2), cfg)[0] == 1
+    # One worker never goes lower, however idle.
+    assert load_target("prefill", 1, IntervalStats(10), cfg)[0] == 1
+
+
+def test_aggregate_ignores_cold_workers():
+    from tandem.control.load_reports import Observations
+
+    warm_req = RequestSample(100, 10, 0.2, 0.05, "prefill-0", "decode-0", True)
+    cold_req = RequestSample(900, 90, 5.0, 0.5, "prefill-1", "decode-0", True)
+    obs = Observations(arrivals=[100, 900], finished=[warm_req, cold_req])
+    loads = [{"prefill-0": WorkerLoad("prefill", 100), "prefill-1": WorkerLoad("prefill", 5000),
+              "decode-0": WorkerLoad("decode", 0, 0.4, 3, 0)},
+             {"prefill-0": WorkerLoad("prefill", 300), "decode-0": WorkerLoad("decode", 0, 0.6, 3, 2)}]
+    roles = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
+    stats = aggregate(10.0, obs, loads, roles, warm={"prefill-0", "decode-0"})
+    assert stats.num_arrivals == 2 and stats.num_finished == 1
+    assert (stats.mean_isl, stats.mean_osl, stats.ttft_p90_s) == (100, 10, 0.2)
+    assert stats.prefill_queue == 200 and stats.decode_kv == pytest.approx(0.5)
+    assert stats.decode_waiting == 1.0
+
+
+# -- guards ---------------------------------------------------------------------------------------
+
+class Pools:
+    """A PoolController whose pools change only when a test says so (no Ray here:
+    the Ray one is exercised in tests/cluster/test_autoscaling.py)."""
+
+    def __init__(self, prefill=1, decode=1):
+        self.sizes = {"prefill": PoolSize(prefill), "decode": PoolSize(decode)}
+        self.calls: list[tuple[str, int]] = []
+
+    def pool_sizes(self):
+        return dict(self.sizes)
+
+    def worker_ages(self):
+        return {}
+
+    async def scale(self, pool, target):
+        self.calls.append((pool, target))
+        self.sizes[pool] = PoolSize(target)
+
+
+def _planner(**kw) -> tuple[Planner, Pools]:
+    cfg = PlannerConfig(**{"interval_s": 10, "scale_up_cooldown_s": 30,
+                           "scale_down_cooldown_s": 60, "scale_down_intervals": 2,
+                           "prefill_queue_high": 1000, "decode_kv_high": 0.7, **kw})
+    pools = Pools()
+    return Planner(cfg, reader=None, controller=pools), pools
+
+
+def _targets(planner, stats, sizes, now):
+    return {d.pool: d.target for d in planner.decide(stats, sizes, now)}
+
+
+def test_no_scale_up_while_pending_and_cooldown_after_a_change():
+    planner, _ = _planner(max_prefill=4)
+    busy = IntervalStats(10, prefill_queue=5000)
+    assert _targets(planner, busy, {"prefill": PoolSize(1), "decode": PoolSize(1)}, 0)["prefill"] == 2
+    # The new worker is pending: hold, however busy.
+    assert _targets(planner, busy, {"prefill": PoolSize(1, pending=1),
+                                    "decode": PoolSize(1)}, 40)["prefill"] == 2
+    # It is ready, but the last change was 10 s ago (< 30 s cooldown).
+    planner, _ = _planner(max_prefill=4)
+    _targets(planner, busy, {"prefill": PoolSize(1), "decode": PoolSize(1)}, 0)
+    assert _targets(planner, busy, {"prefill": PoolSize(2), "decode": PoolSize(1)}, 10)["prefill"] == 2
+    assert _targets(planner, busy, {"prefill": PoolSize(2), "decode": PoolSize(1)}, 31)["prefill"] == 3
+
+
+def test_scale_down_waits_for_consecutive_intervals_one_worker_at_a_time():
+    planner, _ = _planner()
+    idle = IntervalStats(10)
+    sizes = {"prefill": PoolSize(3), "decode": PoolSize(1)}
+    assert _targets(planner, idle, sizes, 100)["prefill"] == 3        # 1 of 2 intervals
+    assert _targets(planner, idle, sizes, 110)["prefill"] == 2        # 2 of 2: one fewer
+    sizes = {"prefill": PoolSize(2), "decode": PoolSize(1)}
+    assert _targets(planner, idle, sizes, 120)["prefill"] == 2
+    assert _targets(planner, idle, sizes, 130)["prefill"] == 2        # cooldown (60 s)
+    assert _targets(planner, idle, sizes, 175)["prefill"] == 1
+    # A busy interval in between resets the count.
+    planner, _ = _planner()
+    sizes = {"prefill": PoolSize(2), "decode": PoolSize(1)}
+    assert _targets(planner, idle, sizes, 100)["prefill"] == 2
+    assert _targets(planner, IntervalStats(10, prefill_queue=600), sizes, 110)["prefill"] == 2
+    assert _targets(planner, idle, sizes, 120)["prefill"] == 2
+
+
+def test_targets_stay_within_bounds():
+    planner, _ = _planner(mode="slo", prefill_capacity_tok_s=10, decode_capacity_tok_s=10,
+                          min_samples=1, max_prefill=3, min_decode=2, max_decode=5)
+    huge = IntervalStats(10, num_arrivals=1000, mean_isl=1000, mean_osl=0.1, num_finished=100)
+    t = _targets(planner, huge, {"prefill": PoolSize(1), "decode": PoolSize(2)}, 0)
+    assert t == {"prefill": 3, "decode": 2}
+
+
+def test_slo_scale_down_needs_the_n_over_n_minus_1_check():
+    # Demand 150 tok/s, 100 per worker: the formula wants 2 of the 3; with one fewer the
+    # two left would run at 75% > headroom 0.7: held at 3 until demand drops.
+    planner, _ = _planner(mode="slo", prefill_capacity_tok_s=100, decode_capacity_tok_s=100,
+                          min_samples=1, headroom=0.7, scale_down_intervals=1,
+                          scale_down_cooldown_s=0)
+    stats = IntervalStats(10, num_arrivals=10, mean_isl=150, mean_osl=50, num_finished=10)
+    t = _targets(planner, stats, {"prefill": PoolSize(3), "decode": PoolSize(1)}, 100)
+    assert t["prefill"] == 3
+    stats.mean_isl = 120      # 120 < 0.7 x 200
+    t = _targets(planner, stats, {"prefill": PoolSize(3), "decode": PoolSize(1)}, 200)
+    assert t["prefill"] == 2
+
+
+def test_constant_load_does_not_flap():
+    planner, pools = _planner(scale_down_intervals=2, scale_up_cooldown_s=0,
+                              scale_down_cooldown_s=0, max_decode=6)
+    # Decode KV load that scales with 1/N: 1.2 "workers' worth" of KV in total.
+    history = []
+    for i in range(40):
+        n = pools.sizes["decode"].ready
+        stats = IntervalStats(10, decode_kv=1.2 / n)
+        for d in planner.decide(stats, pools.pool_sizes(), i * 10.0):
+            pools.sizes[d.pool] = PoolSize(d.target)
+        history.append(pools.sizes["decode"].ready)
+    assert history[-30:] == [2] * 30, history
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="mode"):
+        PlannerConfig(mode="fast")
+    with pytest.raises(ValueError, match="min_decode"):
+        PlannerConfig(min_decode=3, max_decode=2)
+    with pytest.raises(ValueError, match="headroom"):
+        PlannerConfig(headroom=1.5)
+    with pytest.raises(ValueError, match="prefill_capacity_tok_s"):
+        PlannerConfig(prefill_capacity_tok_s=0)
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+
+def test_planner_steps_read_reports_and_apply_through_the_controller(state):
+    """Two planners on one Redis: only the elected one applies; the reports of a
+    saturated prefill pool make it add a prefill worker."""
+    reporter = LoadReporter(state, "router-t")
+
+    class Ages(Pools):
+        def worker_ages(self):
+            return {"prefill-0": 100.0, "decode-0": 100.0}
+
+    cfg = PlannerConfig(interval_s=0.2, sample_interval_s=0.05, prefill_queue_high=100,
+                        scale_up_cooldown_s=0, warmup_s=1)
+    pools_a, pools_b = Ages(), Ages()
+    a = Planner(cfg, LoadReader(state), pools_a, LeaderElection(state, "planner", 5, "a"))
+    b = Planner(cfg, LoadReader(state), pools_b, LeaderElection(state, "planner", 5, "b"))
+
+    async def run():
+        for _ in range(12):
+            reporter.flush({"prefill-0": WorkerLoad("prefill", 500),
+                            "decode-0": WorkerLoad("decode", 0, 0.1)})
+            await a.step()
+            await b.step()
+            await asyncio.sleep(0.05)
+        await a.stop()
+        await b.stop()
+    asyncio.run(run())
+    assert pools_a.calls and pools_a.calls[0] == ("prefill", 2)
+    assert pools_b.calls == []
+    assert all(pool == "prefill" for pool, _ in pools_a.calls)
+    entries = state.redis.xrange(state.key("planner", "decisions"))
+    assert entries and '"pool": "prefill"' in entries[0][1]["decisions"]
+
+
+def test_the_budget_caps_growth_until_the_other_pool_shrinks():
+    planner, _ = _planner(max_total_workers=3, max_prefill=3, max_decode=3,
+                          scale_down_intervals=1, scale_down_cooldown_s=0, scale_up_cooldown_s=0)
+    # Decode saturated, prefill busy enough to keep its two workers: no room.
+    stats = IntervalStats(10, prefill_queue=600, decode_waiting=3)
+    sizes = {"prefill": PoolSize(2), "decode": PoolSize(1)}
+    d = {x.pool: x for x in planner.decide(stats, sizes, 0)}
+    assert (d["prefill"].target, d["decode"].target) == (2, 1) and "capped" in d["decode"].reason
+    # Prefill idle: it gives a worker back; decode may only grow once it has gone
+    # (the draining worker still counts).
+    stats = IntervalStats(10, prefill_queue=0, decode_waiting=3)
+    d = {x.pool: x.target for x in planner.decide(stats, sizes, 10)}
+    assert d == {"prefill": 1, "decode": 1}
+    d = {x.pool: x.target for x in planner.decide(
+        stats, {"prefill": PoolSize(1, draining=1), "decode": PoolSize(1)}, 20)}
+    assert d == {"prefill": 1, "decode": 1}
+    d = {x.pool: x.target for x in planner.decide(
+        stats, {"prefill": PoolSize(1), "decode": PoolSize(1)}, 30)}
+    assert d == {"prefill": 1, "decode": 2}
