@@ -123,6 +123,11 @@ class EmbeddedRedis:
         args = [path, "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
                 "--logfile", ""]
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            # Redis's protected mode refuses every non-loopback client of a server
+            # without a password, even on this host: a server on the node's address
+            # is there for the other nodes (it has no auth; see --redis-url).
+            args += ["--protected-mode", "no"]
         self._proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=self._dir.name, preexec_fn=_die_with_parent if sys.platform == "linux" else None)

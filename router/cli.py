@@ -126,6 +126,49 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a worker may miss its heartbeat before it counts as dead")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
+    _add_autoscale_args(p)
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (a planner sizes the prefill and decode pools)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="run the planner (one active per cluster, elected in Redis)")
+    g.add_argument("--planner-mode", default="load", choices=["load", "slo"],
+                   help="slo: size pools from request rate, ISL/OSL and per-worker capacity "
+                        "at the SLOs; load: queue / KV usage saturation rules")
+    g.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT target (p90), seconds")
+    g.add_argument("--itl-slo", type=float, default=0.1, help="ITL target (p90), seconds")
+    g.add_argument("--prefill-capacity", type=float, default=None,
+                   help="prompt tokens/s one prefill worker serves within --ttft-slo "
+                        "(slo mode; measured with benchmarks/autoscaling.py --profile)")
+    g.add_argument("--decode-capacity", type=float, default=None,
+                   help="output tokens/s one decode worker serves within --itl-slo (slo mode)")
+    g.add_argument("--planner-interval", type=float, default=30.0,
+                   help="seconds between planner decisions")
+    for pool in ("prefill", "decode"):
+        g.add_argument(f"--min-{pool}", type=int, default=1, help=f"fewest {pool} workers")
+        g.add_argument(f"--max-{pool}", type=int, default=4, help=f"most {pool} workers")
+    g.add_argument("--scale-down-cooldown", type=float, default=90.0,
+                   help="seconds after a change of a pool before it may shrink")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a retiring worker may finish its requests before the rest "
+                        "migrate to other workers")
+
+
+def _planner_config(args):
+    """The PlannerConfig of the autoscaling flags (None without --autoscale)."""
+    from tandem.control.planner import PlannerConfig
+
+    if not args.autoscale:
+        return None
+    return PlannerConfig(mode=args.planner_mode, interval_s=args.planner_interval,
+                         ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo,
+                         prefill_capacity_tok_s=args.prefill_capacity,
+                         decode_capacity_tok_s=args.decode_capacity,
+                         min_prefill=args.min_prefill, max_prefill=args.max_prefill,
+                         min_decode=args.min_decode, max_decode=args.max_decode,
+                         scale_up_cooldown_s=min(30.0, args.planner_interval),
+                         scale_down_cooldown_s=args.scale_down_cooldown)
 
 
 def _add_http_arg(p: argparse.ArgumentParser, default: int) -> None:
@@ -211,7 +254,8 @@ def _serve_config(args):
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
-                       redis_url=args.redis_url, lease_ttl_s=args.lease_ttl)
+                       redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
+                       autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout)
 
 
 def _cmd_serve(args) -> int:

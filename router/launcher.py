@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from tandem.control.planner import PlannerConfig
 from tandem.engine.config import EngineConfig
 from tandem.router.auth import APIKeyStore
 from tandem.router.registry import WorkerHandle
@@ -63,6 +64,11 @@ class ServeConfig:
         tls: serve the router's gRPC port and its HTTP API over TLS (None = plaintext).
         rate_limits: per-API-key request rate and concurrency limits, kept in the
             cluster state (shared by every router; off by default).
+        autoscale: run a planner (:mod:`tandem.control.planner`) that sizes the
+            prefill and decode pools separately, between its bounds (None = fixed
+            pools of ``num_prefill`` / ``num_decode``). Disaggregated mode only.
+        drain_timeout_s: seconds a worker being scaled down may take to finish its
+            requests before the rest are migrated to other workers.
     """
 
     mode: str = "disaggregated"
@@ -87,6 +93,8 @@ class ServeConfig:
     auth_health: bool = False
     tls: TLSConfig | None = None
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    autoscale: PlannerConfig | None = None
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -100,6 +108,17 @@ class ServeConfig:
                              f"of {', '.join(ROUTING_POLICIES)}")
         if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
             raise ValueError("auth_health: health can require a key only when API keys are set")
+        if self.autoscale is not None:
+            if self.mode != "disaggregated":
+                raise ValueError("autoscale: the planner sizes prefill and decode pools; "
+                                 "it needs mode=disaggregated")
+            for pool, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+                lo, hi = self.autoscale.bounds(pool)
+                if not lo <= n <= hi:
+                    raise ValueError(f"num_{pool}: {n} is outside the planner's bounds "
+                                     f"[{lo}, {hi}]")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -142,17 +161,21 @@ def init_ray(address: str | None = None) -> None:
                                            "TOKENIZERS_PARALLELISM": "false"}})
 
 
-def actor_options(role: str, engine: EngineConfig) -> dict:
+def actor_options(role: str, engine: EngineConfig, require_resource: bool = False) -> dict:
     """Ray placement for a worker: on a cluster whose nodes advertise a ``prefill`` /
     ``decode`` custom resource (deploy/ray, deploy/kubernetes) each worker takes one
     unit of its kind, and a GPU when it runs on CUDA; an embedded cluster has no such
     resources and any node will do.
+
+    Args:
+        require_resource: ask for the unit even if no node has it now (autoscaling:
+            the pending actor makes the Ray autoscaler add a node of that type).
     """
     import ray
 
     opts: dict = {"num_cpus": 0}
     kind = "prefill" if role == "prefill" else "decode"
-    if ray.cluster_resources().get(kind, 0) > 0:
+    if require_resource or ray.cluster_resources().get(kind, 0) > 0:
         opts["resources"] = {kind: 1}
     if engine.device.startswith("cuda"):
         opts["num_gpus"] = 1
@@ -195,6 +218,7 @@ class RouterServer:
         self.http_port: int | None = None
         self._kv_reader_stop = threading.Event()
         self._kv_reader: threading.Thread | None = None
+        self._reporter: asyncio.Task | None = None
 
     def _connect_state(self, url: str) -> None:
         from tandem.control.state import ClusterState
@@ -252,6 +276,10 @@ class RouterServer:
         model_info["vocab_size"] = first["model_vocab_size"]
         self.metrics = Metrics(model_info["model_name"])
         self.metrics.follow(self.registry)
+        from tandem.control.load_reports import LoadReporter
+
+        self.metrics.load_reporter = LoadReporter(self.state, self.router_id)
+        self._reporter = asyncio.ensure_future(self._report_load(self.metrics.load_reporter))
         self.cluster = Cluster(self.registry, make_routing_policy(self.config.routing_policy),
                                on_step=self.metrics.worker_step, on_health=self._set_health,
                                reservations=RedisReservations(self.state),
@@ -281,6 +309,22 @@ class RouterServer:
         self._set_health(self.cluster.healthy)
         logger.info("router %s serving on %s:%d (%s)", self.router_id, self.config.host,
                     self.port, self.security_summary)
+
+    async def _report_load(self, reporter, interval_s: float = 1.0) -> None:
+        """Write what this router saw to the cluster state, for the planner
+        (:mod:`tandem.control.load_reports`), every ``interval_s`` seconds."""
+        from tandem.control.load_reports import WorkerLoad
+
+        while True:
+            await asyncio.sleep(interval_s)
+            loads = {w.worker_id: WorkerLoad(w.role, w.stats.queued_prefill_tokens,
+                                             w.stats.kv_cache_usage, w.stats.num_running,
+                                             w.stats.num_waiting)
+                     for w in self.registry.alive() if w.stats is not None}
+            try:
+                await asyncio.to_thread(reporter.flush, loads)
+            except Exception as exc:       # Redis down: kept for the next flush
+                logger.debug("load report failed: %s", exc)
 
     def _http_front_end(self, orchestrator, tokenizer, model_info: dict):
         """The OpenAI-compatible front end, behind the same API keys as the gRPC one
@@ -337,6 +381,10 @@ class RouterServer:
             asyncio.ensure_future(self.health.set(name, status))
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.gather(self._reporter, return_exceptions=True)
+            self._reporter = None
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:
@@ -367,6 +415,8 @@ class TandemServer(RouterServer):
         self.actors: dict[str, object] = {}
         self.redis = None              # the embedded redis-server, if any
         self.supervisor = None
+        self.planner = None            # the planner candidate (autoscale), if any
+        self.pool_controller = None
         self._spawned = 0
         self._announcer: asyncio.Task | None = None
         from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
@@ -387,7 +437,9 @@ class TandemServer(RouterServer):
         cfg = self.config
         role, index = worker_id.rsplit("-", 1)
         pre_cpus, dec_cpus, threads = _plan_cpus(cfg)
-        cpus = (pre_cpus if role == "prefill" else dec_cpus)[int(index)]
+        planned = pre_cpus if role == "prefill" else dec_cpus
+        # A worker added by the planner beyond the initial pools is not pinned.
+        cpus = planned[int(index)] if int(index) < len(planned) else None
         engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
         if role == "prefill":       # only decode steps speculate: no draft model to load there
             engine = dataclasses.replace(engine, speculative=None)
@@ -400,7 +452,8 @@ class TandemServer(RouterServer):
             floor = 0
         control = ControlConfig(self.state_url, cfg.namespace, name, cfg.lease_ttl_s,
                                 max(0.1, cfg.lease_ttl_s / 3.3), floor, self.cluster_secret)
-        opts = {**actor_options(role, engine), "name": name, "namespace": "tandem"}
+        opts = {**actor_options(role, engine, require_resource=cfg.autoscale is not None),
+                "name": name, "namespace": "tandem"}
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**opts).remote(
                 worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control)
@@ -473,6 +526,8 @@ class TandemServer(RouterServer):
         for h in decode + prefill:
             self.registry.add(h)
         await self._start_router()
+        if self.config.autoscale is not None:
+            self._start_planner()
         if self.config.supervise:
             self.supervisor = Supervisor(self.registry, self.restart_worker,
                                          on_restarted=lambda r: self.metrics.worker_restarted(
@@ -494,6 +549,13 @@ class TandemServer(RouterServer):
                 ray.kill(old)
             except Exception as exc:   # already gone: that is why we restart it
                 logger.debug("kill %s: %s", worker_id, exc)
+        await self._bring_up(worker_id)
+
+    async def _bring_up(self, worker_id: str) -> WorkerHandle:
+        """Start ``worker_id``'s actor, wire its KV channels to the live workers of the
+        other kind, put it in service. On failure its actor (if any) is killed."""
+        import ray
+
         self.registry.starting.add(worker_id)
         try:
             handle = await self._start_worker(worker_id)
@@ -506,8 +568,126 @@ class TandemServer(RouterServer):
                     if p.alive:
                         await self._wire_kv(p, handle)
             self.cluster.replace(handle)
+            return handle
+        except BaseException:
+            actor = self.actors.pop(worker_id, None)
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception as exc:
+                    logger.debug("kill %s: %s", worker_id, exc)
+            raise
         finally:
             self.registry.starting.discard(worker_id)
+
+    async def add_worker(self, role: str) -> WorkerHandle:
+        """Scale up: start one more ``prefill`` or ``decode`` worker, under the first
+        free id of its pool, and put it in service once its KV channels are wired.
+
+        Its actor asks for the pool's Ray resource when the cluster autoscales, so
+        it stays pending (this call waits) until the Ray autoscaler has added a node.
+
+        Raises:
+            ValueError: ``role`` is neither ``prefill`` nor ``decode``.
+            ray.exceptions.RayError: the actor could not be started.
+        """
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: expected prefill or decode, got {role!r}")
+        taken = {w.worker_id for w in self.registry.workers()} | set(self.actors) \
+            | self.registry.starting
+        index = next(i for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+        return await self._bring_up(f"{role}-{index}")
+
+    async def retire_worker(self, worker_id: str, drain_timeout_s: float | None = None) -> int:
+        """Scale down: take ``worker_id`` out of service without failing a request.
+
+        The worker is marked draining in the cluster state (every router stops
+        sending it requests within a registry refresh); its requests may finish
+        for up to ``drain_timeout_s`` (default: the config's). Decode requests
+        still running then are migrated to other decode workers (they resume from
+        their journal, token-exact); a prefill still running is retried elsewhere
+        by the router that sent it. Then the worker deregisters and its actor is
+        killed, and Ray's autoscaler may remove its idle node.
+
+        Returns:
+            How many of its requests were still in flight when it went (migrated).
+
+        Raises:
+            KeyError: no such worker.
+            ValueError: it is the last live worker of its pool.
+        """
+        import ray
+
+        w = self.registry.get(worker_id)
+        pool = "prefill" if w.role == "prefill" else "decode"
+        if not [o for o in self.registry.alive(pool) if o.worker_id != worker_id]:
+            raise ValueError(f"worker_id: {worker_id} is the last live {pool} worker")
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        await asyncio.to_thread(self.state.set_draining, worker_id, w.generation)
+        w.draining = True
+        deadline = time.monotonic() + timeout
+        left = await self._in_flight(w)
+        # Other routers see the flag on their next refresh (about a second).
+        settle = time.monotonic() + min(timeout, 2.0)
+        while time.monotonic() < deadline and (left or time.monotonic() < settle):
+            await asyncio.sleep(0.25)
+            left = await self._in_flight(w)
+        logger.info("retiring %s: %d requests left after draining", worker_id, left)
+        self.registry.retiring.add(worker_id)
+        try:
+            self.registry.remove(worker_id)    # this router's requests on it migrate now
+            actor = self.actors.pop(worker_id, None)
+            if actor is not None:
+                try:           # deregisters: every other router migrates its requests too
+                    await asyncio.wait_for(actor.shutdown.remote(), 10)
+                except Exception as exc:
+                    logger.debug("%s shutdown: %s", worker_id, exc)
+                ray.kill(actor)
+            await asyncio.to_thread(self._forget, worker_id)
+        finally:
+            self.registry.retiring.discard(worker_id)
+        return left
+
+    async def _in_flight(self, w: WorkerHandle) -> int:
+        """Requests ``w`` still has: running or waiting in its engine, reserved on it
+        by any router (decode), or sent to it by this router (prefill)."""
+        try:
+            stats = await self.cluster.call(w, "stats")
+            running = stats.num_running + stats.num_waiting + stats.num_swapped
+        except Exception as exc:       # gone already: nothing left to wait for
+            logger.debug("stats of %s: %s", w.worker_id, exc)
+            return 0
+        if w.role == "prefill":
+            return running + (1 if w.inflight_prefill_tokens else 0)
+        try:
+            reserved = (await asyncio.to_thread(
+                self.cluster.reservations.inflight, "decode", [w.worker_id]))[w.worker_id]
+        except Exception:
+            reserved = 0
+        return max(running, reserved)
+
+    def _forget(self, worker_id: str) -> None:
+        from tandem.control.load_reports import LoadReader
+
+        try:
+            self.state.clear_draining(worker_id)
+            LoadReader(self.state).forget_workers([worker_id])
+        except Exception as exc:
+            logger.warning("clearing %s from the cluster state failed: %s", worker_id, exc)
+
+    def _start_planner(self) -> None:
+        """The planner candidate of this cluster (leader elected in the cluster state)
+        and the controller that applies its plans to this server's Ray actors."""
+        from tandem.control.election import LeaderElection
+        from tandem.control.load_reports import LoadReader
+        from tandem.control.planner import Planner
+        from tandem.router.autoscaler import RayPoolController
+
+        cfg = self.config.autoscale
+        self.pool_controller = RayPoolController(self)
+        self.planner = Planner(cfg, LoadReader(self.state), self.pool_controller,
+                               LeaderElection(self.state, "planner", cfg.leader_ttl_s))
+        self.planner.start()
 
     async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:
         """(Re-)create the KV pair between two live workers."""
@@ -527,6 +707,10 @@ class TandemServer(RouterServer):
                 logger.debug("announcing the Ray address failed: %s", exc)
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.planner is not None:
+            await self.planner.stop()
+        if self.pool_controller is not None:
+            await self.pool_controller.stop()
         if self._announcer is not None:
             self._announcer.cancel()
         if self.supervisor is not None:
