@@ -322,6 +322,8 @@ class Planner:
         election: this process's candidacy (:class:`~tandem.control.election.LeaderElection`);
             None = always the leader (one planner by construction).
         clock: monotonic seconds (tests may pass their own).
+        on_interval: called with the pool sizes and the decisions of each interval
+            decided (metrics).
 
     Attributes:
         decisions: every decision taken while leading, oldest first (the last 1000).
@@ -330,12 +332,13 @@ class Planner:
     """
 
     def __init__(self, config: PlannerConfig, reader: LoadReader, controller: PoolController,
-                 election=None, clock=time.monotonic) -> None:
+                 election=None, clock=time.monotonic, on_interval=None) -> None:
         self.config = config
         self.reader = reader
         self.controller = controller
         self.election = election
         self.clock = clock
+        self.on_interval = on_interval
         self.decisions: list[PoolDecision] = []
         self.intervals: list[tuple[float, IntervalStats, list[PoolDecision]]] = []
         self._last_change: dict[str, float] = {}
@@ -457,6 +460,8 @@ class Planner:
                 await self.controller.scale(d.pool, d.target)
         self.decisions = (self.decisions + decisions)[-1000:]
         self.intervals = (self.intervals + [(now, stats, decisions)])[-1000:]
+        if self.on_interval is not None:
+            self.on_interval(sizes, decisions)
         await asyncio.to_thread(self._record, stats, decisions)
         return decisions
 

@@ -285,6 +285,7 @@ class RouterServer:
                                reservations=RedisReservations(self.state),
                                router_id=self.router_id, kv_events_from_steps=False)
         self.cluster.start()
+        self.metrics.follow_router(lambda: self.cluster.num_active)
         self.registry.start()
         self._start_kv_reader()
         orchestrator = Orchestrator(self.cluster, tokenizer, self.metrics,
@@ -686,7 +687,9 @@ class TandemServer(RouterServer):
         cfg = self.config.autoscale
         self.pool_controller = RayPoolController(self)
         self.planner = Planner(cfg, LoadReader(self.state), self.pool_controller,
-                               LeaderElection(self.state, "planner", cfg.leader_ttl_s))
+                               LeaderElection(self.state, "planner", cfg.leader_ttl_s),
+                               on_interval=lambda sizes, ds: self.metrics.pools(
+                                   sizes, {d.pool: d.target for d in ds}))
         self.planner.start()
 
     async def reconnect_kv(self, prefill_id: str, decode_id: str) -> None:

@@ -108,6 +108,14 @@ class Metrics:
                                           "Requests swapped out to host memory.", w, registry=r)
         self.kv_cache_usage_perc = Gauge("tandem:kv_cache_usage_perc",
                                          "Fraction of KV blocks in use (0..1).", w, registry=r)
+        # This router's own load (what scales the router Deployment).
+        self.router_active_requests = Gauge(
+            "tandem:router_active_requests", "Requests this router is serving now.", m, registry=r)
+        # The planner's view of the pools (only in the process that runs the planner).
+        self.pool_workers = Gauge(
+            "tandem:pool_workers", "Workers per pool (prefill, decode) and state (ready, "
+            "pending, draining; target: the planner's last decision).",
+            ["model_name", "pool", "state"], registry=r)
         # Counters.
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished or "
                                      "aborted requests.", m, registry=r)
@@ -300,6 +308,19 @@ class Metrics:
                 _remove(metric, self.model_name, worker_id)
 
     # -- request hooks (router event loop) -----------------------------------------------------
+    def follow_router(self, active: Callable[[], int]) -> None:
+        """Export ``active()`` (requests in flight in this router) as
+        ``tandem:router_active_requests``, read at each scrape."""
+        self.router_active_requests.labels(self.model_name).set_function(active)
+
+    def pools(self, sizes: dict, targets: dict[str, int]) -> None:
+        """The planner's pools: ``sizes`` (pool -> PoolSize) and its ``targets``."""
+        for pool, size in sizes.items():
+            for state in ("ready", "pending", "draining"):
+                self.pool_workers.labels(self.model_name, pool, state).set(getattr(size, state))
+        for pool, n in targets.items():
+            self.pool_workers.labels(self.model_name, pool, "target").set(n)
+
     def invalid_request(self, field_name: str) -> None:
         self.invalid_requests.labels(self.model_name, field_name.split(".")[0]).inc()
 
