@@ -326,6 +326,32 @@ def test_two_routers_burst_stays_balanced(cluster, router2, baseline):
     _assert_idle(cluster)
 
 
+def test_scale_down_migrates_both_routers_requests_unchanged(cluster, router2, baseline):
+    """Retiring a decode worker with no time to drain: requests of this router and of
+    the second one that run on it move to the other decode worker, token-exact; no
+    request fails; then a worker added back takes the pool to its size again."""
+    srv = cluster.server.server
+    _, address2 = router2
+    streams = [Stream(cluster.server.address, p, 64) for p in PROMPTS] + \
+        [Stream(address2, p, 64) for p in PROMPTS[:2]]
+    _wait(lambda: all(len(s.tokens) >= 3 for s in streams), 120, "every stream to start")
+    # The routers spread them over both decode workers: some run on decode-1.
+    assert srv.cluster.reservations.inflight("decode", ["decode-1"])["decode-1"] > 0
+    left = cluster.server.run(srv.retire_worker("decode-1", drain_timeout_s=0), 60)
+    assert left > 0
+    for s in streams:
+        s.join(300)
+    for s in streams:
+        assert s.code == grpc.StatusCode.OK, (s.prompt, s.code)
+        assert len(s.tokens) == 64 and s.tokens[:N] == baseline[s.prompt], s.prompt
+    assert [w.worker_id for w in srv.registry.workers("decode")] == ["decode-0"]
+    assert "decode-1" not in srv.actors and srv.state.draining() == {}
+    added = cluster.server.run(srv.add_worker("decode"), 240)
+    assert added.worker_id == "decode-1" and added.alive
+    _assert_idle(cluster)
+    assert _ids(cluster.generate(greedy(PROMPTS[1], N))) == baseline[PROMPTS[1]]
+
+
 def test_kill_router_affects_only_its_own_clients(cluster, router2, baseline):
     proc, address2 = router2
     mine = [Stream(cluster.server.address, p) for p in PROMPTS[:2]]
