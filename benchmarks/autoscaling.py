@@ -159,6 +159,21 @@ def start_fake_cluster(tmp: str, max_per_type: int = 2, idle_timeout_s: float = 
     return address
 
 
+def start_fake_cluster_retrying(tmp: str, attempts: int = 3) -> str:
+    """:func:`start_fake_cluster`, again from scratch if the head fails to start (on a
+    loaded machine its raylet can time out waiting for its own agents)."""
+    for attempt in range(attempts):
+        try:
+            return start_fake_cluster(os.path.join(tmp, f"try{attempt}") if attempt else tmp)
+        except subprocess.CalledProcessError:
+            if attempt == attempts - 1:
+                raise
+            print(f"ray start failed (attempt {attempt + 1}); retrying", flush=True)
+            _kill_session()
+            os.makedirs(os.path.join(tmp, f"try{attempt + 1}"), exist_ok=True)
+    raise AssertionError("unreachable")
+
+
 def nodes_by_type() -> dict[str, int]:
     """Alive Ray nodes advertising each custom resource."""
     import ray
@@ -392,7 +407,7 @@ def main(argv=None) -> int:
     try:
         import ray
 
-        address = start_fake_cluster(tmp)
+        address = start_fake_cluster_retrying(tmp)
         ray.init(address=address, namespace="tandem", log_to_driver=False)
         if args.scenario == "test":
             result = run_phases(address, TEST_PHASES, planner_config())

@@ -45,9 +45,10 @@ def total(m: dict, name: str) -> float:
     return sum(v for (n, _), v in m.items() if n == name)
 
 
-def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
+def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, float]:
     """Every sample but ``_created`` and ``_bucket`` that a cluster with ``workers``
-    (id -> role) exposes before its first request: all of them 0."""
+    (id -> role) exposes before its first request: all of them 0. ``router``: the
+    metrics are a running router's (its own in-flight gauge)."""
     from tandem.router.metrics import (ABORT_SOURCES, FINISH_REASONS, PREEMPTION_KINDS,
                                        RATE_LIMIT_REASONS, REQUEST_FIELDS)
 
@@ -59,6 +60,8 @@ def startup_series(workers: dict[str, str]) -> dict[tuple, float]:
     want += [key("tandem:request_success_total", finished_reason=r) for r in FINISH_REASONS]
     want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
     want += [key("tandem:requests_rate_limited_total", reason=r) for r in RATE_LIMIT_REASONS]
+    if router:
+        want += [key("tandem:router_active_requests")]
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds",
@@ -103,7 +106,7 @@ def test_register_worker_creates_one_workers_series_at_zero():
     metrics.register_worker("colocated-0", "colocated")
     m = samples(metrics.render().decode())
     got = {k: v for k, v in m.items() if not k[0].endswith(("_created", "_bucket"))}
-    assert got == startup_series({"colocated-0": "colocated"})
+    assert got == startup_series({"colocated-0": "colocated"}, router=False)
 
 
 def test_counters_exact_after_real_requests(fresh, tokenizer, caplog):
