@@ -88,7 +88,7 @@ def planner_config(max_total: int | None = None):
     return PlannerConfig(mode="load", interval_s=2.0, sample_interval_s=0.5, min_prefill=1,
                          max_prefill=2, min_decode=1, max_decode=2, prefill_queue_high=300,
                          decode_kv_high=0.6, decode_waiting_high=1.0, headroom=0.7,
-                         scale_up_cooldown_s=2.0, scale_down_cooldown_s=4.0,
+                         scale_up_cooldown_s=2.0, scale_down_cooldown_s=3.0,
                          scale_down_intervals=2, warmup_s=2.0, leader_ttl_s=5.0,
                          max_total_workers=max_total)
 
@@ -114,9 +114,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+HEAD_RESOURCES = {"prefill": 1, "decode": 1}
+"""The head node runs the first prefill and decode worker (the pools' minimum), so
+only workers beyond it wait for a node."""
+
+
 def fake_cluster_config(gcs_address: str, max_per_type: int, idle_timeout_s: float) -> dict:
-    """An autoscaling config for the fake multi-node provider: a head without the
-    custom resources and one node type per pool."""
+    """An autoscaling config for the fake multi-node provider: a head with one unit
+    of each pool's resource and one node type per pool."""
     def node_type(role: str) -> dict:
         return {"resources": {"CPU": 1, role: 1, "object_store_memory": 80 * 1024 * 1024},
                 "node_config": {}, "min_workers": 0, "max_workers": max_per_type}
@@ -129,7 +134,8 @@ def fake_cluster_config(gcs_address: str, max_per_type: int, idle_timeout_s: flo
                          "disable_launch_config_check": True},
             "auth": {}, "docker": {},
             "available_node_types": {
-                "ray.head.default": {"resources": {"CPU": 2}, "node_config": {}, "max_workers": 0},
+                "ray.head.default": {"resources": {"CPU": 2, **HEAD_RESOURCES},
+                                     "node_config": {}, "max_workers": 0},
                 "prefill": node_type("prefill"), "decode": node_type("decode")},
             "head_node_type": "ray.head.default", "file_mounts": {},
             "cluster_synced_files": empty, "file_mounts_sync_continuously": False,
@@ -139,7 +145,7 @@ def fake_cluster_config(gcs_address: str, max_per_type: int, idle_timeout_s: flo
             "worker_start_ray_commands": empty}
 
 
-def start_fake_cluster(tmp: str, max_per_type: int = 2, idle_timeout_s: float = 3.0) -> str:
+def start_fake_cluster(tmp: str, max_per_type: int = 1, idle_timeout_s: float = 3.0) -> str:
     """Start the Ray head with the fake autoscaler; returns its GCS address."""
     import ray
 
@@ -153,6 +159,7 @@ def start_fake_cluster(tmp: str, max_per_type: int = 2, idle_timeout_s: float = 
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run([ray_cli, "start", "--head", f"--port={address.rsplit(':', 1)[1]}",
                     f"--autoscaling-config={path}", "--num-cpus=2",
+                    f"--resources={json.dumps(HEAD_RESOURCES)}",
                     f"--temp-dir={os.path.join(tmp, 'ray')}", "--include-dashboard=false",
                     "--disable-usage-stats", "--object-store-memory=100000000"],
                    env=env, check=True, stdout=subprocess.DEVNULL)

@@ -316,12 +316,21 @@ class RouterServer:
         (:mod:`tandem.control.load_reports`), every ``interval_s`` seconds."""
         from tandem.control.load_reports import WorkerLoad
 
+        async def fresh(w):
+            # An idle worker sends no step outputs, so the stats of its last step would
+            # stand for ever: ask it (a stopped or busy one keeps its last stats).
+            try:
+                return await asyncio.wait_for(self.cluster.call(w, "stats"), interval_s / 2)
+            except Exception:
+                return w.stats
+
         while True:
             await asyncio.sleep(interval_s)
-            loads = {w.worker_id: WorkerLoad(w.role, w.stats.queued_prefill_tokens,
-                                             w.stats.kv_cache_usage, w.stats.num_running,
-                                             w.stats.num_waiting)
-                     for w in self.registry.alive() if w.stats is not None}
+            workers = self.registry.alive()
+            stats = await asyncio.gather(*(fresh(w) for w in workers))
+            loads = {w.worker_id: WorkerLoad(w.role, s.queued_prefill_tokens, s.kv_cache_usage,
+                                             s.num_running, s.num_waiting)
+                     for w, s in zip(workers, stats) if s is not None}
             try:
                 await asyncio.to_thread(reporter.flush, loads)
             except Exception as exc:       # Redis down: kept for the next flush

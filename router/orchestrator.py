@@ -314,6 +314,11 @@ class Orchestrator:
         if trace is not None:
             trace.dispatched = time.monotonic()
         ticket = item.kv_transfer_ticket
+        if prefill.draining:        # picked before a scale-down began: another one, if any
+            try:
+                prefill = att.prefill = cluster.pick_prefill(req.prompt_token_ids)
+            except RuntimeError:
+                pass
         prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
         t0 = time.perf_counter()
         call = asyncio.ensure_future(cluster.call(prefill, "prefill", dataclasses.replace(

@@ -44,9 +44,13 @@ def check_against_reference(paged_kv, device, chunks, num_kv_heads, group, head_
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+# Every group size and dtype at head_dim 64; head_dim 128 in float16 for one group
+# only (the interpreter makes the wide fp16 cases slow, and the tile code does not
+# depend on the group once the head dimension is set).
+@pytest.mark.parametrize("head_dim,group,dtype", [
+    (hd, g, dt) for hd in (64, 128) for g in (1, 3, 8) for dt in (torch.float32, torch.float16)
+    if not (hd == 128 and dt == torch.float16 and g != 1)],
+    ids=lambda v: {torch.float32: "fp32", torch.float16: "fp16"}.get(v, str(v)))
 def test_prefill_matches_reference(paged_kv, device, head_dim, group, dtype):
     check_against_reference(paged_kv, device, CHUNKS, 1, group, head_dim, dtype)
 
