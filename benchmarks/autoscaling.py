@@ -76,21 +76,26 @@ TEST_PHASES = (
 )
 
 GOODPUT_PHASES = (
-    Phase("prompt_heavy", clients=6, prompt_tokens=200, max_tokens=2, min_s=60, max_s=60),
+    Phase("prompt_heavy", clients=4, prompt_tokens=200, max_tokens=2, min_s=60, max_s=60),
     Phase("answer_heavy", clients=12, prompt_tokens=16, max_tokens=48, min_s=60, max_s=60),
 )
 
 
-def planner_config(max_total: int | None = None):
+def planner_config(max_total: int | None = None, **kw):
     """The planner of the scenarios: load mode, a 2 s interval, short cooldowns."""
     from tandem.control.planner import PlannerConfig
 
-    return PlannerConfig(mode="load", interval_s=2.0, sample_interval_s=0.5, min_prefill=1,
-                         max_prefill=2, min_decode=1, max_decode=2, prefill_queue_high=300,
-                         decode_kv_high=0.6, decode_waiting_high=1.0, headroom=0.7,
-                         scale_up_cooldown_s=2.0, scale_down_cooldown_s=3.0,
-                         scale_down_intervals=2, warmup_s=2.0, leader_ttl_s=5.0,
-                         max_total_workers=max_total)
+    return PlannerConfig(**{**dict(
+        mode="load", interval_s=2.0, sample_interval_s=0.5, min_prefill=1, max_prefill=2,
+        min_decode=1, max_decode=2, prefill_queue_high=300, decode_kv_high=0.6,
+        decode_waiting_high=1.0, headroom=0.7, scale_up_cooldown_s=2.0,
+        scale_down_cooldown_s=3.0, scale_down_intervals=2, warmup_s=2.0, leader_ttl_s=5.0,
+        max_total_workers=max_total), **kw})
+
+
+# Held loads: a wider hysteresis band and a longer wait before giving a worker back
+# than the test scenario's, which ends each phase as soon as the pools have moved.
+GOODPUT_PLANNER = dict(headroom=0.5, scale_down_intervals=3, scale_down_cooldown_s=10.0)
 
 
 def engine_configs():
@@ -402,7 +407,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", choices=["test", "goodput"], default="goodput")
     ap.add_argument("--out", required=True, help="result JSON")
-    ap.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT SLO, seconds")
+    ap.add_argument("--ttft-slo", type=float, default=3.0, help="goodput: TTFT SLO, seconds")
     ap.add_argument("--itl-slo", type=float, default=0.25, help="goodput: ITL SLO, seconds")
     ap.add_argument("--total-workers", type=int, default=3,
                     help="goodput: workers in all (planner budget = fixed pools' size)")
@@ -425,7 +430,8 @@ def main(argv=None) -> int:
             splits = [("planner", None)] + [(f"fixed_{p}p{n - p}d", p) for p in range(1, n)]
             for name, num_prefill in splits:
                 if num_prefill is None:
-                    run = run_phases(address, GOODPUT_PHASES, planner_config(max_total=n))
+                    run = run_phases(address, GOODPUT_PHASES,
+                                     planner_config(max_total=n, **GOODPUT_PLANNER))
                 else:
                     run = run_phases(address, GOODPUT_PHASES, None, num_prefill, n - num_prefill)
                 result["runs"][name] = {"goodput": goodput(run["requests"], args.ttft_slo,

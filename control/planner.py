@@ -33,8 +33,8 @@ Guards against flapping and against acting on bad data, in both modes:
 
 * a pool does not grow while it has pending workers (asked for, not yet
   serving: the Ray autoscaler may still be adding their node);
-* after a change, a pool waits ``scale_up_cooldown_s`` / ``scale_down_cooldown_s``
-  before the next one;
+* after a change is complete (nothing pending or draining any more), a pool
+  waits ``scale_up_cooldown_s`` / ``scale_down_cooldown_s`` before the next one;
 * a pool shrinks only after ``scale_down_intervals`` consecutive intervals
   asked for it, by one worker at a time, and never below what the N/(N-1)
   check allows;
@@ -368,8 +368,10 @@ class Planner:
             target = min(hi, max(lo, wanted))
             since = now - self._last_change.get(pool, -math.inf)
             if size.pending or size.draining:
-                # The pool is changing: its load says little about its next size yet.
+                # The pool is changing: its load says little about its next size yet,
+                # and the cooldowns count from when the change is complete.
                 self._down_votes[pool] = 0
+                self._last_change[pool] = now
                 if target != current:
                     target, reason = current, (f"{reason}; held: {size.pending} pending, "
                                                f"{size.draining} draining")

@@ -182,6 +182,18 @@ def test_no_scale_up_while_pending_and_cooldown_after_a_change():
     assert _targets(planner, busy, {"prefill": PoolSize(2), "decode": PoolSize(1)}, 31)["prefill"] == 3
 
 
+def test_cooldown_counts_from_when_the_new_worker_serves():
+    """A worker that took 50 s to start must not be retired by the first quiet
+    intervals after it joins: the scale-down cooldown starts when it is ready."""
+    planner, _ = _planner(scale_down_intervals=1, scale_down_cooldown_s=60)
+    busy, idle = IntervalStats(10, prefill_queue=5000), IntervalStats(10)
+    _targets(planner, busy, {"prefill": PoolSize(1), "decode": PoolSize(1)}, 0)
+    _targets(planner, busy, {"prefill": PoolSize(1, pending=1), "decode": PoolSize(1)}, 50)
+    sizes = {"prefill": PoolSize(2), "decode": PoolSize(1)}
+    assert _targets(planner, idle, sizes, 100)["prefill"] == 2      # 50 s after it joined
+    assert _targets(planner, idle, sizes, 111)["prefill"] == 1
+
+
 def test_scale_down_waits_for_consecutive_intervals_one_worker_at_a_time():
     planner, _ = _planner()
     idle = IntervalStats(10)
