@@ -23,7 +23,7 @@ runs a load that shifts from prompt-heavy to answer-heavy for fixed durations,
 once with the planner and once per fixed split of the same number of workers, and
 reports goodput: requests per second that met both the TTFT and the ITL SLO.
 
-    python benchmarks/autoscaling.py --scenario goodput --out benchmarks/results/autoscaling_goodput.json
+    python benchmarks/autoscaling.py --scenario goodput --out benchmarks/results/autoscaling_goodput_run2.json
 
 The script runs in a process session of its own (it re-executes itself in a new
 one when it is not a session leader) and kills what it started by session when
