@@ -71,8 +71,8 @@ TEST_PHASES = (
           until="prefill>=2"),
     Phase("answer_heavy", clients=12, prompt_tokens=16, max_tokens=48, min_s=6, max_s=120,
           until="decode>=2,prefill<=1"),
-    Phase("steady", clients=12, prompt_tokens=16, max_tokens=48, min_s=10, max_s=10),
-    Phase("light", clients=1, prompt_tokens=16, max_tokens=48, min_s=4, max_s=90, until="min"),
+    Phase("steady", clients=12, prompt_tokens=16, max_tokens=48, min_s=8, max_s=8),
+    Phase("light", clients=1, prompt_tokens=16, max_tokens=48, min_s=2, max_s=90, until="min"),
 )
 
 GOODPUT_PHASES = (

@@ -115,8 +115,9 @@ class RayPoolController:
         if excess > 0:
             serving = [w for w in self.server.registry.alive(pool)
                        if not w.draining and w.worker_id not in self._draining]
-            # The least loaded first: it drains soonest. Newest id on ties.
-            serving.sort(key=lambda w: (_load(w), -_index(w.worker_id)))
+            # The newest first (its prefix cache is the coldest, and it is the node the
+            # autoscaler added last); the least loaded among equals.
+            serving.sort(key=lambda w: (-_index(w.worker_id), _load(w)))
             for w in serving[:min(excess, len(serving) - 1)]:
                 self._draining[w.worker_id] = asyncio.ensure_future(self._retire(w.worker_id, pool))
                 self._event("draining", pool, w.worker_id)

@@ -329,7 +329,8 @@ def test_two_routers_burst_stays_balanced(cluster, router2, baseline):
 def test_scale_down_migrates_both_routers_requests_unchanged(cluster, router2, baseline):
     """Retiring a decode worker with no time to drain: requests of this router and of
     the second one that run on it move to the other decode worker, token-exact; no
-    request fails; then a worker added back takes the pool to its size again."""
+    request fails. (Adding a worker is exercised by tests/cluster/test_autoscaling.py;
+    the tests after this one need one decode worker only.)"""
     srv = cluster.server.server
     _, address2 = router2
     streams = [Stream(cluster.server.address, p, 64) for p in PROMPTS] + \
@@ -346,8 +347,6 @@ def test_scale_down_migrates_both_routers_requests_unchanged(cluster, router2, b
         assert len(s.tokens) == 64 and s.tokens[:N] == baseline[s.prompt], s.prompt
     assert [w.worker_id for w in srv.registry.workers("decode")] == ["decode-0"]
     assert "decode-1" not in srv.actors and srv.state.draining() == {}
-    added = cluster.server.run(srv.add_worker("decode"), 240)
-    assert added.worker_id == "decode-1" and added.alive
     _assert_idle(cluster)
     assert _ids(cluster.generate(greedy(PROMPTS[1], N))) == baseline[PROMPTS[1]]
 
