@@ -53,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, Sequence
 
-from tandem.control.load_reports import LoadReader, Observations, RequestSample, WorkerLoad
+from tandem.control.load_reports import LoadReader, Observations, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,6 @@ class Planner:
             decided (metrics).
 
     Attributes:
-        decisions: every decision taken while leading, oldest first (the last 1000).
         intervals: ``(clock time, IntervalStats, decisions)`` of each interval
             decided, oldest first (the last 1000).
     """
@@ -339,7 +338,6 @@ class Planner:
         self.election = election
         self.clock = clock
         self.on_interval = on_interval
-        self.decisions: list[PoolDecision] = []
         self.intervals: list[tuple[float, IntervalStats, list[PoolDecision]]] = []
         self._last_change: dict[str, float] = {}
         self._down_votes: dict[str, int] = {p: 0 for p in POOLS}
@@ -460,7 +458,6 @@ class Planner:
             log("planner: %s %d -> %d (%s: %s)", d.pool, d.current, d.target, d.rule, d.reason)
             if d.target != d.current:
                 await self.controller.scale(d.pool, d.target)
-        self.decisions = (self.decisions + decisions)[-1000:]
         self.intervals = (self.intervals + [(now, stats, decisions)])[-1000:]
         if self.on_interval is not None:
             self.on_interval(sizes, decisions)
@@ -502,5 +499,5 @@ class Planner:
 
 
 __all__ = ["PlannerConfig", "PoolSize", "PoolController", "IntervalStats", "PoolDecision",
-           "Planner", "aggregate", "slo_target", "load_target", "percentile", "RequestSample",
-           "POOLS", "PLANNER_MODES"]
+           "Planner", "aggregate", "slo_target", "load_target", "percentile", "POOLS",
+           "PLANNER_MODES"]

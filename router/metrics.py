@@ -19,6 +19,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tandem.control.load_reports import RequestSample
+
 logger = logging.getLogger("tandem.requests")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -417,8 +419,6 @@ class Metrics:
         if trace.first_token is not None and samples[0].num_tokens > 1:
             tpot = ((trace.last_token or now) - trace.first_token) / (samples[0].num_tokens - 1)
         if self.load_reporter is not None:
-            from tandem.control.load_reports import RequestSample
-
             self.load_reporter.finished(RequestSample(
                 isl=trace.num_prompt_tokens, osl=trace.num_output_tokens, ttft_s=ttft, itl_s=tpot,
                 prefill=trace.prefill_worker or "", decode=trace.decode_worker,
