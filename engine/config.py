@@ -32,11 +32,13 @@ def check_dtype_name(name: str) -> str:
     return name
 
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int4")
 """``CacheConfig.kv_cache_dtype`` names: ``auto`` stores K/V in the model dtype;
 ``fp8_e4m3`` stores them as ``torch.float8_e4m3fn`` (1 byte per element) with
-per-(layer, KV head) float32 scales calibrated at engine start (see
-:mod:`tandem.engine.runtime.kv_scales`)."""
+per-(layer, KV head) float32 scales calibrated at engine start; ``int4`` stores
+packed 4-bit rows (40 bytes per token and KV head at head dim 64: nibbles, then a
+fp16 step and minimum per group of 32 channels) after static per-channel K scales
+calibrated at engine start (see :mod:`tandem.engine.runtime.kv_scales`)."""
 
 
 def parse_dtype(name: str) -> "torch.dtype":
@@ -183,7 +185,9 @@ class CacheConfig:
             ``fp8_e4m3`` (``torch.float8_e4m3fn``, one byte per element: twice the
             blocks of bfloat16 in the same ``kv_cache_memory_bytes``, four times
             those of float32; K and V quantized with fixed per-(layer, KV head)
-            scales calibrated at engine start).
+            scales calibrated at engine start) or ``int4`` (40 bytes per token and
+            head at head dim 64: 3.2x the blocks of bfloat16; K per channel, V
+            per token, after KIVI).
     """
 
     block_size: int = 16

@@ -26,7 +26,7 @@ class LLM:
         dtype: ``float32``, ``bfloat16`` (default) or ``float16``.
         block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
         swap_space_bytes, num_host_blocks, kv_cache_dtype: see :class:`CacheConfig`
-            (``kv_cache_dtype``: ``auto``, the model dtype, or ``fp8_e4m3``).
+            (``kv_cache_dtype``: ``auto``, the model dtype, ``fp8_e4m3`` or ``int4``).
         max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode:
             see :class:`SchedulerConfig`.
         attention_backend: ``auto``, ``torch``, ``cpu`` or ``triton``.

@@ -85,18 +85,20 @@ class AttentionBackend(ABC):
         Args:
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``.
             key_cache, value_cache: ``[NB, BS, Hkv, D]`` of this layer, in the
-                model dtype or ``torch.float8_e4m3fn``; written at ``meta.slot_mapping``.
+                model dtype or ``torch.float8_e4m3fn``, or packed int4 rows
+                ``uint8 [NB, BS, Hkv, R]`` (see :mod:`tandem.kernels.reference`); written at ``meta.slot_mapping``.
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale.
             k_scale, v_scale: ``[Hkv]`` float32 per-head scales of an fp8 cache
-                (stored = e4m3(clamp(x / scale, +-448)), read = scale * stored; see
+                (stored = e4m3(clamp(x / scale, +-448)), read = scale * stored), or
+                ``[Hkv, D]`` channel scales of an int4 cache (see
                 :mod:`tandem.kernels.reference`); None for a cache in the model dtype.
 
         Returns:
             ``[T, Hq, D]``.
 
         Raises:
-            ValueError: an fp8 cache without scales, or one the backend cannot read.
+            ValueError: a quantized cache without scales, or one the backend cannot read.
         """
 
     @abstractmethod
@@ -116,7 +118,8 @@ class AttentionBackend(ABC):
 
 # numpy has no bfloat16: gather 2-byte elements as int16 (a copy moves bits, not values).
 _BITS_AS = {torch.bfloat16: torch.int16, torch.float16: torch.float16,
-            torch.float32: torch.float32, torch.float8_e4m3fn: torch.uint8}
+            torch.float32: torch.float32, torch.float8_e4m3fn: torch.uint8,
+            torch.uint8: torch.uint8}
 
 
 def gather_blocks_cpu(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -143,9 +146,9 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
 
     Large batches are sorted by context length and cut into groups of
     ``_DECODE_GROUP`` sequences, each padded only to its own longest context, so
-    short sequences do not pay for the longest one's padding. An fp8 cache's
-    gathered blocks are dequantized with ``k_scale``/``v_scale`` ``[Hkv]`` into the
-    query's dtype.
+    short sequences do not pay for the longest one's padding. A quantized cache's
+    gathered blocks are dequantized with ``k_scale``/``v_scale`` (``[Hkv]`` for fp8,
+    ``[Hkv, D]`` for int4) into the query's dtype.
     """
     b = query.shape[0]
     if b <= _DECODE_GROUP:
@@ -178,7 +181,7 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
     needed, but decode attention is bound by reading K/V, and contiguous bmm
     operands avoid the permute copies a per-head layout would need.
     """
-    b, hq, d = query.shape
+    b, hq, d = query.shape   # an int4 cache's last dim is its row width, not D
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
     g = hq // hkv
     nblk = (max_seq_len + bs - 1) // bs
@@ -187,8 +190,8 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
     k = gather_blocks_cpu(key_cache, ids)
     v = gather_blocks_cpu(value_cache, ids)
     if ref._check_scales(key_cache, k_scale, v_scale):
-        k = ref.dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
-        v = ref.dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
+        k = ref.dequantize_kv_ref(k, k_scale, query.dtype)
+        v = ref.dequantize_kv_ref(v, v_scale, query.dtype)
     k, v = k.view(b, length, hkv * d), v.view(b, length, hkv * d)
     q_bd = query.new_zeros(b, hkv, g, hkv, d)
     q_bd.diagonal(dim1=1, dim2=3).copy_(query.view(b, hkv, g, d).permute(0, 2, 3, 1))
@@ -204,8 +207,8 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
 
 class TorchAttentionBackend(AttentionBackend):
     """The CPU path: torch ops (the references of :mod:`tandem.kernels.reference`, and a
-    faster equivalent for decode attention on CPU tensors). Reads an fp8 cache by
-    dequantizing the gathered blocks into the model dtype."""
+    faster equivalent for decode attention on CPU tensors). Reads a quantized (fp8
+    or int4) cache by dequantizing the gathered blocks into the model dtype."""
 
     name = "torch"
 
@@ -233,12 +236,12 @@ class TorchAttentionBackend(AttentionBackend):
         each prefill chunk through a fused causal SDPA (its fresh K/V directly when
         nothing precedes the chunk, else its context gathered from the cache).
 
-        With an fp8 cache every chunk reads its K/V from the cache (dequantized),
+        With a quantized cache every chunk reads its K/V from the cache (dequantized),
         its own tokens' included: a token's attention then sees the same K/V
         whether it is computed in the first chunk, a later chunk, after a prefix-
         cache hit or on another engine that received the blocks."""
         nd = meta.num_decodes
-        fp8 = ref._check_scales(key_cache, k_scale, v_scale)
+        quantized = ref._check_scales(key_cache, k_scale, v_scale)
         if nd == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                 scale, meta.max_seq_len, k_scale, v_scale)
@@ -253,7 +256,7 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = qsl[i], qsl[i + 1]
             q_len, seq_len = end - start, meta.seq_lens_cpu[i]
             q = query[start:end].transpose(0, 1)
-            if q_len == seq_len and not fp8:
+            if q_len == seq_len and not quantized:
                 # Nothing cached before this chunk: attend to the fresh K/V directly.
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:

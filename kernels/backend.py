@@ -35,12 +35,13 @@ class TritonAttentionBackend(AttentionBackend):
         the cache for the rest. Shapes as in :meth:`AttentionBackend.attention`.
 
         Raises:
-            ValueError: a ``float8_e4m3fn`` cache (``kv_cache_dtype fp8_e4m3``): the
+            ValueError: a quantized cache (``kv_cache_dtype fp8_e4m3`` or ``int4``): the
                 Triton kernels read caches in the model dtype only, for now.
         """
-        if key_cache.dtype == torch.float8_e4m3fn or value_cache.dtype == torch.float8_e4m3fn:
-            raise ValueError("kv_cache_dtype fp8_e4m3: not supported by the triton attention "
-                             "backend yet (use kv_cache_dtype auto, or the torch/cpu backend)")
+        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+            raise ValueError(f"KV cache of {key_cache.dtype}: not supported by the triton "
+                             "attention backend yet (use kv_cache_dtype auto, or the "
+                             "torch/cpu backend)")
         reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes

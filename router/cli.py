@@ -26,10 +26,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
-                   help="KV cache element type: auto (the model dtype) or fp8_e4m3 (1 byte "
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int4"],
+                   help="KV cache element type: auto (the model dtype), fp8_e4m3 (1 byte "
                         "per element with per-head scales calibrated at start; twice the "
-                        "blocks of bfloat16 per GiB; torch/cpu attention backends)")
+                        "blocks of bfloat16 per GiB) or int4 (K per channel, V per token, "
+                        "after KIVI; 3.2x the blocks of bfloat16 at head dim 64); "
+                        "torch/cpu attention backends")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -171,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
             after_layer: called with the layer index once that layer's K/V are in
                 ``kv_caches`` (the prefill worker starts that layer's KV transfer
                 there, overlapping it with the next layer's compute).
-            kv_scales: ``[L, 2, Hkv]`` float32 K and V scales of an fp8 ``kv_caches``
-                (``KVCache.scales``); None for a cache in the model dtype.
+            kv_scales: ``[L, 2, Hkv]`` float32 K and V scales of an fp8 ``kv_caches``,
+                ``[L, 2, Hkv, D]`` channel scales of an int4 one (``KVCache.scales``);
+                None for a cache in the model dtype.
 
         Returns:
             Final hidden states ``[T, H]`` (after the last RMSNorm).

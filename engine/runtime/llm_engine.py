@@ -71,13 +71,14 @@ class LLMEngine:
         cc = config.cache
         kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, config.torch_dtype)
         kv_scales = None
-        if kv_dtype == torch.float8_e4m3fn:
-            if weights_from is not None and weights_from.kv_cache.scales is not None:
+        if cc.kv_cache_dtype != "auto":
+            if (weights_from is not None
+                    and weights_from.config.cache.kv_cache_dtype == cc.kv_cache_dtype):
                 kv_scales = weights_from.kv_cache.scales     # same model: same calibration
             else:
                 kv_scales = calibrate_kv_scales(
                     self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
-                    config.torch_dtype, self.device)
+                    config.torch_dtype, self.device, kv_cache_dtype=cc.kv_cache_dtype)
         bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size, kv_dtype)
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // bytes_per_block)
         if config.scheduler.preemption_mode == "recompute":

@@ -85,32 +85,53 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_host_blocks: int = 0,
                  scales: torch.Tensor | None = None):
-        if (dtype == torch.float8_e4m3fn) != (scales is not None):
-            raise ValueError("scales: required for a float8_e4m3fn KV cache, and only for one")
+        quantized = dtype in (torch.float8_e4m3fn, torch.uint8)
+        if quantized != (scales is not None):
+            raise ValueError("scales: required for a float8_e4m3fn or int4 (uint8) KV cache, "
+                             "and only for one")
         if scales is not None:
-            if tuple(scales.shape) != (cfg.num_layers, 2, cfg.num_kv_heads):
-                raise ValueError(f"scales: expected shape {(cfg.num_layers, 2, cfg.num_kv_heads)}, "
-                                 f"got {tuple(scales.shape)}")
+            want = (cfg.num_layers, 2, cfg.num_kv_heads)
+            if dtype == torch.uint8:
+                want += (cfg.head_dim,)
+            if tuple(scales.shape) != want:
+                raise ValueError(f"scales: expected shape {want}, got {tuple(scales.shape)}")
             scales = scales.to(device=device, dtype=torch.float32).contiguous()
         self.scales = scales
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_host_blocks = num_host_blocks
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        row = KVCache.row_width(cfg, dtype)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
         if device.type == "cpu":
             self.tensor = zeros_in_huge_pages(shape, dtype)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         # Not zeroed: a host block is always written by a swap-out before it is read.
         self.host_tensor = torch.empty(cfg.num_layers, 2, num_host_blocks, block_size,
-                                       cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                       cfg.num_kv_heads, row, dtype=dtype,
                                        pin_memory=device.type == "cuda")
+
+    @staticmethod
+    def row_width(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """Last dim of the cache: ``head_dim`` elements, or for int4 (``uint8``) the
+        packed row's bytes (:func:`~tandem.kernels.reference.int4_kv_row_bytes`, 40
+        for a head dim of 64).
+
+        Raises:
+            ValueError: int4 with a head dim that is not a multiple of 8.
+        """
+        if dtype == torch.uint8:
+            from tandem.kernels.reference import int4_kv_row_bytes
+            return int4_kv_row_bytes(cfg.head_dim)
+        return cfg.head_dim
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one block across all layers, K and V, stored as ``dtype`` (the
-        KV cache's: 1 byte per element for fp8, 2 for bfloat16, 4 for float32)."""
+        KV cache's: 1 byte per element for fp8, 2 for bfloat16, 4 for float32,
+        the packed row's bytes per token and head for int4)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return (cfg.num_layers * 2 * block_size * cfg.num_kv_heads
+                * KVCache.row_width(cfg, dtype) * elem)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: ``tensor[:, :, dst] = tensor[:, :, src]`` for each pair."""

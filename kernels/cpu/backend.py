@@ -12,6 +12,10 @@ An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
 ``reshape_and_cache`` and read by the compiled fp8 decode kernel; prefill chunks
 then take the torch path, which dequantizes the gathered blocks (the bfloat16
 prefill kernel reads bfloat16 caches only).
+
+An int4 (packed ``uint8``) KV cache has no compiled kernel yet: its layers run
+the whole attention on the torch path (:class:`TorchAttentionBackend`), the other
+hot operations stay compiled.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                 k_scale=None, v_scale=None):
+        if key_cache.dtype == torch.uint8:
+            return TorchAttentionBackend._decode(query, key_cache, value_cache, block_tables,
+                                                 seq_lens, scale, max_seq_len, k_scale, v_scale)
         return ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
                                           seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
 
@@ -64,8 +71,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         :meth:`TorchAttentionBackend.attend`.
 
         Raises:
-            ValueError: an fp8 cache in batch-invariant mode, or without scales.
+            ValueError: a quantized cache in batch-invariant mode, or without scales.
         """
+        if key_cache.dtype == torch.uint8:
+            if self.batch_invariant:
+                raise ValueError("batch_invariant: needs kv_cache_dtype auto")
+            return TorchAttentionBackend.attention(self, query, key, value, key_cache,
+                                                   value_cache, meta, scale, k_scale, v_scale)
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
                               k_scale, v_scale)
         nd = meta.num_decodes
