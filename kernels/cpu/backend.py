@@ -13,9 +13,9 @@ An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
 then take the torch path, which dequantizes the gathered blocks (the bfloat16
 prefill kernel reads bfloat16 caches only).
 
-An int4 (packed ``uint8``) KV cache has no compiled kernel yet: its layers run
-the whole attention on the torch path (:class:`TorchAttentionBackend`), the other
-hot operations stay compiled.
+An int4 (packed ``uint8``) KV cache is written by the torch reference
+(:func:`~tandem.kernels.reference.reshape_and_cache_ref`: a step's new rows only)
+and read by the compiled int4 decode kernel; prefill chunks take the torch path.
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                 k_scale=None, v_scale=None):
-        if key_cache.dtype == torch.uint8:
-            return TorchAttentionBackend._decode(query, key_cache, value_cache, block_tables,
-                                                 seq_lens, scale, max_seq_len, k_scale, v_scale)
         return ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
                                           seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
 
@@ -76,8 +73,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if key_cache.dtype == torch.uint8:
             if self.batch_invariant:
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto")
-            return TorchAttentionBackend.attention(self, query, key, value, key_cache,
-                                                   value_cache, meta, scale, k_scale, v_scale)
+            # Through TorchAttentionBackend: the write in torch, decodes via self._decode.
+            return super().attention(query, key, value, key_cache, value_cache, meta, scale,
+                                     k_scale, v_scale)
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
                               k_scale, v_scale)
         nd = meta.num_decodes

@@ -2,7 +2,8 @@
 prefill_attention.cpp, elementwise.cpp).
 
 Every function takes CPU tensors of one dtype, float32 or bfloat16 (the KV cache
-may instead be ``torch.float8_e4m3fn``, with per-KV-head float32 scales), whose rows
+may instead be ``torch.float8_e4m3fn``, with per-KV-head float32 scales, or packed
+int4 rows, ``uint8``, with per-channel float32 scales), whose rows
 may be strided (views into a fused QKV output) but whose innermost ``[H, D]`` is
 contiguous; anything else raises ``ValueError``. Each has a torch reference in
 :mod:`tandem.kernels.reference` with the same contract, which the tests compare
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels import reference as ref
 from tandem.kernels.cpu.build import load_library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -96,21 +98,23 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     Args:
         query: ``[B, Hq, D]``.
         key_cache, value_cache: ``[NB, BS, Hkv, D]``, contiguous, in the query's
-            dtype or ``torch.float8_e4m3fn``.
+            dtype or ``torch.float8_e4m3fn``; or int4 rows ``uint8 [NB, BS, Hkv, R]``
+            (:func:`tandem.kernels.reference.quantize_int4_kv_ref`).
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths (tokens), each >= 1; the current
             token's K/V must already be in the cache.
         scale: softmax scale.
         out: optional ``[B, Hq, D]`` destination (may be a row-strided view).
         k_scale, v_scale: ``[Hkv]`` float32 dequantization scales of an fp8 cache
-            (K = k_scale[h] * stored value); ignored otherwise.
+            (K = k_scale[h] * stored value), ``[Hkv, D]`` channel scales of an int4
+            cache; ignored otherwise.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype.
 
     Raises:
-        ValueError: non-contiguous caches, non-int32 tables or lengths, an fp8
-            cache without scales.
+        ValueError: non-contiguous caches, non-int32 tables or lengths, a quantized
+            cache without (or with misshapen) scales.
     """
     b, hq, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -122,6 +126,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         out = torch.empty_like(query)
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
+    if key_cache.dtype == torch.uint8:
+        ref._check_scales(key_cache, k_scale, v_scale)
+        if k_scale.shape[1] != d:
+            raise ValueError(f"k_scale/v_scale: expected [Hkv, {d}] channel scales, "
+                             f"got {tuple(k_scale.shape)}")
+        ks, vs = (x.to(torch.float32).contiguous() for x in (k_scale, v_scale))
+        _fn("decode_attention_int4", query.dtype)(
+            out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
+            key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), b, hq, hkv, d, bs, ref.int4_kv_group_size(d), scale,
+            ks.data_ptr(), vs.data_ptr(), torch.get_num_threads())
+        return out
     fp8 = _fp8_scales(key_cache, k_scale, v_scale)
     if fp8 is not None:
         _fn("decode_attention_fp8", query.dtype)(

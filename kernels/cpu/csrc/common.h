@@ -23,13 +23,41 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace tandem_cpu {
 
 using bf16 = uint16_t;
+
+// IEEE fp16 (little-endian, at any alignment) -> float32: F16C where the CPU has it.
+inline float fp16_to_float(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {                       // subnormal: normalise
+            exp = 113;
+            while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) {

@@ -423,6 +423,86 @@ void decode_attention_fp8(T* out, int64_t out_stride, const T* q, int64_t q_stri
     });
 }
 
+// Decode attention over an int4 cache (kv_cache_dtype int4; format in
+// tandem/kernels/reference.py, quantize_int4_kv_ref): each (token, KV head) row
+// holds D/2 bytes of nibbles q (low nibble first), then (step, lo) fp16 per group
+// of `grp` channels; the element is (q * step + lo) * cs[c] with the static channel
+// scales cs ([Hkv, D] float32, k_cs / v_cs). The K channel scales and the softmax
+// scale are folded into the float32 query rows once, so a K row costs only its
+// nibbles' conversion; the V channel scales multiply the G x D sums at the end.
+inline void int4_row_to_float(const uint8_t* r, float* x, int64_t d, int64_t grp) {
+    const uint8_t* params = r + d / 2;
+    for (int64_t g0 = 0; g0 < d; g0 += grp) {
+        const float step = fp16_to_float(params + 4 * (g0 / grp));
+        const float lo = fp16_to_float(params + 4 * (g0 / grp) + 2);
+        const uint8_t* nib = r + g0 / 2;
+#pragma omp simd
+        for (int64_t j = 0; j < grp / 2; ++j) {
+            x[g0 + 2 * j] = static_cast<float>(nib[j] & 15) * step + lo;
+            x[g0 + 2 * j + 1] = static_cast<float>(nib[j] >> 4) * step + lo;
+        }
+    }
+}
+
+template <typename T>
+void decode_one_int4(T* out, const T* q, const uint8_t* kc, const uint8_t* vc,
+                     const int32_t* table, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                     int64_t d, int64_t bs, int64_t grp, float scale, const float* k_cs,
+                     const float* v_cs, std::vector<float>& buf) {
+    buf.resize(static_cast<size_t>(g_size * (len + 2 * d) + d));
+    float* scores = buf.data();            // [G, len]
+    float* acc = scores + g_size * len;    // [G, D]
+    float* qf = acc + g_size * d;          // [G, D]
+    float* x = qf + g_size * d;            // [D]: one decoded K or V row, before cs
+    const int64_t rb = d / 2 + 4 * (d / grp);   // bytes of one row
+    const int64_t row = hkv * rb;               // bytes of one token in a block
+    for (int64_t g = 0; g < g_size; ++g)
+        for (int64_t i = 0; i < d; ++i)
+            qf[g * d + i] = to_float(q[(h * g_size + g) * d + i]) * scale * k_cs[h * d + i];
+    for (int64_t t = 0; t < len; ++t) {
+        int4_row_to_float(kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * rb,
+                          x, d, grp);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float* qg = qf + g * d;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < d; ++i) s += qg[i] * x[i];
+            scores[g * len + t] = s;
+        }
+    }
+    softmax_rows(scores, g_size, len);
+    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+        int4_row_to_float(vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * rb,
+                          x, d, grp);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float p = scores[g * len + t];
+            float* ag = acc + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * x[i];
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i] * v_cs[h * d + i]);
+    }
+}
+
+template <typename T>
+void decode_attention_int4(T* out, int64_t out_stride, const T* q, int64_t q_stride,
+                           const uint8_t* kc, const uint8_t* vc, const int32_t* tables,
+                           int64_t table_stride, const int32_t* seq_lens, int64_t b, int64_t hq,
+                           int64_t hkv, int64_t d, int64_t bs, int64_t grp, float scale,
+                           const float* k_cs, const float* v_cs, int num_threads) {
+    const int64_t g_size = hq / hkv;
+    for_each_sequence_head(seq_lens, b, hq, hkv, d, num_threads,
+                           [&](int64_t s, int64_t h, std::vector<float>& buf) {
+        decode_one_int4<T>(out + s * out_stride, q + s * q_stride, kc, vc,
+                           tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs, grp,
+                           scale, k_cs, v_cs, buf);
+    });
+}
+
 }  // namespace
 }  // namespace tandem_cpu
 
@@ -446,6 +526,16 @@ using tandem_cpu::bf16;
             static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,                \
             static_cast<const tandem_cpu::fp8*>(kc), static_cast<const tandem_cpu::fp8*>(vc),    \
             tables, table_stride, seq_lens, b, hq, hkv, d, bs, scale, k_scale, v_scale, nt);     \
+    }                                                                                             \
+    extern "C" void tandem_decode_attention_int4_##SUFFIX(                                       \
+        void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
+        const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,    \
+        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t grp, float scale,     \
+        const float* k_cs, const float* v_cs, int nt) {                                          \
+        tandem_cpu::decode_attention_int4<T>(                                                     \
+            static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,                \
+            static_cast<const uint8_t*>(kc), static_cast<const uint8_t*>(vc), tables,             \
+            table_stride, seq_lens, b, hq, hkv, d, bs, grp, scale, k_cs, v_cs, nt);               \
     }
 
 TANDEM_EXPORT(f32, float)

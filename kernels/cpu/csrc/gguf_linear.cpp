@@ -39,33 +39,6 @@ inline int64_t block_bytes(int qtype) {
     return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : qtype == kQ8_0 ? 34 : 0;
 }
 
-inline float fp16_to_float(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {                       // subnormal: normalise
-            exp = 113;
-            while (!(mant & 0x400u)) { mant <<= 1; --exp; }
-            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
 // The 32 weights of one block, scalar.
 inline void dequantize_block(const uint8_t* b, int qtype, float* w) {
     const float d = fp16_to_float(b);
