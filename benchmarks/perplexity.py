@@ -16,9 +16,10 @@ Systems are entries of :data:`SYSTEMS`: a name -> a function from the run's
 made once with ``tandem quantize``'s code into ``--cache-dir`` (keyed by the
 model file, the method and its settings, and the calibration text) and reused.
 GGUF blocks served natively (the file's Q4_1, and the file requantized to Q8_0),
-AWQ (made once with the shipped calibration text) and an FP8 KV cache are entries
-too. Note on the KV entries: a prefill chunk over an fp8 cache reads its own K/V
-back from the cache, so prompt log-probabilities see the quantized KV.
+AWQ (made once with the shipped calibration text), an FP8 and an int4 KV cache
+are entries too. Note on the KV entries: a prefill chunk over a quantized cache
+reads its own K/V back from the cache, so prompt log-probabilities see the
+quantized KV.
 
     .venv/bin/python benchmarks/perplexity.py --out benchmarks/results/perplexity_heldout.json
 
@@ -157,6 +158,19 @@ SYSTEMS: dict[str, tuple[str, Callable[[Context], dict]]] = {
     "gguf-q4_1-fp8kv": ("Q4_1 blocks kept packed and an fp8 e4m3 KV cache, float32",
                         lambda ctx: {"model": ctx.model, "dtype": "float32",
                                      "quantization": "gguf", "kv_cache_dtype": "fp8_e4m3"}),
+    "dense-f32-int4kv": ("dense float32 weights, int4 KV cache",
+                         lambda ctx: {"model": ctx.model, "dtype": "float32",
+                                      "kv_cache_dtype": "int4"}),
+    "dense-f32-int4kv-torch": ("dense float32 weights, int4 KV cache, torch attention backend",
+                               lambda ctx: {"model": ctx.model, "dtype": "float32",
+                                            "kv_cache_dtype": "int4",
+                                            "attention_backend": "torch"}),
+    "gguf-q4_1-int4kv": ("Q4_1 blocks kept packed and an int4 KV cache, float32",
+                         lambda ctx: {"model": ctx.model, "dtype": "float32",
+                                      "quantization": "gguf", "kv_cache_dtype": "int4"}),
+    "dense-bf16-int4kv": ("dense bfloat16 weights, int4 KV cache",
+                          lambda ctx: {"model": ctx.model, "dtype": "bfloat16",
+                                       "kv_cache_dtype": "int4"}),
 }
 DEFAULT_SYSTEMS = list(SYSTEMS)
 

@@ -35,10 +35,10 @@ def check_dtype_name(name: str) -> str:
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int4")
 """``CacheConfig.kv_cache_dtype`` names: ``auto`` stores K/V in the model dtype;
 ``fp8_e4m3`` stores them as ``torch.float8_e4m3fn`` (1 byte per element) with
-per-(layer, KV head) float32 scales calibrated at engine start; ``int4`` stores
-packed 4-bit rows (40 bytes per token and KV head at head dim 64: nibbles, then a
-fp16 step and minimum per group of 32 channels) after static per-channel K scales
-calibrated at engine start (see :mod:`tandem.engine.runtime.kv_scales`)."""
+per-(layer, KV head) float32 scales calibrated at engine start (see
+:mod:`tandem.engine.runtime.kv_scales`); ``int4`` stores packed 4-bit rows after
+KIVI, K per channel over each block's tokens and V per token (48 bytes per token
+and KV head at head dim 64 and blocks of 16; see :mod:`tandem.kernels.int4_kv`)."""
 
 
 def parse_dtype(name: str) -> "torch.dtype":
@@ -185,9 +185,9 @@ class CacheConfig:
             ``fp8_e4m3`` (``torch.float8_e4m3fn``, one byte per element: twice the
             blocks of bfloat16 in the same ``kv_cache_memory_bytes``, four times
             those of float32; K and V quantized with fixed per-(layer, KV head)
-            scales calibrated at engine start) or ``int4`` (40 bytes per token and
-            head at head dim 64: 3.2x the blocks of bfloat16; K per channel, V
-            per token, after KIVI).
+            scales calibrated at engine start) or ``int4`` (48 bytes per token and
+            head at head dim 64 and blocks of 16: 2.7x the blocks of bfloat16; K
+            per channel, V per token, after KIVI; no speculative decoding).
     """
 
     block_size: int = 16
@@ -376,6 +376,9 @@ class EngineConfig:
             if self.cache.kv_cache_dtype != "auto":
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto (the invariant "
                                  f"attention path has no {self.cache.kv_cache_dtype!r} KV cache)")
+        if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
+            raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
+                             "can complete a block, which is then quantized per channel with it)")
         if self.cache.kv_cache_dtype != "auto" and (
                 self.attention_backend == "triton"
                 or (self.attention_backend == "auto" and not self.device.startswith("cpu"))):

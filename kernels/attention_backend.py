@@ -25,9 +25,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from tandem.kernels import int4_kv
 from tandem.kernels import reference as ref
 
 
@@ -46,6 +48,8 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` sequences have exactly one query
             token each and are decodes.
         max_seq_len: ``max(seq_lens)`` (tokens).
+        int4_plan: with an int4 KV cache, the step's
+            :class:`~tandem.kernels.int4_kv.Int4WritePlan`; None otherwise.
     """
 
     slot_mapping: torch.Tensor
@@ -55,6 +59,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     num_decodes: int
     max_seq_len: int
+    int4_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -86,13 +91,15 @@ class AttentionBackend(ABC):
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``.
             key_cache, value_cache: ``[NB, BS, Hkv, D]`` of this layer, in the
                 model dtype or ``torch.float8_e4m3fn``, or packed int4 rows
-                ``uint8 [NB, BS, Hkv, R]`` (see :mod:`tandem.kernels.reference`); written at ``meta.slot_mapping``.
+                ``uint8 [NB, BS, Hkv, R]`` (:mod:`tandem.kernels.int4_kv`); written
+                at ``meta.slot_mapping``.
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale.
             k_scale, v_scale: ``[Hkv]`` float32 per-head scales of an fp8 cache
-                (stored = e4m3(clamp(x / scale, +-448)), read = scale * stored), or
-                ``[Hkv, D]`` channel scales of an int4 cache (see
-                :mod:`tandem.kernels.reference`); None for a cache in the model dtype.
+                (stored = e4m3(clamp(x / scale, +-448)), read = scale * stored; see
+                :mod:`tandem.kernels.reference`); for an int4 cache ``k_scale`` is
+                this layer's open-block K store ``[S, BS, Hkv, D]`` in the model dtype
+                and ``v_scale`` is None; None for a cache in the model dtype.
 
         Returns:
             ``[T, Hq, D]``.
@@ -147,8 +154,9 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     Large batches are sorted by context length and cut into groups of
     ``_DECODE_GROUP`` sequences, each padded only to its own longest context, so
     short sequences do not pay for the longest one's padding. A quantized cache's
-    gathered blocks are dequantized with ``k_scale``/``v_scale`` (``[Hkv]`` for fp8,
-    ``[Hkv, D]`` for int4) into the query's dtype.
+    gathered blocks are dequantized into the query's dtype (fp8 with
+    ``k_scale``/``v_scale`` ``[Hkv]``; int4 with its rows' own parameters, the open
+    last blocks' K from the store ``k_scale`` at the entries ``v_scale`` ``[B]``).
     """
     b = query.shape[0]
     if b <= _DECODE_GROUP:
@@ -157,12 +165,13 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     lens = seq_lens.tolist()
     order = sorted(range(b), key=lens.__getitem__)
     out = torch.empty_like(query)
+    per_seq = key_cache.dtype == torch.uint8 and v_scale is not None   # int4 store entries
     for start in range(0, b, _DECODE_GROUP):
         rows = order[start:start + _DECODE_GROUP]
         idx = torch.tensor(rows)
         out[idx] = _decode_attention_group(query[idx], key_cache, value_cache, block_tables[idx],
                                            seq_lens[idx], scale, max(lens[r] for r in rows),
-                                           k_scale, v_scale)
+                                           k_scale, v_scale[idx] if per_seq else v_scale)
     return out
 
 
@@ -189,9 +198,15 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
     ids = block_tables[:, :nblk].reshape(-1).long()
     k = gather_blocks_cpu(key_cache, ids)
     v = gather_blocks_cpu(value_cache, ids)
-    if ref._check_scales(key_cache, k_scale, v_scale):
-        k = ref.dequantize_kv_ref(k, k_scale, query.dtype)
-        v = ref.dequantize_kv_ref(v, v_scale, query.dtype)
+    if key_cache.dtype == torch.uint8:
+        full = int4_kv.full_blocks(seq_lens, nblk, bs).reshape(-1)
+        k = int4_kv.dequantize_int4_blocks(k, d, full, True, query.dtype)
+        k = int4_kv.overlay_open_keys(k.view(b, nblk, *k.shape[1:]), seq_lens, k_scale,
+                                      v_scale)
+        v = int4_kv.dequantize_int4_blocks(v, d, full, False, query.dtype)
+    elif ref._check_scales(key_cache, k_scale, v_scale):
+        k = ref.dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
+        v = ref.dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
     k, v = k.view(b, length, hkv * d), v.view(b, length, hkv * d)
     q_bd = query.new_zeros(b, hkv, g, hkv, d)
     q_bd.diagonal(dim1=1, dim2=3).copy_(query.view(b, hkv, g, d).permute(0, 2, 3, 1))
@@ -223,6 +238,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attention(self, query, key, value, key_cache, value_cache, meta, scale,
                   k_scale=None, v_scale=None):
+        if key_cache.dtype == torch.uint8:
+            if meta.int4_plan is None or k_scale is None:
+                raise ValueError("int4 KV cache: needs the step's write plan (meta.int4_plan) "
+                                 "and the layer's open-block K store (k_scale)")
+            int4_kv.reshape_and_cache_int4(key, value, key_cache, value_cache, meta.slot_mapping,
+                                           k_scale, meta.int4_plan)
+            return self.attend(query, key, value, key_cache, value_cache, meta, scale, k_scale,
+                               meta.int4_plan.seq_open_entries)
         ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
                                   k_scale, v_scale)
         return self.attend(query, key, value, key_cache, value_cache, meta, scale,
@@ -237,19 +260,23 @@ class TorchAttentionBackend(AttentionBackend):
         nothing precedes the chunk, else its context gathered from the cache).
 
         With a quantized cache every chunk reads its K/V from the cache (dequantized),
-        its own tokens' included: a token's attention then sees the same K/V
+        its own tokens' included: with fp8 a token's attention then sees the same K/V
         whether it is computed in the first chunk, a later chunk, after a prefix-
-        cache hit or on another engine that received the blocks."""
+        cache hit or on another engine that received the blocks. With int4 a
+        sequence's open last block's K comes from the store instead (exact; entries
+        ``v_scale``), so what a token sees depends on whether the blocks before it
+        were full when it was computed, as in KIVI."""
         nd = meta.num_decodes
         quantized = ref._check_scales(key_cache, k_scale, v_scale)
         if nd == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                 scale, meta.max_seq_len, k_scale, v_scale)
         out = torch.empty_like(query)
+        int4 = key_cache.dtype == torch.uint8 and v_scale is not None   # v_scale: entries
         if nd:
             out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
                                     meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]),
-                                    k_scale, v_scale)
+                                    k_scale, v_scale[:nd] if int4 else v_scale)
         qsl = meta.query_start_loc_cpu
         hq, hkv = query.shape[1], key.shape[1]
         for i in range(nd, meta.num_seqs):
@@ -261,9 +288,10 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
                 k = ref._gather_kv(key_cache, meta.block_tables[i], seq_len, k_scale,
-                                   query.dtype).transpose(0, 1)
+                                   query.dtype, query.shape[2],
+                                   open_entry=int(v_scale[i]) if int4 else -1).transpose(0, 1)
                 v = ref._gather_kv(value_cache, meta.block_tables[i], seq_len, v_scale,
-                                   query.dtype).transpose(0, 1)
+                                   query.dtype, query.shape[2], is_key=False).transpose(0, 1)
             out[start:end] = ref._causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
         return out
 

@@ -20,22 +20,18 @@ KV head; an element is stored as ``e4m3(clamp(x / scale[h], +-448))`` and read
 back as ``scale[h] * value``. Every function below takes the scales as optional
 arguments and requires them with an fp8 cache.
 
-Int4 KV cache (``kv_cache_dtype int4``): the caches are ``torch.uint8``
-``[NB, BS, Hkv, R]``, one packed row of ``R = D / 2 + 4 * D / G`` bytes per (token,
-KV head), ``G = gcd(D, 32)`` channels per group (``R = 40`` for ``D = 64``);
-``k_scale`` and ``v_scale`` are float32 *channel* scales ``[Hkv, D]`` (static,
-calibrated at start; all ones for V). See :func:`quantize_int4_kv_ref` for the row
-format. The scheme follows KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
-2bit Quantization for KV Cache", sec. 3): K is treated per channel (its outliers
-sit in fixed channels), V per token.
+Int4 KV cache (``kv_cache_dtype int4``): the caches are ``uint8 [NB, BS, Hkv, R]``
+packed rows (format and write path in :mod:`tandem.kernels.int4_kv`, after KIVI);
+the functions below read them (K per channel in full blocks, per token in the
+last, open one; V per token) and take no scales for them.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels import int4_kv
 
 
 FP8_E4M3_MAX = 448.0
@@ -60,137 +56,15 @@ def dequantize_fp8_e4m3_ref(x: torch.Tensor, scale: torch.Tensor,
     return (x.float() * scale.to(device=x.device, dtype=torch.float32)[:, None]).to(dtype)
 
 
-INT4_KV_MAX_GROUP = 32
-"""Largest group of channels sharing one int4 step and minimum (KIVI's group size)."""
-
-
-def int4_kv_group_size(head_dim: int) -> int:
-    """Channels per quantization group of an int4 KV row: ``gcd(head_dim, 32)``.
-
-    Raises:
-        ValueError: ``head_dim`` not a positive multiple of 8 (groups of at
-            least 8 channels keep the fp16 parameters under a third of the row).
-    """
-    if head_dim <= 0 or head_dim % 8:
-        raise ValueError(f"head_dim: an int4 KV cache needs a multiple of 8, got {head_dim}")
-    return math.gcd(head_dim, INT4_KV_MAX_GROUP)
-
-
-def int4_kv_row_bytes(head_dim: int) -> int:
-    """Bytes of one packed int4 KV row for ``head_dim`` elements: ``D / 2`` bytes of
-    nibbles and 4 bytes (fp16 step, fp16 minimum) per group of
-    :func:`int4_kv_group_size` channels; 40 for ``D = 64``.
-
-    Raises:
-        ValueError: see :func:`int4_kv_group_size`.
-    """
-    return head_dim // 2 + 4 * (head_dim // int4_kv_group_size(head_dim))
-
-
-def quantize_int4_kv_ref(x: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., Hkv, D]`` (any float dtype) -> packed rows ``uint8 [..., Hkv, R]``
-    with ``R =`` :func:`int4_kv_row_bytes` ``(D)``.
-
-    Each row is first divided by its static channel scales,
-    ``y = x / channel_scale[h]`` (float32), then cut into groups of ``G =``
-    :func:`int4_kv_group_size` ``(D)`` channels, each quantized asymmetrically
-    to 4 bits over its own range: with ``lo = fp16(min(y_g))`` and
-    ``step = fp16((max(y_g) - lo) / 15)``, ``q = clamp(round((y - lo) / step), 0, 15)``
-    (round half to even; ``q = 0`` where ``step`` is 0). Row bytes: ``D / 2`` bytes
-    of nibbles (element ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the
-    high one), then ``(step, lo)`` of each group as little-endian fp16. Read back
-    by :func:`dequantize_int4_kv_ref` as ``(q * step + lo) * channel_scale``.
-
-    With ``channel_scale`` the calibrated per-channel maxima of K (see
-    :mod:`tandem.engine.runtime.kv_scales`), K's outlier channels are scaled down
-    before the per-token groups are formed, so they do not stretch the step of
-    the channels beside them: the per-channel treatment of K of KIVI (Liu et al.
-    2024, sec. 3.2), with static channel statistics (as KVQuant, Hooper et al.
-    2024, sec. 3.1) instead of groups of tokens, which keeps every token's row
-    self-contained. V uses unit channel scales: per-token groups, as in KIVI.
-
-    Args:
-        channel_scale: ``[Hkv, D]`` float32, > 0.
-
-    Raises:
-        ValueError: ``D`` not a multiple of 8, or ``channel_scale`` of another shape.
-    """
-    d = x.shape[-1]
-    g = int4_kv_group_size(d)
-    if tuple(channel_scale.shape) != tuple(x.shape[-2:]):
-        raise ValueError(f"channel_scale: expected shape {tuple(x.shape[-2:])}, "
-                         f"got {tuple(channel_scale.shape)}")
-    y = x.float() / channel_scale.to(device=x.device, dtype=torch.float32)
-    y = y.unflatten(-1, (d // g, g))                                    # [..., Hkv, D/G, G]
-    lo = y.amin(dim=-1, keepdim=True).to(torch.float16)
-    step = ((y.amax(dim=-1, keepdim=True) - lo.float()) / 15).to(torch.float16)
-    step_f = step.float()
-    inv = torch.where(step_f > 0, 1.0 / step_f, torch.zeros_like(step_f))
-    q = torch.round((y - lo.float()) * inv).clamp_(0, 15).to(torch.uint8).flatten(-2)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    params = torch.cat([step, lo], dim=-1).flatten(-2)                 # [..., Hkv, 2 D/G] fp16
-    return torch.cat([packed, params.view(torch.uint8)], dim=-1)
-
-
-def dequantize_int4_kv_ref(rows: torch.Tensor, channel_scale: torch.Tensor,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """Packed rows ``uint8 [..., Hkv, R]`` (see :func:`quantize_int4_kv_ref`)
-    -> ``(q * step + lo) * channel_scale[h]`` ``[..., Hkv, D]`` in ``dtype``
-    (computed in float32, then rounded once); ``D`` is ``channel_scale``'s last dim.
-
-    Raises:
-        ValueError: ``R`` is not the row width of ``D`` channels.
-    """
-    d = channel_scale.shape[-1]
-    g = int4_kv_group_size(d)
-    if rows.shape[-1] != int4_kv_row_bytes(d):
-        raise ValueError(f"rows: {d} channels take {int4_kv_row_bytes(d)} bytes, "
-                         f"got rows of {rows.shape[-1]}")
-    packed = rows[..., :d // 2]
-    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
-    params = rows[..., d // 2:].contiguous().view(torch.float16).float()
-    params = params.unflatten(-1, (d // g, 2))                          # [..., Hkv, D/G, 2]
-    y = q.unflatten(-1, (d // g, g)) * params[..., :1] + params[..., 1:]
-    return (y.flatten(-2) * channel_scale.to(device=rows.device, dtype=torch.float32)).to(dtype)
-
-
-def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype
-                    ) -> torch.Tensor:
-    """K or V ``[..., Hkv, D]`` -> what a cache of ``cache_dtype`` stores, as bytes:
-    ``uint8 [..., Hkv, D]`` for fp8, ``uint8 [..., Hkv, R]`` rows for int4."""
-    if cache_dtype == torch.float8_e4m3fn:
-        return quantize_fp8_e4m3_ref(x, scale).view(torch.uint8)
-    return quantize_int4_kv_ref(x, scale)
-
-
-def dequantize_kv_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Entries read from a quantized cache (fp8 ``[..., Hkv, D]`` with ``scale`` ``[Hkv]``,
-    or int4 rows ``uint8 [..., Hkv, R]`` with ``scale`` ``[Hkv, D]``) ->
-    ``[..., Hkv, D]`` in ``dtype``."""
-    if x.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8_e4m3_ref(x, scale, dtype)
-    return dequantize_int4_kv_ref(x, scale, dtype)
-
-
 def _check_scales(cache: torch.Tensor, k_scale, v_scale) -> bool:
-    """Whether ``cache`` is quantized (fp8 or int4).
-
-    Raises:
-        ValueError: a quantized cache without scales, or an int4 cache whose
-            scales are not ``[Hkv, D]`` channel scales.
-    """
-    if cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+    """Whether ``cache`` is quantized (fp8, or int4 rows: ``uint8``, which need no
+    scales); raises ValueError for an fp8 cache without scales."""
+    if cache.dtype == torch.uint8:
+        return True
+    if cache.dtype != torch.float8_e4m3fn:
         return False
     if k_scale is None or v_scale is None:
-        raise ValueError(f"k_scale/v_scale: required with a {str(cache.dtype)[6:]} KV cache")
-    if cache.dtype == torch.uint8:
-        hkv, row = cache.shape[-2], cache.shape[-1]
-        for s in (k_scale, v_scale):
-            if s.dim() != 2 or s.shape[0] != hkv or s.shape[1] % 8 \
-                    or int4_kv_row_bytes(s.shape[1]) != row or s.shape != k_scale.shape:
-                raise ValueError(f"k_scale/v_scale: an int4 KV cache with {hkv} heads and "
-                                 f"rows of {row} bytes needs [Hkv, D] channel scales, got "
-                                 f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+        raise ValueError("k_scale/v_scale: required with a float8_e4m3fn KV cache")
     return True
 
 
@@ -203,35 +77,47 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: tor
     Args:
         key, value: ``[T, Hkv, D]``.
         key_cache, value_cache: ``[NB, BS, Hkv, D]``, same dtype as key/value, or
-            ``torch.float8_e4m3fn`` (K/V quantized by :func:`quantize_fp8_e4m3_ref`),
-            or ``uint8 [NB, BS, Hkv, R]`` (int4, :func:`quantize_int4_kv_ref`).
+            ``torch.float8_e4m3fn`` (K/V quantized by :func:`quantize_fp8_e4m3_ref`).
         slot_mapping: ``[T]`` int64 slot of each token (``block_id * BS + offset``).
-        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache, ``[Hkv, D]``
-            channel scales of an int4 one.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache.
 
     Raises:
-        ValueError: a quantized cache without (or with misshapen) scales.
+        ValueError: an fp8 cache without scales.
     """
     nb, bs = key_cache.shape[0], key_cache.shape[1]
+    if key_cache.dtype == torch.uint8:
+        raise ValueError("key_cache: an int4 cache is written by "
+                         "tandem.kernels.int4_kv.reshape_and_cache_int4 (with the step's plan)")
     if _check_scales(key_cache, k_scale, v_scale):
         # torch has no index_copy_ for float8 on the CPU: move the bytes.
-        key = quantize_kv_ref(key, k_scale, key_cache.dtype)
-        value = quantize_kv_ref(value, v_scale, value_cache.dtype)
+        key = quantize_fp8_e4m3_ref(key, k_scale).view(torch.uint8)
+        value = quantize_fp8_e4m3_ref(value, v_scale).view(torch.uint8)
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     key_cache.view(nb * bs, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(nb * bs, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
-               scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """``[num_tokens, Hkv, D]`` of one sequence, read through its block table; a
-    quantized (fp8 or int4) cache is dequantized with ``scale`` into ``dtype``."""
+               scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+               head_dim: int | None = None, is_key: bool = True,
+               open_entry: int = -1) -> torch.Tensor:
+    """``[num_tokens, Hkv, D]`` of one sequence, read through its block table; an
+    fp8 cache is dequantized with ``scale`` ``[Hkv]`` into ``dtype``, an int4 one
+    (``head_dim`` channels; K when ``is_key``) with its rows' own parameters, its
+    open last block's K taken from entry ``open_entry`` of the store ``scale``."""
     bs = cache.shape[1]
     nblk = (num_tokens + bs - 1) // bs
-    out = cache[block_table[:nblk].long()].flatten(0, 1)[:num_tokens]
-    if cache.dtype in (torch.float8_e4m3fn, torch.uint8):
-        out = dequantize_kv_ref(out, scale, dtype)
+    blocks = cache[block_table[:nblk].long()]
+    if cache.dtype == torch.uint8:
+        lens = torch.tensor([num_tokens])
+        full = int4_kv.full_blocks(lens, nblk, bs)[0]
+        blocks = int4_kv.dequantize_int4_blocks(blocks, head_dim, full, is_key, dtype)
+        if is_key and open_entry >= 0:
+            blocks = int4_kv.overlay_open_keys(blocks[None], lens, scale,
+                                               torch.tensor([open_entry]))[0]
+    out = blocks.flatten(0, 1)[:num_tokens]
+    if cache.dtype == torch.float8_e4m3fn:
+        out = dequantize_fp8_e4m3_ref(out, scale, dtype)
     return out
 
 
@@ -251,15 +137,16 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
             query token (its K/V must already be in the cache).
         scale: softmax scale, usually ``D ** -0.5``.
         max_seq_len: ``max(seq_lens)`` if the caller knows it (saves a sync).
-        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache, or
-            ``[Hkv, D]`` channel scales of an int4 (``uint8 [NB, BS, Hkv, R]``)
-            one; the gathered blocks are dequantized into the query's dtype.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache,
+            whose gathered blocks are dequantized into the query's dtype; for an
+            int4 ``uint8 [NB, BS, Hkv, R]`` cache the open-block K store and the
+            sequences' entries, or None (see :mod:`tandem.kernels.int4_kv`).
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype (accumulated in float32).
 
     Raises:
-        ValueError: a quantized cache without (or with misshapen) scales.
+        ValueError: an fp8 cache without scales.
     """
     b, hq, d = query.shape
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -268,11 +155,18 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
     nblk = (max_seq_len + bs - 1) // bs
     table = block_tables[:, :nblk].long()
     # [B, nblk*BS, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache[table].flatten(1, 2)
-    v = value_cache[table].flatten(1, 2)
-    if _check_scales(key_cache, k_scale, v_scale):
-        k = dequantize_kv_ref(k, k_scale, query.dtype)
-        v = dequantize_kv_ref(v, v_scale, query.dtype)
+    if key_cache.dtype == torch.uint8:
+        full = int4_kv.full_blocks(seq_lens, nblk, bs)
+        k = int4_kv.dequantize_int4_blocks(key_cache[table], d, full, True, query.dtype)
+        k = int4_kv.overlay_open_keys(k, seq_lens, k_scale, v_scale)
+        v = int4_kv.dequantize_int4_blocks(value_cache[table], d, full, False, query.dtype)
+        k, v = k.flatten(1, 2), v.flatten(1, 2)
+    else:
+        k = key_cache[table].flatten(1, 2)
+        v = value_cache[table].flatten(1, 2)
+    if _check_scales(key_cache, k_scale, v_scale) and key_cache.dtype != torch.uint8:
+        k = dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
+        v = dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     length = k.shape[2]
     mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].long()
@@ -302,14 +196,14 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
         query_start_loc: ``B + 1`` host ints, cumulative query lengths.
         seq_lens: ``B`` host ints, context lengths after this step.
         scale: softmax scale.
-        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache, or
-            ``[Hkv, D]`` channel scales of an int4 one.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of a ``float8_e4m3fn`` cache; for
+            an int4 cache the open-block K store and the sequences' entries, or None.
 
     Returns:
         ``[T, Hq, D]``.
 
     Raises:
-        ValueError: a quantized cache without (or with misshapen) scales.
+        ValueError: an fp8 cache without scales.
     """
     hq, hkv = query.shape[1], key_cache.shape[2]
     _check_scales(key_cache, k_scale, v_scale)
@@ -317,9 +211,12 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
-        k = _gather_kv(key_cache, block_tables[i], seq_len, k_scale,
-                       query.dtype).transpose(0, 1)                            # [Hkv, S, D]
-        v = _gather_kv(value_cache, block_tables[i], seq_len, v_scale, query.dtype).transpose(0, 1)
+        d = query.shape[2]
+        entry = -1 if key_cache.dtype != torch.uint8 or v_scale is None else int(v_scale[i])
+        k = _gather_kv(key_cache, block_tables[i], seq_len, k_scale, query.dtype,
+                       d, open_entry=entry).transpose(0, 1)                    # [Hkv, S, D]
+        v = _gather_kv(value_cache, block_tables[i], seq_len, v_scale, query.dtype, d,
+                       is_key=False).transpose(0, 1)
         q = query[start:end].transpose(0, 1)                                   # [Hq, q_len, D]
         out[start:end] = _causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
     return out

@@ -57,11 +57,11 @@ class KVLayout:
         block_size: tokens per block (dim 3).
         num_kv_heads: KV heads held by this worker (dim 4).
         head_dim: elements per head (dim 5); for an int4 cache the packed row's
-            bytes (40 for a head dim of 64).
+            bytes (48 for a head dim of 64 and blocks of 16).
         dtype: element type name: ``"float32"``, ``"bfloat16"``, ``"float16"``,
             ``"float8_e4m3fn"`` (``kv_cache_dtype fp8_e4m3``) or ``"uint8"``
             (``kv_cache_dtype int4``: packed rows).
-        kv_scales_checksum: for a quantized cache, :func:`tandem.engine.runtime.kv_scales.scales_checksum`
+        kv_scales_checksum: for an fp8 cache, :func:`tandem.engine.runtime.kv_scales.scales_checksum`
             of the scales its bytes were quantized with (both ends
             calibrate them independently; equal checksums mean the bytes mean the
             same); ``""`` for a cache in the model dtype.

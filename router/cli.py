@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type: auto (the model dtype), fp8_e4m3 (1 byte "
                         "per element with per-head scales calibrated at start; twice the "
                         "blocks of bfloat16 per GiB) or int4 (K per channel, V per token, "
-                        "after KIVI; 3.2x the blocks of bfloat16 at head dim 64); "
+                        "after KIVI; 2.7x the blocks of bfloat16 at head dim 64); "
                         "torch/cpu attention backends")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")

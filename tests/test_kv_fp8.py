@@ -231,7 +231,7 @@ def test_greedy_tokens_and_prompt_logprobs_close_to_model_dtype_kv(auto_llm, fp8
     """Measured (float32 model, compiled CPU kernels, these prompts, 16 tokens each):
     the first divergence comes after 16, 13, 16 and 8 tokens (83% of the tokens
     before it); the 50 scored prompt tokens' logprobs differ by 0.125 on average,
-    0.60 at most. (benchmarks/kv_fp8_quality.py measures the same on ~1,000 held-out
+    0.60 at most. (benchmarks/kv_quant_quality.py measures the same on ~1,000 held-out
     tokens.) The bounds leave room for other CPUs' rounding: greedy decoding of a
     135M model flips at near-ties, which e4m3's 3 mantissa bits do reach."""
     text = " ".join(PROMPTS) + " The river rose slowly through the night, and by morning " \

@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tandem.engine.kv.kv_events import KVEvent, KVEventRecorder
 
@@ -226,6 +226,11 @@ class BlockPool:
         # stays uncached (see cache_block); its table is never rewritten.
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
         self.kv_events = KVEventRecorder(enable_kv_events)
+        self.on_blocks_allocated: Callable[[list[int]], None] | None = None
+        """Called with the ids :meth:`get_new_blocks` hands out (a new owner's blocks:
+        whatever was kept beside their old contents is stale)."""
+        self.on_blocks_released: Callable[[list[int]], None] | None = None
+        """Called with the ids :meth:`free_blocks` brings to ref count 0."""
 
     # -- counts -----------------------------------------------------------------
 
@@ -277,6 +282,8 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if self.on_blocks_allocated is not None and out:
+            self.on_blocks_allocated([b.block_id for b in out])
         return out
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -293,10 +300,14 @@ class BlockPool:
         for block, n in Counter(blocks).items():
             if block.ref_cnt < n:
                 raise ValueError(f"freeing {block} {n} time(s): double free")
+        released = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                released.append(block.block_id)
+        if self.on_blocks_released is not None and released:
+            self.on_blocks_released(released)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (a prefix-cache hit, or a fork).

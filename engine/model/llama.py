@@ -159,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend,
                 after_layer: Callable[[int], None] | None = None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None,
+                open_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder on one step's packed tokens.
 
         Args:
@@ -171,9 +172,11 @@ class LlamaForCausalLM(nn.Module):
             after_layer: called with the layer index once that layer's K/V are in
                 ``kv_caches`` (the prefill worker starts that layer's KV transfer
                 there, overlapping it with the next layer's compute).
-            kv_scales: ``[L, 2, Hkv]`` float32 K and V scales of an fp8 ``kv_caches``,
-                ``[L, 2, Hkv, D]`` channel scales of an int4 one (``KVCache.scales``);
-                None for a cache in the model dtype.
+            kv_scales: ``[L, 2, Hkv]`` float32 K and V scales of an fp8 ``kv_caches``
+                (``KVCache.scales``); None otherwise.
+            open_keys: ``[L, S, BS, Hkv, D]``, the open-block K store of an int4
+                ``kv_caches`` (``KVCache.open_keys``; ``meta.int4_plan`` says where this
+                step writes); None otherwise.
 
         Returns:
             Final hidden states ``[T, H]`` (after the last RMSNorm).
@@ -187,10 +190,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h, residual = backend.rms_norm(h, layer.input_layernorm.weight,
                                                layer.input_layernorm.eps, residual)
+            if open_keys is not None:      # int4: the layer's store stands in for k_scale
+                k_scale, v_scale = open_keys[i], None
+            else:
+                k_scale = None if kv_scales is None else kv_scales[i, 0]
+                v_scale = None if kv_scales is None else kv_scales[i, 1]
             h = layer.self_attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                                self.cos_sin_cache,
-                                None if kv_scales is None else kv_scales[i, 0],
-                                None if kv_scales is None else kv_scales[i, 1])
+                                self.cos_sin_cache, k_scale, v_scale)
             h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
                                            layer.post_attention_layernorm.eps, residual)
             h = layer.mlp(h, backend)

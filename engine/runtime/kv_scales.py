@@ -46,7 +46,8 @@ FP8_E4M3_MAX = 448.0
 
 KV_CACHE_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
 """``CacheConfig.kv_cache_dtype`` names other than ``auto`` -> storage dtype (an int4
-cache is ``uint8``: packed rows, see :func:`tandem.kernels.reference.quantize_int4_kv_ref`)."""
+cache is ``uint8``: packed rows, see :mod:`tandem.kernels.int4_kv`; it needs no
+calibration: every row or block carries its own parameters)."""
 
 CALIBRATION_TEXT = (
     "The river rose slowly through the night, and by morning the lower fields were under "
@@ -85,35 +86,10 @@ def scales_from_amax(amax: torch.Tensor, margin: float = KV_SCALE_MARGIN) -> tor
     return torch.exp2(torch.ceil(torch.log2(raw))).float()
 
 
-def int4_channel_scales(key_amax: torch.Tensor) -> torch.Tensor:
-    """Static K channel scales of an int4 cache: the calibration's largest ``|k|`` of
-    each channel, rounded up to a power of two (exact division; robust to rounding
-    noise across devices, as for fp8). Dividing by them brings every channel into
-    ``[-1, 1]``, so K's outlier channels (KIVI, sec. 3.2) do not stretch the step of
-    the per-token 4-bit groups they share with other channels. A channel beyond its
-    calibration maximum does not saturate (each group's range is its own); it only
-    gets a coarser step.
-
-    On held-out text (``benchmarks/perplexity.py``) these scales beat unit scales
-    (per-token groups only) and scales from the rotary pairs' norms
-    ``sqrt(k_c^2 + k_{c+D/2}^2)``; see docs/kv_cache_int4.md.
-
-    Args:
-        key_amax: ``[..., D]`` per-channel maxima of ``|k|``.
-
-    Returns:
-        ``[..., D]`` float32 powers of two (``2 ** -24`` for a channel that stayed 0).
-    """
-    raw = key_amax.double().clamp_min(2.0 ** -24)
-    return torch.exp2(torch.ceil(torch.log2(raw))).float()
-
-
 @torch.inference_mode()
 def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: torch.dtype,
-                        device: torch.device, block_size: int = 16,
-                        kv_cache_dtype: str = "fp8_e4m3") -> torch.Tensor:
-    """Run ``token_ids`` through ``model`` in ``dtype`` and derive the KV scales of a
-    ``kv_cache_dtype`` (``fp8_e4m3`` or ``int4``) cache.
+                        device: torch.device, block_size: int = 16) -> torch.Tensor:
+    """Run ``token_ids`` through ``model`` in ``dtype`` and derive the fp8 KV scales.
 
     Uses a scratch cache in ``dtype`` (freed on return) and the torch reference
     attention backend, so the result depends only on the model, the prompt and
@@ -126,20 +102,13 @@ def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: to
         dtype: the model dtype.
         device: where the model runs.
         block_size: block size of the scratch cache.
-        kv_cache_dtype: ``fp8_e4m3`` or ``int4``.
 
     Returns:
-        fp8: ``[L, 2, Hkv]`` float32 per-head scales on ``device`` (index 0 of dim 1:
-        K, 1: V). int4: ``[L, 2, Hkv, D]`` float32 channel scales, K's from
-        :func:`int4_channel_scales`, V's all ones (V is quantized per token only).
+        ``[L, 2, Hkv]`` float32 scales on ``device`` (index 0 of dim 1: K, 1: V).
 
     Raises:
-        ValueError: an empty prompt, one longer than the model's context, or an
-            unknown ``kv_cache_dtype``.
+        ValueError: an empty prompt, or one longer than the model's context.
     """
-    if kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {sorted(KV_CACHE_TORCH_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
     from tandem.engine.runtime.model_runner import pack_chunks
     from tandem.kernels.attention_backend import TorchAttentionBackend
 
@@ -153,10 +122,6 @@ def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: to
                                              block_size, device)
     model(input_ids, positions, cache, meta, TorchAttentionBackend())
     # Unwritten slots are 0 and cannot raise a maximum of |x|.
-    if kv_cache_dtype == "int4":
-        key_amax = cache[:, 0].float().abs().amax(dim=(1, 2))        # [L, Hkv, D]
-        k_scales = int4_channel_scales(key_amax)
-        return torch.stack([k_scales, torch.ones_like(k_scales)], dim=1)
     amax = cache.float().abs().amax(dim=(2, 3, 5))                  # [L, 2, Hkv]
     return scales_from_amax(amax)
 

@@ -71,14 +71,13 @@ class LLMEngine:
         cc = config.cache
         kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, config.torch_dtype)
         kv_scales = None
-        if cc.kv_cache_dtype != "auto":
-            if (weights_from is not None
-                    and weights_from.config.cache.kv_cache_dtype == cc.kv_cache_dtype):
+        if kv_dtype == torch.float8_e4m3fn:
+            if weights_from is not None and weights_from.kv_cache.scales is not None:
                 kv_scales = weights_from.kv_cache.scales     # same model: same calibration
             else:
                 kv_scales = calibrate_kv_scales(
                     self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
-                    config.torch_dtype, self.device, kv_cache_dtype=cc.kv_cache_dtype)
+                    config.torch_dtype, self.device)
         bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size, kv_dtype)
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // bytes_per_block)
         if config.scheduler.preemption_mode == "recompute":
@@ -88,9 +87,13 @@ class LLMEngine:
         else:
             num_host_blocks = cc.swap_space_bytes // bytes_per_block
         self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, kv_dtype,
-                                self.device, num_host_blocks, kv_scales)
+                                self.device, num_host_blocks, kv_scales, config.torch_dtype)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                num_host_blocks, enable_kv_events)
+        if self.kv_cache.open_keys is not None:      # int4: entries follow their blocks
+            pool = self.kv_cache_manager.block_pool
+            pool.on_blocks_allocated = self.kv_cache.blocks_allocated
+            pool.on_blocks_released = self.kv_cache.blocks_released
         # A lone request must always fit in the pool, or it could be preempted
         # forever (see the no-starvation argument in tandem.engine.scheduling.scheduler).
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,

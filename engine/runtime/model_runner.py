@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 from tandem.engine.sampling.sampler import SampleResult, Sampler, gather_logprobs
 from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
+from tandem.kernels import int4_kv
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 
@@ -72,34 +74,58 @@ class KVCache:
     quantized with (see :mod:`tandem.engine.runtime.kv_scales`): fixed for the
     cache's lifetime, so a block copied, swapped or transferred keeps its meaning.
 
+    With an int4 cache (``dtype`` ``torch.uint8``, ``kv_cache_dtype int4``; format in
+    :mod:`tandem.kernels.int4_kv`) the last dim is the packed row's bytes, and
+    ``open_keys`` ``[L, S, BS, Hkv, D]`` in ``model_dtype`` holds the exact K of the
+    tokens of open (not yet full) blocks, one entry per open block, until the
+    step that fills a block quantizes its K per channel from it. Entries follow
+    their blocks through copy-on-write and swap (:meth:`copy_blocks`,
+    :meth:`swap_out`, :meth:`swap_in`), are dropped when a block is released or
+    handed to a new owner (:meth:`blocks_released`, :meth:`blocks_allocated`, wired
+    to the block pool), and ``S`` grows (doubling) as more blocks are open at once.
+
     Args:
-        dtype: storage dtype (the model dtype, or ``torch.float8_e4m3fn``).
+        dtype: storage dtype (the model dtype, ``torch.float8_e4m3fn``, or
+            ``torch.uint8`` for int4).
         num_host_blocks: blocks of ``host_tensor`` (0: no swap space).
         scales: ``[L, 2, Hkv]`` float32, required for (and only for) an fp8 cache.
+        model_dtype: the model's dtype, required for an int4 cache (its open-block
+            K store).
 
     Raises:
-        ValueError: an fp8 dtype without scales (or of another shape), or scales
-            for a cache in another dtype.
+        ValueError: an fp8 dtype without scales (or of another shape), scales for
+            a cache in another dtype, an int4 cache without ``model_dtype`` or
+            with a block size that does not divide ``4 * head_dim``.
     """
+
+    _INITIAL_OPEN_ENTRIES = 8
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_host_blocks: int = 0,
-                 scales: torch.Tensor | None = None):
-        quantized = dtype in (torch.float8_e4m3fn, torch.uint8)
-        if quantized != (scales is not None):
-            raise ValueError("scales: required for a float8_e4m3fn or int4 (uint8) KV cache, "
-                             "and only for one")
+                 scales: torch.Tensor | None = None, model_dtype: torch.dtype | None = None):
+        if (dtype == torch.float8_e4m3fn) != (scales is not None):
+            raise ValueError("scales: required for a float8_e4m3fn KV cache, and only for one")
         if scales is not None:
-            want = (cfg.num_layers, 2, cfg.num_kv_heads)
-            if dtype == torch.uint8:
-                want += (cfg.head_dim,)
-            if tuple(scales.shape) != want:
-                raise ValueError(f"scales: expected shape {want}, got {tuple(scales.shape)}")
+            if tuple(scales.shape) != (cfg.num_layers, 2, cfg.num_kv_heads):
+                raise ValueError(f"scales: expected shape {(cfg.num_layers, 2, cfg.num_kv_heads)}, "
+                                 f"got {tuple(scales.shape)}")
             scales = scales.to(device=device, dtype=torch.float32).contiguous()
         self.scales = scales
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_host_blocks = num_host_blocks
-        row = KVCache.row_width(cfg, dtype)
+        self.head_dim = cfg.head_dim
+        row = KVCache.row_width(cfg, dtype, block_size)
+        self.open_keys: torch.Tensor | None = None
+        if dtype == torch.uint8:
+            if model_dtype is None:
+                raise ValueError("model_dtype: required for an int4 KV cache")
+            self.open_keys = torch.zeros(cfg.num_layers, self._INITIAL_OPEN_ENTRIES, block_size,
+                                         cfg.num_kv_heads, cfg.head_dim, dtype=model_dtype,
+                                         device=device)
+            self._entry_of: dict[int, int] = {}                 # block id -> entry
+            self._free_entries = list(range(self._INITIAL_OPEN_ENTRIES - 1, -1, -1))
+            self._host_open: dict[int, torch.Tensor] = {}       # host block -> [L, BS, Hkv, D]
+            self._released: set[int] = set()
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
         if device.type == "cpu":
             self.tensor = zeros_in_huge_pages(shape, dtype)
@@ -111,17 +137,17 @@ class KVCache:
                                        pin_memory=device.type == "cuda")
 
     @staticmethod
-    def row_width(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def row_width(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
         """Last dim of the cache: ``head_dim`` elements, or for int4 (``uint8``) the
-        packed row's bytes (:func:`~tandem.kernels.reference.int4_kv_row_bytes`, 40
-        for a head dim of 64).
+        packed row's bytes (:func:`~tandem.kernels.int4_kv.int4_kv_row_bytes`, 48
+        for a head dim of 64 and blocks of 16).
 
         Raises:
-            ValueError: int4 with a head dim that is not a multiple of 8.
+            ValueError: int4 with a head dim that is not a multiple of 8, or a block
+                size that does not divide ``4 * head_dim``.
         """
         if dtype == torch.uint8:
-            from tandem.kernels.reference import int4_kv_row_bytes
-            return int4_kv_row_bytes(cfg.head_dim)
+            return int4_kv.int4_kv_row_bytes(cfg.head_dim, block_size)
         return cfg.head_dim
 
     @staticmethod
@@ -131,14 +157,130 @@ class KVCache:
         the packed row's bytes per token and head for int4)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return (cfg.num_layers * 2 * block_size * cfg.num_kv_heads
-                * KVCache.row_width(cfg, dtype) * elem)
+                * KVCache.row_width(cfg, dtype, block_size) * elem)
+
+    # -- int4: the open-block K store -------------------------------------------------------
+
+    def _drop_entry(self, block: int) -> None:
+        entry = self._entry_of.pop(block, None)
+        if entry is not None:
+            self._free_entries.append(entry)
+
+    def _new_entry(self, block: int) -> int:
+        if not self._free_entries:
+            old = self.open_keys
+            n = old.shape[1]
+            self.open_keys = torch.zeros(old.shape[0], 2 * n, *old.shape[2:], dtype=old.dtype,
+                                         device=old.device)
+            self.open_keys[:, :n] = old
+            self._free_entries = list(range(2 * n - 1, n - 1, -1))
+        entry = self._free_entries.pop()
+        self._entry_of[block] = entry
+        return entry
+
+    def blocks_allocated(self, block_ids: list[int]) -> None:
+        """The block pool handed these blocks to a new owner: forget their entries."""
+        if self.open_keys is not None:
+            for b in block_ids:
+                self._drop_entry(b)
+                self._released.discard(b)
+
+    def blocks_released(self, block_ids: list[int]) -> None:
+        """These blocks reached ref count 0: their entries go at the next
+        :meth:`plan_int4_write`, after this step's swaps and copies used them."""
+        if self.open_keys is not None:
+            self._released.update(b for b in block_ids if b in self._entry_of)
+
+    @property
+    def num_open_entries(self) -> int:
+        """Blocks in use whose exact K the store holds (int4; 0 otherwise): the open
+        blocks of running and swapped-in requests."""
+        if self.open_keys is None:
+            return 0
+        return len(self._entry_of) - len(self._released & self._entry_of.keys())
+
+    def plan_int4_write(self, slot_mapping: list[int], block_tables: torch.Tensor,
+                        seq_lens: list[int]) -> int4_kv.Int4WritePlan:
+        """Prepare the store for one step's cache write and say what the write does.
+
+        ``slot_mapping`` holds the step's slots in packed order (each sequence's
+        tokens consecutive, in position order); ``block_tables`` ``[B, max_blocks]``
+        and ``seq_lens`` (``B`` ints, after the step) are the batch's, from which
+        each sequence's open last block and its entry are found. Per block written: from offset 0
+        to the end in this step -> quantized per channel from the step's K (no
+        entry); otherwise its tokens' K go to its entry (new at offset 0; rebuilt
+        from its per-token rows when the block arrived open without one), and if
+        the step writes its last slot it is quantized per channel from the entry,
+        which is then freed.
+        """
+        for b in self._released:
+            self._drop_entry(b)
+        self._released.clear()
+        bs = self.block_size
+        runs: list[list[int]] = []      # [block, first offset, last offset, first token]
+        for t, slot in enumerate(slot_mapping):
+            b, o = divmod(slot, bs)
+            if runs and runs[-1][0] == b and runs[-1][2] == o - 1:
+                runs[-1][2] = o
+            else:
+                runs.append([b, o, o, t])
+        store_tokens: list[int] = []
+        store_slots: list[int] = []
+        fill_blocks, fill_entries, whole_blocks, whole_starts, filled = [], [], [], [], []
+        for b, first, last, t0 in runs:
+            if first == 0 and last == bs - 1:
+                self._drop_entry(b)
+                whole_blocks.append(b)
+                whole_starts.append(t0)
+                continue
+            if first == 0:
+                self._drop_entry(b)
+                entry = self._new_entry(b)
+            elif b in self._entry_of:
+                entry = self._entry_of[b]
+            else:
+                entry = self._new_entry(b)
+                self._rebuild_entry(b, entry, first)
+            store_tokens.extend(range(t0, t0 + last - first + 1))
+            store_slots.extend(entry * bs + o for o in range(first, last + 1))
+            if last == bs - 1:
+                fill_blocks.append(b)
+                fill_entries.append(entry)
+                filled.append(b)
+        for b in filled:        # freed after the plan: no block of this step reuses them
+            self._drop_entry(b)
+        open_entries = []
+        for table, n in zip(block_tables.tolist(), seq_lens):
+            open_entries.append(self._entry_of.get(table[(n - 1) // bs], -1) if n % bs else -1)
+        dev = self.tensor.device
+
+        def ids(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+        return int4_kv.Int4WritePlan(ids(store_tokens), ids(store_slots), ids(fill_blocks),
+                                     ids(fill_entries), ids(whole_blocks), ids(whole_starts),
+                                     ids(open_entries))
+
+    def _rebuild_entry(self, block: int, entry: int, n: int) -> None:
+        """Fill ``entry`` with block ``block``'s first ``n`` K values, decoded from its
+        per-token rows (a block that arrived open, e.g. by KV transfer)."""
+        rows = self.tensor[:, 0, block, :n]                            # [L, n, Hkv, R]
+        self.open_keys[:, entry, :n] = int4_kv.dequantize_int4_tokens(rows, self.head_dim,
+                                                                      self.open_keys.dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: ``tensor[:, :, dst] = tensor[:, :, src]`` for each pair."""
+        """Copy-on-write: ``tensor[:, :, dst] = tensor[:, :, src]`` for each pair (and
+        an int4 source's open-block entry)."""
         if copies:
             src = torch.tensor([c[0] for c in copies], device=self.tensor.device)
             dst = torch.tensor([c[1] for c in copies], device=self.tensor.device)
             self.tensor[:, :, dst] = self.tensor[:, :, src]
+            if self.open_keys is not None:
+                for s, d in copies:
+                    self._drop_entry(d)
+                    if s in self._entry_of:
+                        source = self._entry_of[s]
+                        self.open_keys[:, self._new_entry(d)] = self.open_keys[:, source]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """``host_tensor[:, :, h] = tensor[:, :, d]`` for each ``(d, h)`` pair.
@@ -149,6 +291,13 @@ class KVCache:
             src = torch.tensor([d for d, _ in pairs], device=self.tensor.device)
             dst = torch.tensor([h for _, h in pairs])
             self.host_tensor[:, :, dst] = self.tensor[:, :, src].to("cpu")
+            if self.open_keys is not None:
+                for d, h in pairs:
+                    self._host_open.pop(h, None)
+                    if d in self._entry_of:
+                        self._host_open[h] = self.open_keys[:, self._entry_of[d]].to(
+                            "cpu", copy=True)
+                        self._drop_entry(d)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """``tensor[:, :, d] = host_tensor[:, :, h]`` for each ``(h, d)`` pair."""
@@ -156,6 +305,12 @@ class KVCache:
             src = torch.tensor([h for h, _ in pairs])
             dst = torch.tensor([d for _, d in pairs], device=self.tensor.device)
             self.tensor[:, :, dst] = self.host_tensor[:, :, src].to(self.tensor.device)
+            if self.open_keys is not None:
+                for h, d in pairs:
+                    self._drop_entry(d)
+                    kept = self._host_open.pop(h, None)
+                    if kept is not None:
+                        self.open_keys[:, self._new_entry(d)] = kept.to(self.open_keys.device)
 
 
 @dataclass
@@ -237,12 +392,15 @@ class ModelRunner:
         if not out.scheduled:
             return ModelRunnerOutput()
         input_ids, positions, meta, ordered = self.prepare(out.scheduled)
+        if self.kv_cache.open_keys is not None:
+            meta = dataclasses.replace(meta, int4_plan=self.kv_cache.plan_int4_write(
+                meta.slot_mapping.tolist(), meta.block_tables, meta.seq_lens_cpu))
         saves = self._kv_saves(out)
         if saves:
             self.kv_connector.start_save(saves)
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
                             self.kv_connector.save_kv_layer if saves else None,
-                            kv_scales=self.kv_cache.scales)
+                            kv_scales=self.kv_cache.scales, open_keys=self.kv_cache.open_keys)
         failures = self.kv_connector.wait_for_save() if saves else {}
         return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures,
                                  self._prompt_logprobs(hidden, ordered, meta))

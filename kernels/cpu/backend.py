@@ -13,9 +13,9 @@ An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
 then take the torch path, which dequantizes the gathered blocks (the bfloat16
 prefill kernel reads bfloat16 caches only).
 
-An int4 (packed ``uint8``) KV cache is written by the torch reference
-(:func:`~tandem.kernels.reference.reshape_and_cache_ref`: a step's new rows only)
-and read by the compiled int4 decode kernel; prefill chunks take the torch path.
+An int4 (packed ``uint8``) KV cache is written by the torch code of
+:mod:`tandem.kernels.int4_kv` (a step's new rows and the blocks it fills) and
+read by the compiled int4 decode kernel; prefill chunks take the torch path.
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ _SIGNATURES = {
                               _PTR, _PTR],
     # int4 KV cache (packed rows): the suffix names the query dtype.
     "decode_attention_int4": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                              _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT],
+                              _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR,
+                              _INT],
 }
 # Kernels without a dtype suffix: (argument types, result type).
 _UNSUFFIXED = {

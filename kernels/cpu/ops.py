@@ -3,7 +3,7 @@ prefill_attention.cpp, elementwise.cpp).
 
 Every function takes CPU tensors of one dtype, float32 or bfloat16 (the KV cache
 may instead be ``torch.float8_e4m3fn``, with per-KV-head float32 scales, or packed
-int4 rows, ``uint8``, with per-channel float32 scales), whose rows
+int4 rows, ``uint8``), whose rows
 may be strided (views into a fused QKV output) but whose innermost ``[H, D]`` is
 contiguous; anything else raises ``ValueError``. Each has a torch reference in
 :mod:`tandem.kernels.reference` with the same contract, which the tests compare
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels import reference as ref
+from tandem.kernels import int4_kv
 from tandem.kernels.cpu.build import load_library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -99,15 +99,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         query: ``[B, Hq, D]``.
         key_cache, value_cache: ``[NB, BS, Hkv, D]``, contiguous, in the query's
             dtype or ``torch.float8_e4m3fn``; or int4 rows ``uint8 [NB, BS, Hkv, R]``
-            (:func:`tandem.kernels.reference.quantize_int4_kv_ref`).
+            (:mod:`tandem.kernels.int4_kv`: K per channel in full blocks, per token
+            in a sequence's last, open block; V per token).
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths (tokens), each >= 1; the current
             token's K/V must already be in the cache.
         scale: softmax scale.
         out: optional ``[B, Hq, D]`` destination (may be a row-strided view).
         k_scale, v_scale: ``[Hkv]`` float32 dequantization scales of an fp8 cache
-            (K = k_scale[h] * stored value), ``[Hkv, D]`` channel scales of an int4
-            cache; ignored otherwise.
+            (K = k_scale[h] * stored value); for an int4 cache, optionally the
+            open-block K store ``[S, BS, Hkv, D]`` (query dtype) and ``[B]`` int64
+            entries (-1: the last block is full), whose open last blocks' K are read
+            from it; ignored otherwise.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype.
@@ -127,16 +130,27 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
     if key_cache.dtype == torch.uint8:
-        ref._check_scales(key_cache, k_scale, v_scale)
-        if k_scale.shape[1] != d:
-            raise ValueError(f"k_scale/v_scale: expected [Hkv, {d}] channel scales, "
-                             f"got {tuple(k_scale.shape)}")
-        ks, vs = (x.to(torch.float32).contiguous() for x in (k_scale, v_scale))
+        row = key_cache.shape[3]
+        if row != int4_kv.int4_kv_row_bytes(d, bs):
+            raise ValueError(f"key_cache: int4 rows of {row} bytes do not hold {d} channels "
+                             f"in blocks of {bs}")
+        store = entries = None
+        if k_scale is not None and v_scale is not None:      # the open-block K store
+            if k_scale.dtype != query.dtype or tuple(k_scale.shape[1:]) != (bs, hkv, d) \
+                    or not k_scale.is_contiguous():
+                raise ValueError(f"k_scale: an int4 open-block K store must be contiguous "
+                                 f"[S, {bs}, {hkv}, {d}] {query.dtype}, got "
+                                 f"{tuple(k_scale.shape)} {k_scale.dtype}")
+            store = k_scale
+            entries = v_scale.to(torch.int64).contiguous()
+            if entries.shape != (b,) or int(entries.max()) >= store.shape[0]:
+                raise ValueError(f"v_scale: expected {b} store entries below {store.shape[0]}")
         _fn("decode_attention_int4", query.dtype)(
             out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
             key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), b, hq, hkv, d, bs, ref.int4_kv_group_size(d), scale,
-            ks.data_ptr(), vs.data_ptr(), torch.get_num_threads())
+            lens.data_ptr(), b, hq, hkv, d, bs, int4_kv.int4_kv_group_size(d), row, scale,
+            None if store is None else store.data_ptr(),
+            None if entries is None else entries.data_ptr(), torch.get_num_threads())
         return out
     fp8 = _fp8_scales(key_cache, k_scale, v_scale)
     if fp8 is not None:

@@ -424,12 +424,15 @@ void decode_attention_fp8(T* out, int64_t out_stride, const T* q, int64_t q_stri
 }
 
 // Decode attention over an int4 cache (kv_cache_dtype int4; format in
-// tandem/kernels/reference.py, quantize_int4_kv_ref): each (token, KV head) row
-// holds D/2 bytes of nibbles q (low nibble first), then (step, lo) fp16 per group
-// of `grp` channels; the element is (q * step + lo) * cs[c] with the static channel
-// scales cs ([Hkv, D] float32, k_cs / v_cs). The K channel scales and the softmax
-// scale are folded into the float32 query rows once, so a K row costs only its
-// nibbles' conversion; the V channel scales multiply the G x D sums at the end.
+// tandem/kernels/int4_kv.py): rows of `rb` bytes per (token, KV head), D/2 bytes of
+// nibbles q (low nibble first) and a parameter area. V rows, and the K rows of a
+// sequence's last block while it is not full, are per token: (step, lo) fp16 per
+// group of `grp` channels, element q * step + lo. The K rows of a full block are
+// per channel: the block's D (step, lo) pairs are spread over its BS rows (row j
+// holds channels [j D / BS, (j + 1) D / BS)); they are gathered once per block.
+// A sequence's open last block's K is read from the open-block K store instead
+// (`store` [S, BS, Hkv, D] in the query's dtype, entry `entry`; -1 or no store:
+// its per-token rows).
 inline void int4_row_to_float(const uint8_t* r, float* x, int64_t d, int64_t grp) {
     const uint8_t* params = r + d / 2;
     for (int64_t g0 = 0; g0 < d; g0 += grp) {
@@ -447,27 +450,54 @@ inline void int4_row_to_float(const uint8_t* r, float* x, int64_t d, int64_t grp
 template <typename T>
 void decode_one_int4(T* out, const T* q, const uint8_t* kc, const uint8_t* vc,
                      const int32_t* table, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
-                     int64_t d, int64_t bs, int64_t grp, float scale, const float* k_cs,
-                     const float* v_cs, std::vector<float>& buf) {
-    buf.resize(static_cast<size_t>(g_size * (len + 2 * d) + d));
+                     int64_t d, int64_t bs, int64_t grp, int64_t rb, float scale,
+                     const T* store, int64_t entry, std::vector<float>& buf) {
+    buf.resize(static_cast<size_t>(g_size * (len + 2 * d) + 3 * d));
     float* scores = buf.data();            // [G, len]
     float* acc = scores + g_size * len;    // [G, D]
     float* qf = acc + g_size * d;          // [G, D]
-    float* x = qf + g_size * d;            // [D]: one decoded K or V row, before cs
-    const int64_t rb = d / 2 + 4 * (d / grp);   // bytes of one row
-    const int64_t row = hkv * rb;               // bytes of one token in a block
+    float* x = qf + g_size * d;            // [D]: one decoded K or V row
+    float* cstep = x + d;                  // [D]: a full block's per-channel steps
+    float* clo = cstep + d;                // [D]: ... and minima
+    const int64_t row = hkv * rb;          // bytes of one token in a block
+    const int64_t per_row = d / bs;        // channels whose pair a K row of a full block holds
     for (int64_t g = 0; g < g_size; ++g)
-        for (int64_t i = 0; i < d; ++i)
-            qf[g * d + i] = to_float(q[(h * g_size + g) * d + i]) * scale * k_cs[h * d + i];
-    for (int64_t t = 0; t < len; ++t) {
-        int4_row_to_float(kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * rb,
-                          x, d, grp);
-        for (int64_t g = 0; g < g_size; ++g) {
-            const float* qg = qf + g * d;
-            float s = 0.0f;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(q[(h * g_size + g) * d + i]) * scale;
+    const int64_t nblk = (len + bs - 1) / bs;
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+        const uint8_t* base = kc + static_cast<int64_t>(table[blk]) * bs * row + h * rb;
+        const int64_t n = std::min<int64_t>(bs, len - blk * bs);
+        const bool full = n == bs;
+        if (full) {
+            for (int64_t j = 0; j < bs; ++j) {
+                const uint8_t* p = base + j * row + d / 2;
+                for (int64_t c = 0; c < per_row; ++c) {
+                    cstep[j * per_row + c] = fp16_to_float(p + 4 * c);
+                    clo[j * per_row + c] = fp16_to_float(p + 4 * c + 2);
+                }
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const uint8_t* r = base + j * row;
+            if (!full && store != nullptr && entry >= 0) {
+                const T* e = store + ((entry * bs + j) * hkv + h) * d;
+                for (int64_t i = 0; i < d; ++i) x[i] = to_float(e[i]);
+            } else if (full) {
+#pragma omp simd
+                for (int64_t i = 0; i < d / 2; ++i) {
+                    x[2 * i] = static_cast<float>(r[i] & 15) * cstep[2 * i] + clo[2 * i];
+                    x[2 * i + 1] = static_cast<float>(r[i] >> 4) * cstep[2 * i + 1] + clo[2 * i + 1];
+                }
+            } else {
+                int4_row_to_float(r, x, d, grp);
+            }
+            for (int64_t g = 0; g < g_size; ++g) {
+                const float* qg = qf + g * d;
+                float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; ++i) s += qg[i] * x[i];
-            scores[g * len + t] = s;
+                for (int64_t i = 0; i < d; ++i) s += qg[i] * x[i];
+                scores[g * len + blk * bs + j] = s;
+            }
         }
     }
     softmax_rows(scores, g_size, len);
@@ -484,7 +514,7 @@ void decode_one_int4(T* out, const T* q, const uint8_t* kc, const uint8_t* vc,
     }
     for (int64_t g = 0; g < g_size; ++g) {
         T* op = out + (h * g_size + g) * d;
-        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i] * v_cs[h * d + i]);
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i]);
     }
 }
 
@@ -492,14 +522,14 @@ template <typename T>
 void decode_attention_int4(T* out, int64_t out_stride, const T* q, int64_t q_stride,
                            const uint8_t* kc, const uint8_t* vc, const int32_t* tables,
                            int64_t table_stride, const int32_t* seq_lens, int64_t b, int64_t hq,
-                           int64_t hkv, int64_t d, int64_t bs, int64_t grp, float scale,
-                           const float* k_cs, const float* v_cs, int num_threads) {
+                           int64_t hkv, int64_t d, int64_t bs, int64_t grp, int64_t rb,
+                           float scale, const T* store, const int64_t* entries, int num_threads) {
     const int64_t g_size = hq / hkv;
     for_each_sequence_head(seq_lens, b, hq, hkv, d, num_threads,
                            [&](int64_t s, int64_t h, std::vector<float>& buf) {
         decode_one_int4<T>(out + s * out_stride, q + s * q_stride, kc, vc,
                            tables + s * table_stride, seq_lens[s], h, g_size, hkv, d, bs, grp,
-                           scale, k_cs, v_cs, buf);
+                           rb, scale, store, entries == nullptr ? -1 : entries[s], buf);
     });
 }
 
@@ -530,12 +560,13 @@ using tandem_cpu::bf16;
     extern "C" void tandem_decode_attention_int4_##SUFFIX(                                       \
         void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
         const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,    \
-        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t grp, float scale,     \
-        const float* k_cs, const float* v_cs, int nt) {                                          \
+        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t grp, int64_t rb,      \
+        float scale, const void* store, const int64_t* entries, int nt) {                        \
         tandem_cpu::decode_attention_int4<T>(                                                     \
             static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,                \
             static_cast<const uint8_t*>(kc), static_cast<const uint8_t*>(vc), tables,             \
-            table_stride, seq_lens, b, hq, hkv, d, bs, grp, scale, k_cs, v_cs, nt);               \
+            table_stride, seq_lens, b, hq, hkv, d, bs, grp, rb, scale,                           \
+            static_cast<const T*>(store), entries, nt);                                          \
     }
 
 TANDEM_EXPORT(f32, float)

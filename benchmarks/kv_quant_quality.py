@@ -1,19 +1,20 @@
-"""FP8 KV cache quality: ``kv_cache_dtype fp8_e4m3`` against ``auto`` on the same weights.
+"""Quantized KV cache quality: ``kv_cache_dtype fp8_e4m3`` or ``int4`` against ``auto``
+on the same weights.
 
 Offline engines (``LLM``), default model, one run per model dtype (``--dtypes``):
 
 * perplexity of :data:`HELD_OUT` (~1,000 tokens of text written for this benchmark,
-  not the calibration prompt) from ``prompt_logprobs``, with fp8 and with auto KV;
+  not the calibration prompt) from ``prompt_logprobs``, with quantized and with auto KV;
   the prompt runs in chunks of ``--chunk`` tokens (chunked prefill), so later
   chunks read earlier chunks' K/V back from the cache;
-* prompt logprobs: mean and max ``|logprob_fp8 - logprob_auto|`` over those tokens;
+* prompt logprobs: mean and max ``|logprob_kv - logprob_auto|`` over those tokens;
 * greedy agreement: :data:`PROMPTS`, ``--max-tokens`` tokens each (EOS ignored): tokens
   equal before the first divergence, and positions equal overall;
 * KV blocks in the same ``kv_cache_memory_bytes`` (64 MiB).
 
 Usage::
 
-    python benchmarks/kv_fp8_quality.py --out /tmp/kv_fp8.json
+    python benchmarks/kv_quant_quality.py --kv-cache-dtype int4 --out /tmp/kv_int4.json
 
 Prints one markdown table.
 """
@@ -108,31 +109,33 @@ def _agreement(a: list[int], b: list[int]) -> tuple[int, int]:
     return first, sum(x == y for x, y in zip(a, b))
 
 
-def run(dtype: str, max_tokens: int, chunk: int, backend: str) -> dict:
+def run(dtype: str, max_tokens: int, chunk: int, backend: str, kv_cache_dtype: str) -> dict:
     mem = 64 << 20
     kw = dict(dtype=dtype, kv_cache_memory_bytes=mem, max_num_batched_tokens=chunk,
               attention_backend=backend)
     auto = LLM(**kw)
     t0 = time.perf_counter()
-    fp8 = LLM(kv_cache_dtype="fp8_e4m3", weights_from=auto, **kw)
+    quant = LLM(kv_cache_dtype=kv_cache_dtype, weights_from=auto, **kw)
     calib_s = time.perf_counter() - t0
     ids = auto.tokenizer.encode(HELD_OUT)
-    lp_auto, lp_fp8 = _prompt_logprobs(auto, ids), _prompt_logprobs(fp8, ids)
-    diffs = [abs(a - b) for a, b in zip(lp_auto, lp_fp8)]
+    lp_auto, lp_kv = _prompt_logprobs(auto, ids), _prompt_logprobs(quant, ids)
+    diffs = [abs(a - b) for a, b in zip(lp_auto, lp_kv)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs_auto = [o.outputs[0].token_ids for o in auto.generate(PROMPTS, params)]
-    outs_fp8 = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, params)]
-    agree = [_agreement(a, b) for a, b in zip(outs_auto, outs_fp8)]
+    outs_kv = [o.outputs[0].token_ids for o in quant.generate(PROMPTS, params)]
+    agree = [_agreement(a, b) for a, b in zip(outs_auto, outs_kv)]
     total = len(PROMPTS) * max_tokens
     return {
-        "dtype": dtype, "backend": backend, "held_out_tokens": len(ids),
+        "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "backend": backend,
+        "held_out_tokens": len(ids),
         "ppl_auto": math.exp(-sum(lp_auto) / len(lp_auto)),
-        "ppl_fp8": math.exp(-sum(lp_fp8) / len(lp_fp8)),
+        "ppl_kv": math.exp(-sum(lp_kv) / len(lp_kv)),
         "logprob_mean_abs_diff": sum(diffs) / len(diffs), "logprob_max_abs_diff": max(diffs),
         "greedy_before_first_divergence": sum(f for f, _ in agree) / total,
         "greedy_positions_equal": sum(e for _, e in agree) / total,
         "first_divergence": [f for f, _ in agree],
-        "blocks_auto": auto.engine.kv_cache.num_blocks, "blocks_fp8": fp8.engine.kv_cache.num_blocks,
+        "blocks_auto": auto.engine.kv_cache.num_blocks,
+        "blocks_kv": quant.engine.kv_cache.num_blocks,
         "engine_start_with_calibration_s": calib_s,
     }
 
@@ -143,18 +146,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "int4"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [run(d, args.max_tokens, args.chunk, args.backend) for d in args.dtypes.split(",")]
-    print("| model dtype | held-out tokens | ppl auto | ppl fp8 | mean/max abs dlogprob "
-          "| greedy before 1st divergence | positions equal | blocks auto -> fp8 (64 MiB) |")
+    rows = [run(d, args.max_tokens, args.chunk, args.backend, args.kv_cache_dtype)
+            for d in args.dtypes.split(",")]
+    kv = args.kv_cache_dtype
+    print(f"| model dtype | held-out tokens | ppl auto | ppl {kv} | mean/max abs dlogprob "
+          f"| greedy before 1st divergence | positions equal | blocks auto -> {kv} (64 MiB) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['held_out_tokens']} | {r['ppl_auto']:.3f} | {r['ppl_fp8']:.3f} "
+        print(f"| {r['dtype']} | {r['held_out_tokens']} | {r['ppl_auto']:.3f} | {r['ppl_kv']:.3f} "
               f"| {r['logprob_mean_abs_diff']:.4f} / {r['logprob_max_abs_diff']:.3f} "
               f"| {100 * r['greedy_before_first_divergence']:.1f}% "
               f"| {100 * r['greedy_positions_equal']:.1f}% "
-              f"| {r['blocks_auto']} -> {r['blocks_fp8']} |")
+              f"| {r['blocks_auto']} -> {r['blocks_kv']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "args": vars(args),
