@@ -55,6 +55,9 @@ FORMATS: dict[str, tuple[str | None, dict]] = {
     "gguf-f32-fp8kv": (None, {"dtype": "float32", "quantization": "gguf",
                               "kv_cache_dtype": "fp8_e4m3"}),
     "bf16-fp8kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}),
+    "gguf-f32-int4kv": (None, {"dtype": "float32", "quantization": "gguf",
+                               "kv_cache_dtype": "int4"}),
+    "bf16-int4kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "int4"}),
     "awq": ("--awq-model", {"dtype": "float32", "quantization": "awq"}),
 }
 
