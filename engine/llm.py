@@ -132,14 +132,23 @@ class LLM:
             for r in reqs:
                 processor.add(r)
             groups.append((reqs[0].request_id, reqs))
-        while engine.has_unfinished_requests():
-            changed = engine.step()
-            for req in changed:
-                stop = processor.process(req)
-                if stop is not None:
-                    engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            if step_callback is not None:
-                step_callback(engine)
+        try:
+            while engine.has_unfinished_requests():
+                changed = engine.step()
+                for req in changed:
+                    stop = processor.process(req)
+                    if stop is not None:
+                        engine.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
+                                              stop)
+                if step_callback is not None:
+                    step_callback(engine)
+        except BaseException:
+            # This call's requests die with it (their blocks freed), so the engine
+            # serves the next call instead of resuming requests nobody collects.
+            for _, reqs in groups:
+                for r in reqs:
+                    engine.abort_request(r.request_id)
+            raise
         results = []
         for rid, reqs in groups:
             outs = [processor.completion(r) for r in reqs]

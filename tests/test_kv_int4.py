@@ -256,6 +256,28 @@ def test_store_entries_follow_copy_on_write_swap_and_rebuild():
     assert kv.num_open_entries == 0
 
 
+def test_the_store_grows_under_copy_on_write_swap_and_writes():
+    """More open blocks than the store's first 8 entries, made by writes, by
+    copy-on-write and by swap-in: the store doubles and keeps every entry's K."""
+    g = torch.Generator().manual_seed(13)
+    kv = _tiny_cache(num_blocks=40, num_host_blocks=4)
+    first = kv.open_keys.shape[1]
+    k = torch.randn(2, first, 2, 16, generator=g)
+    _write(kv, k, k, [4 * i for i in range(first)])          # one token in each of 8 blocks
+    assert kv.num_open_entries == first and kv.open_keys.shape[1] == first
+    kv.copy_blocks([(0, 20)])                                 # a 9th entry
+    assert kv.open_keys.shape[1] == 2 * first
+    kv.swap_out([(1, 3)])
+    kv.blocks_released([1])
+    for b in range(21, 21 + first):                           # fill the grown store
+        kv.copy_blocks([(2, b)])
+    kv.blocks_allocated([30])
+    kv.swap_in([(3, 30)])                                     # needs one more: grows again
+    assert kv.open_keys.shape[1] == 4 * first
+    for block, token in [(0, 0), (20, 0), (30, 1), (21, 2), (7, 7)]:
+        assert torch.equal(kv.open_keys[:, kv._entry_of[block], 0], k[:, token])
+
+
 def _int4_cache(nb, bs, hkv, d, seed):
     """K blocks all per channel (see :func:`_open_last_blocks`), V rows per token."""
     g = torch.Generator().manual_seed(seed)
@@ -500,6 +522,7 @@ def test_prefix_hits_chunking_and_parallel_samples_run_through_the_store(int4_ll
 
 
 def test_every_exit_path_frees_blocks_and_store_entries(int4_llm):
+    """Finish, stop string, abort, and an error raised inside ``generate``."""
     e = int4_llm.engine
     kv = e.kv_cache_manager
     out = int4_llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=40,
@@ -515,6 +538,32 @@ def test_every_exit_path_frees_blocks_and_store_entries(int4_llm):
     e.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks and req.is_finished
     assert e.kv_cache.num_open_entries == 0
+
+    def fail(engine):                        # an error in the middle of a generate call
+        if engine.kv_cache.num_open_entries:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        int4_llm.generate(PROMPTS, dataclasses.replace(GREEDY, n=2), step_callback=fail)
+    assert not e.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks and e.kv_cache.num_open_entries == 0
+    again = int4_llm.generate(PROMPTS[:1], GREEDY)[0]          # the engine still serves
+    assert len(again.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_more_open_blocks_than_the_first_store_holds(int4_llm):
+    """n = 9 samples of a prompt ending inside a block fork 9 open blocks (copy-on-write)
+    into a fresh engine's 8-entry store: it grows, and everything is freed after."""
+    llm = LLM(dtype="float32", num_blocks=64, kv_cache_dtype="int4", num_host_blocks=0,
+              weights_from=int4_llm)
+    assert llm.engine.kv_cache.open_keys.shape[1] == 8
+    prompt = llm.tokenizer.encode(LONG)
+    out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, n=9, max_tokens=12,
+                                                ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [12] * 9
+    assert llm.engine.kv_cache.open_keys.shape[1] >= 16
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and llm.engine.kv_cache.num_open_entries == 0
 
 
 def test_swap_preemption_moves_rows_and_store_entries_and_keeps_tokens(int4_llm):

@@ -280,7 +280,8 @@ class KVCache:
                     self._drop_entry(d)
                     if s in self._entry_of:
                         source = self._entry_of[s]
-                        self.open_keys[:, self._new_entry(d)] = self.open_keys[:, source]
+                        entry = self._new_entry(d)      # may grow (replace) the store
+                        self.open_keys[:, entry] = self.open_keys[:, source]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """``host_tensor[:, :, h] = tensor[:, :, d]`` for each ``(d, h)`` pair.
@@ -310,7 +311,8 @@ class KVCache:
                     self._drop_entry(d)
                     kept = self._host_open.pop(h, None)
                     if kept is not None:
-                        self.open_keys[:, self._new_entry(d)] = kept.to(self.open_keys.device)
+                        entry = self._new_entry(d)      # may grow (replace) the store
+                        self.open_keys[:, entry] = kept.to(self.open_keys.device)
 
 
 @dataclass
