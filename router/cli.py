@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -424,6 +425,29 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from tandem.router.capacity_profile import profile_capacity
+    from tandem.engine.runtime.llm_engine import LLMEngine
+
+    engine = LLMEngine(_engine_config(args))
+    prof = profile_capacity(engine, args.isl, args.osl, args.ttft_slo, args.itl_slo,
+                            args.max_concurrency, args.seed,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
+    for kind, cap in (("prefill", prof.prefill_capacity_tok_s),
+                      ("decode", prof.decode_capacity_tok_s)):
+        print(f"{kind} capacity: " + ("none (no concurrency met the SLO)" if cap is None
+                                      else f"{cap:.1f} tok/s"))
+    print("serve with: tandem serve --autoscale " + " ".join(prof.serve_flags()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**prof.to_dict(), "engine": {"model": args.model, "dtype": args.dtype,
+                                                    "kv_cache_dtype": args.kv_cache_dtype,
+                                                    "quantization": args.quantization}},
+                      f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def _cmd_quantize(args) -> int:
     from tandem.engine.quantization.quantize import quantize_model
 
@@ -561,6 +585,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
+
+    pr = sub.add_parser("profile", help="measure one worker's prefill and decode capacity "
+                                        "within TTFT / ITL targets, for --planner-mode slo")
+    pr.add_argument("--isl", type=int, default=256, help="prompt tokens per request")
+    pr.add_argument("--osl", type=int, default=64, help="output tokens per request")
+    pr.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT target (p90), seconds")
+    pr.add_argument("--itl-slo", type=float, default=0.1, help="ITL target (p90), seconds")
+    pr.add_argument("--max-concurrency", type=int, default=64,
+                    help="the sweep's last concurrency (1, 2, 4, ... up to it)")
+    pr.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    pr.add_argument("--out", default=None, help="JSON file for the profile")
+    _add_engine_args(pr)
+    pr.set_defaults(func=_cmd_profile)
 
     q = sub.add_parser("quantize", help="quantize a model's linear layers: a GPTQ (gptq, rtn) "
                                         "or AWQ checkpoint directory, or a GGUF file in "
