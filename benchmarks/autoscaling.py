@@ -411,7 +411,18 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-slo", type=float, default=0.25, help="goodput: ITL SLO, seconds")
     ap.add_argument("--total-workers", type=int, default=3,
                     help="goodput: workers in all (planner budget = fixed pools' size)")
+    ap.add_argument("--planner-mode", choices=["load", "slo"], default="load",
+                    help="goodput: the planner's mode (slo needs both capacities, e.g. "
+                         "from `tandem profile` with the workers' engine settings)")
+    ap.add_argument("--prefill-capacity", type=float, default=None,
+                    help="slo mode: prompt tokens/s one prefill worker serves within --ttft-slo")
+    ap.add_argument("--decode-capacity", type=float, default=None,
+                    help="slo mode: output tokens/s one decode worker serves within --itl-slo")
+    ap.add_argument("--planner-only", action="store_true",
+                    help="goodput: skip the fixed pools (their runs do not depend on the planner)")
     args = ap.parse_args(argv)
+    if args.planner_mode == "slo" and None in (args.prefill_capacity, args.decode_capacity):
+        ap.error("--planner-mode slo: needs --prefill-capacity and --decode-capacity")
     if os.getsid(0) != os.getpid():        # not a session leader: run in a session of our own
         return subprocess.run([sys.executable, *sys.argv], start_new_session=True).returncode
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -428,10 +439,17 @@ def main(argv=None) -> int:
                       "ttft_slo_s": args.ttft_slo, "itl_slo_s": args.itl_slo, "runs": {}}
             n = args.total_workers
             splits = [("planner", None)] + [(f"fixed_{p}p{n - p}d", p) for p in range(1, n)]
+            if args.planner_only:
+                splits = splits[:1]
+            mode = dict(mode=args.planner_mode)
+            if args.planner_mode == "slo":
+                mode.update(ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo,
+                            prefill_capacity_tok_s=args.prefill_capacity,
+                            decode_capacity_tok_s=args.decode_capacity)
             for name, num_prefill in splits:
                 if num_prefill is None:
                     run = run_phases(address, GOODPUT_PHASES,
-                                     planner_config(max_total=n, **GOODPUT_PLANNER))
+                                     planner_config(max_total=n, **GOODPUT_PLANNER, **mode))
                 else:
                     run = run_phases(address, GOODPUT_PHASES, None, num_prefill, n - num_prefill)
                 result["runs"][name] = {"goodput": goodput(run["requests"], args.ttft_slo,
