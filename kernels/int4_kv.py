@@ -97,14 +97,13 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
 
 
-def _check_rows(row_bytes: int, head_dim: int) -> int:
-    """Smallest row a ``head_dim`` row may have; raises ValueError if ``row_bytes`` is
-    smaller or cannot be a row of ``head_dim`` for any block size."""
+def _check_rows(row_bytes: int, head_dim: int) -> None:
+    """Raises ValueError if rows of ``row_bytes`` cannot hold ``head_dim`` channels in
+    the per-token format (the smallest row of any block size)."""
     need = head_dim // 2 + 4 * head_dim // int4_kv_group_size(head_dim)
     if row_bytes < need:
         raise ValueError(f"int4 rows of {row_bytes} bytes cannot hold {head_dim} channels "
                          f"(at least {need})")
-    return need
 
 
 def quantize_int4_tokens(x: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -143,10 +142,9 @@ def quantize_int4_key_blocks(x: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """
     n, bs, hkv, d = x.shape
     per_row = 4 * d // bs
-    if (4 * d) % bs or row_bytes < d // 2 + per_row:
+    if row_bytes < int4_kv_row_bytes(d, bs):        # (which checks d and bs)
         raise ValueError(f"int4 K blocks of {bs} tokens x {d} channels do not fit rows of "
                          f"{row_bytes} bytes")
-    _check_rows(row_bytes, d)
     q, step, lo = _quantize(x.float(), 1)                            # step, lo [n, 1, Hkv, D]
     out = torch.zeros(n, bs, hkv, row_bytes, dtype=torch.uint8, device=x.device)
     out[..., :d // 2] = _pack(q)

@@ -164,9 +164,9 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
     else:
         k = key_cache[table].flatten(1, 2)
         v = value_cache[table].flatten(1, 2)
-    if _check_scales(key_cache, k_scale, v_scale) and key_cache.dtype != torch.uint8:
-        k = dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
-        v = dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
+        if _check_scales(key_cache, k_scale, v_scale):
+            k = dequantize_fp8_e4m3_ref(k, k_scale, query.dtype)
+            v = dequantize_fp8_e4m3_ref(v, v_scale, query.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     length = k.shape[2]
     mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].long()

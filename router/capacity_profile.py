@@ -103,11 +103,6 @@ def _prompts(n: int, isl: int, vocab_size: int, gen: random.Random) -> list[list
     return [[gen.randrange(low, high) for _ in range(isl)] for _ in range(n)]
 
 
-def _drain(engine) -> None:
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def _prefill_point(engine, c: int, isl: int, slo: float, gen, tag: str) -> ProfilePoint:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     start = time.perf_counter()
@@ -188,7 +183,6 @@ def profile_capacity(engine, isl: int, osl: int, ttft_slo_s: float, itl_slo_s: f
                 point = _prefill_point(engine, c, isl, ttft_slo_s, gen, tag)
             else:
                 point = _decode_point(engine, c, isl, osl, itl_slo_s, gen, tag)
-            _drain(engine)
             points.append(point)
             if log is not None:
                 log(f"{kind} c={c}: p90 {point.p90_s * 1e3:.0f} ms, {point.tok_s:.0f} tok/s"

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tandem.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.llm import LLM, LLMEngine
 from tandem.engine.runtime.model_runner import KVCache
 from tandem.engine.sampling.sampling_params import SamplingParams
@@ -26,6 +25,7 @@ from tandem.kernels import reference as ref
 from tandem.kernels.attention_backend import (AttentionMetadata, TorchAttentionBackend,
                                               decode_attention_cpu)
 from tandem.kvtransfer.layout import KVLayout, KVLayoutMismatchError
+from tests.test_disagg_engine import _prefill, _reserve, _run
 
 U8 = torch.uint8
 # Bytes per block of the default model: 30 layers x K,V x 16 tokens x 3 heads x ...
@@ -585,25 +585,14 @@ def test_swap_preemption_moves_rows_and_store_entries_and_keeps_tokens(int4_llm)
 # -- KV transfer -----------------------------------------------------------------------------
 
 def _remote_prefill(producer, consumer, prompt, rid):
-    req = consumer.add_request(prompt, GREEDY, rid,
-                               kv_transfer_params=KVTransferParams("prefill-0"))[0]
-    for _ in range(50):
-        if req.kv_load_ticket is not None:
-            break
-        consumer.step()
-    first = dataclasses.replace(GREEDY, max_tokens=1)
-    done = producer.add_request(prompt, first, rid, kv_transfer_params=KVTransferParams(
-        "decode-0", req.kv_load_ticket))[0]
-    while not done.is_finished:
-        producer.step()
+    """One request prefilled on ``producer`` and decoded on ``consumer`` (the drivers of
+    tests/test_disagg_engine.py); returns it and the number of blocks that moved."""
+    req, ticket = _reserve(consumer, rid, prompt, GREEDY)
+    done = _prefill(producer, rid, prompt, GREEDY, ticket)
     assert done.status is RequestStatus.FINISHED_LENGTH
-    n = len(req.kv_load_ticket["dst_block_ids"])
     consumer.start_decode(rid, done.output_token_ids[0])
-    for _ in range(100):
-        if req.is_finished:
-            break
-        consumer.step()
-    return req, n
+    _run(consumer, lambda: req.is_finished)
+    return req, len(ticket["dst_block_ids"])
 
 
 def test_int4_remote_prefill_and_the_layout_handshake(auto_llm, int4_llm):

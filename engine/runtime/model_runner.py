@@ -226,7 +226,7 @@ class KVCache:
                 runs.append([b, o, o, t])
         store_tokens: list[int] = []
         store_slots: list[int] = []
-        fill_blocks, fill_entries, whole_blocks, whole_starts, filled = [], [], [], [], []
+        fill_blocks, fill_entries, whole_blocks, whole_starts = [], [], [], []
         for b, first, last, t0 in runs:
             if first == 0 and last == bs - 1:
                 self._drop_entry(b)
@@ -246,12 +246,12 @@ class KVCache:
             if last == bs - 1:
                 fill_blocks.append(b)
                 fill_entries.append(entry)
-                filled.append(b)
-        for b in filled:        # freed after the plan: no block of this step reuses them
+        for b in fill_blocks:   # freed after the plan: no block of this step reuses them
             self._drop_entry(b)
-        open_entries = []
-        for table, n in zip(block_tables.tolist(), seq_lens):
-            open_entries.append(self._entry_of.get(table[(n - 1) // bs], -1) if n % bs else -1)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        last_blocks = block_tables.cpu()[torch.arange(len(seq_lens)), (lens - 1) // bs].tolist()
+        open_entries = [self._entry_of.get(b, -1) if n % bs else -1
+                        for b, n in zip(last_blocks, seq_lens)]
         dev = self.tensor.device
 
         def ids(xs: list[int]) -> torch.Tensor:

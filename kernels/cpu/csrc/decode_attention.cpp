@@ -359,6 +359,28 @@ void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, 
     });
 }
 
+// The value pass of the decoders that decode each cached V row to float32 first
+// (fp8, int4): out[h*G + g] = out_scale * sum_t p[g][t] V[t] with `row_to_float(t, x)`
+// writing token t's V row (D floats) into x; `acc` holds G x D floats.
+template <typename T, typename RowToFloat>
+void decoded_values(T* out, const float* scores, float* acc, float* x, int64_t len, int64_t h,
+                    int64_t g_size, int64_t d, float out_scale, RowToFloat row_to_float) {
+    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+        row_to_float(t, x);
+        for (int64_t g = 0; g < g_size; ++g) {
+            const float p = scores[g * len + t];
+            float* ag = acc + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * x[i];
+        }
+    }
+    for (int64_t g = 0; g < g_size; ++g) {
+        T* op = out + (h * g_size + g) * d;
+        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i] * out_scale);
+    }
+}
+
 // Decode attention over an fp8 (e4m3) cache with per-KV-head scales: K = k_scale[h]
 // * e4m3 value, V = v_scale[h] * e4m3 value. One (sequence, KV head) pair: the G
 // query rows, times the softmax scale and k_scale[h], are kept as float32; each
@@ -391,21 +413,10 @@ void decode_one_fp8(T* out, const T* q, const fp8* kc, const fp8* vc, const int3
         }
     }
     softmax_rows(scores, g_size, len);
-    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
+    decoded_values<T>(out, scores, acc, x, len, h, g_size, d, v_scale, [&](int64_t t, float* xr) {
         fp8_e4m3_row_to_float(vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d,
-                              x, d);
-        for (int64_t g = 0; g < g_size; ++g) {
-            const float p = scores[g * len + t];
-            float* ag = acc + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += p * x[i];
-        }
-    }
-    for (int64_t g = 0; g < g_size; ++g) {
-        T* op = out + (h * g_size + g) * d;
-        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i] * v_scale);
-    }
+                              xr, d);
+    });
 }
 
 template <typename T>
@@ -501,21 +512,10 @@ void decode_one_int4(T* out, const T* q, const uint8_t* kc, const uint8_t* vc,
         }
     }
     softmax_rows(scores, g_size, len);
-    for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
+    decoded_values<T>(out, scores, acc, x, len, h, g_size, d, 1.0f, [&](int64_t t, float* xr) {
         int4_row_to_float(vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * rb,
-                          x, d, grp);
-        for (int64_t g = 0; g < g_size; ++g) {
-            const float p = scores[g * len + t];
-            float* ag = acc + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += p * x[i];
-        }
-    }
-    for (int64_t g = 0; g < g_size; ++g) {
-        T* op = out + (h * g_size + g) * d;
-        for (int64_t i = 0; i < d; ++i) op[i] = from_float<T>(acc[g * d + i]);
-    }
+                          xr, d, grp);
+    });
 }
 
 template <typename T>
