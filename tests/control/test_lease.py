@@ -115,6 +115,8 @@ def test_redis_gone_longer_than_the_ttl_fences_until_it_is_back(private_redis):
     assert "no lease renewal succeeded for 1.0 s" in events.fenced[0]
     server.restart()                  # same port, empty
     assert wait_for(lambda: not k.fenced, 3 * INTERVAL)
+    # The keeper lifts the fence, then calls on_unfenced: wait for the call too.
+    assert wait_for(lambda: events.unfenced == 1, 2 * INTERVAL)
     assert events.unfenced == 1
     [w] = state.workers()
     assert w.alive and w.generation == k.generation
