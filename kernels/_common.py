@@ -57,6 +57,38 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: innermost dimension must have stride 1, strides {t.stride()}")
 
 
+def check_kv_cache_scales(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          model_dtype: torch.dtype, k_scale: torch.Tensor | None,
+                          v_scale: torch.Tensor | None) -> bool:
+    """Whether the caches are fp8 (``torch.float8_e4m3fn``, read and written with the
+    per-head scales ``k_scale``/``v_scale`` ``[Hkv]`` float32) rather than in
+    ``model_dtype``, after checking that the pair is consistent.
+
+    Raises:
+        ValueError: caches of another dtype (int4 rows among them) or of two
+            dtypes; an fp8 cache without scales or with scales of the wrong
+            shape, dtype or device; scales for a cache in the model dtype.
+    """
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    check_dtype("key_cache", key_cache, (torch.float8_e4m3fn,) if fp8 else (model_dtype,))
+    check_dtype("value_cache", value_cache, (key_cache.dtype,))
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale: only for a float8_e4m3fn KV cache, "
+                             f"not {key_cache.dtype}")
+        return False
+    hkv = key_cache.shape[2]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{name}: required with a float8_e4m3fn KV cache")
+        check_shape(name, s, (hkv,))
+        check_dtype(name, s, (torch.float32,))
+        check_last_dim_contiguous(name, s)
+        if s.device != key_cache.device:
+            raise ValueError(f"{name}: on {s.device}, the cache on {key_cache.device}")
+    return True
+
+
 def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str | None, bool]:
     """``(input_precision, upcast)`` for the ``tl.dot`` calls of the attention kernels.
 

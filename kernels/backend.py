@@ -34,22 +34,27 @@ class TritonAttentionBackend(AttentionBackend):
         the first ``meta.num_decodes`` sequences and causal prefill attention over
         the cache for the rest. Shapes as in :meth:`AttentionBackend.attention`.
 
+        An fp8 cache (``kv_cache_dtype fp8_e4m3``) is written and read by the same
+        kernels with the per-head ``k_scale``/``v_scale`` ``[Hkv]``.
+
         Raises:
-            ValueError: a quantized cache (``kv_cache_dtype fp8_e4m3`` or ``int4``): the
-                Triton kernels read caches in the model dtype only, for now.
+            ValueError: an int4 cache (``uint8`` rows, which the Triton kernels do not
+                read yet), or an fp8 cache without scales.
         """
-        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-            raise ValueError(f"KV cache of {key_cache.dtype}: not supported by the triton "
-                             "attention backend yet (use kv_cache_dtype auto, or the "
-                             "torch/cpu backend)")
-        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if key_cache.dtype == torch.uint8:
+            raise ValueError("KV cache of packed int4 rows: not supported by the triton "
+                             "attention backend yet (use kv_cache_dtype fp8_e4m3 or auto, "
+                             "or the torch/cpu backend)")
+        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                          k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes
         if nd:
             # Decodes own exactly one query row each, so rows [0, nd) are theirs.
             paged_decode_attention(
                 query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                scale, max(meta.seq_lens_cpu[:nd]), out=out[:nd])
+                scale, max(meta.seq_lens_cpu[:nd]), out=out[:nd], k_scale=k_scale,
+                v_scale=v_scale)
         if nd < meta.num_seqs:
             qsl = meta.query_start_loc_cpu[nd:]
             first = qsl[0]
@@ -58,7 +63,8 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len = max(b - a for a, b in zip(qsl[:-1], qsl[1:]))
             paged_prefill_attention(
                 query[first:], key_cache, value_cache, meta.block_tables[nd:],
-                query_start_loc, meta.seq_lens[nd:], max_query_len, scale, out=out[first:])
+                query_start_loc, meta.seq_lens[nd:], max_query_len, scale, out=out[first:],
+                k_scale=k_scale, v_scale=v_scale)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -18,8 +18,10 @@ V), and a second kernel merges them::
 
 Tensors (one layer):
     query        [B, Hq, D]            float32 / float16 / bfloat16
-    key_cache    [NB, BS, Hkv, D]      same dtype as query
-    value_cache  [NB, BS, Hkv, D]
+    key_cache    [NB, BS, Hkv, D]      same dtype as query, or float8_e4m3fn
+    value_cache  [NB, BS, Hkv, D]      key_cache's dtype
+    k_scale      [Hkv]                 float32, with an fp8 cache only
+    v_scale      [Hkv]
     block_tables [B, max_blocks]       int32, rows padded past a sequence's blocks
     seq_lens     [B]                   int32, >= 1, includes the query token
     out          [B, Hq, D]            query's dtype
@@ -29,6 +31,12 @@ any block size ``BS`` (a compile-time constant of the kernel; powers of two
 make the token -> block split a shift); any GQA ratio with ``Hq % Hkv == 0``;
 at most ``_MAX_SPLITS`` context splits. Every token's K/V, the query token's
 included, must already be in the cache (see :mod:`.reshape_and_cache`).
+
+FP8 KV cache: each K/V tile is dequantized in registers as it is loaded,
+``scale[h] * stored`` in float32 then rounded to the query's dtype (exact: the
+scales are powers of two and e4m3 keeps 4 significant bits), which is what
+:func:`tandem.kernels.reference.dequantize_fp8_e4m3_ref` computes; the cache is
+read at one byte per element and never expanded in memory.
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
-                                    check_last_dim_contiguous, check_shape, dot_options,
-                                    next_pow2)
+                                    check_kv_cache_scales, check_last_dim_contiguous,
+                                    check_shape, dot_options, next_pow2)
 from tandem.kernels.reference import paged_decode_attention_ref
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits"]
@@ -58,6 +66,7 @@ _WHOLE_CONTEXT = 1 << 30
 def _paged_decode_kernel(
     out_ptr, m_ptr, l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr,
     qk_scale, tokens_per_split,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_t, k_stride_h,
@@ -68,6 +77,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,6 +99,9 @@ def _paged_decode_kernel(
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8:
+        k_descale = tl.load(k_scale_ptr + kv_head)
+        v_descale = tl.load(v_scale_ptr + kv_head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -104,7 +117,9 @@ def _paged_decode_kernel(
         # K tile loaded transposed, [BLOCK_D, BLOCK_N], ready for q @ k.
         k = tl.load(k_cache_ptr + block_ids[None, :] * k_stride_b + in_block[None, :] * k_stride_t
                     + kv_head * k_stride_h + offs_d[:, None], mask=kv_mask_t, other=0.0)
-        if UPCAST:
+        if FP8:
+            k = (k.to(tl.float32) * k_descale).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -116,7 +131,9 @@ def _paged_decode_kernel(
         v = tl.load(v_cache_ptr + block_ids[:, None] * v_stride_b + in_block[:, None] * v_stride_t
                     + kv_head * v_stride_h + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
+        if FP8:
+            v = (v.to(tl.float32) * v_descale).to(q.dtype)
+        elif UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -204,14 +221,17 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, *,
                            num_splits: int | None = None, block_n: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton).
 
     Same contract as :func:`tandem.kernels.reference.paged_decode_attention_ref`.
 
     Args:
         query: ``[B, Hq, D]``; any outer strides, innermost stride 1.
-        key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype or
+            ``torch.float8_e4m3fn``.
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths (tokens, each >= 1).
         scale: softmax scale.
@@ -223,12 +243,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         block_n: context tokens per tile (power of two >= 16); None picks from
             the head dim and dtype.
         out: optional ``[B, Hq, D]`` output (may be a view of a larger tensor).
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; None otherwise.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype, accumulated in float32.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, strides or options.
+        ValueError: bad shapes, dtypes, devices, strides or options; an fp8 cache
+            without scales, or scales for a cache in the model dtype.
     """
     b, hq, d = query.shape
     if key_cache.dim() != 4:
@@ -238,8 +260,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     check_dtype("query", query, FLOAT_DTYPES)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_shape(name, t, (nb, bs, hkv, d))
-        check_dtype(name, t, (query.dtype,))
         check_last_dim_contiguous(name, t)
+    fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
     check_last_dim_contiguous("query", query)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -278,13 +300,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     precision, upcast = dot_options(query.dtype, query.device)
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_G=max(16, next_pow2(group)),
                   BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision, UPCAST=upcast,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k_strides = key_cache.stride()[:3]
     v_strides = value_cache.stride()[:3]
     grid = (b, hkv, num_splits)
+    scales = (k_scale, v_scale) if fp8 else (query, query)     # never read without FP8
     if num_splits == 1:
         _paged_decode_kernel[grid](
-            out, out, out, query, key_cache, value_cache, block_tables, seq_lens,
+            out, out, out, query, key_cache, value_cache, block_tables, seq_lens, *scales,
             # One range covering any seq_len, so an understated max_seq_len loses nothing.
             scale * _LOG2E, _WHOLE_CONTEXT,
             query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
@@ -296,7 +319,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     m = torch.empty((b, hq, num_splits), dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _paged_decode_kernel[grid](
-        part, m, l, query, key_cache, value_cache, block_tables, seq_lens,
+        part, m, l, query, key_cache, value_cache, block_tables, seq_lens, *scales,
         scale * _LOG2E, tokens_per_split,
         query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),

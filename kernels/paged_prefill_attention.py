@@ -24,8 +24,10 @@ heads of one KV head into its ``BLOCK_M = BLOCK_Q * G`` rows (row ``r`` is token
 
 Tensors (one layer):
     query           [T, Hq, D]         float32 / float16 / bfloat16
-    key_cache       [NB, BS, Hkv, D]   same dtype; holds every token's K/V,
-    value_cache     [NB, BS, Hkv, D]   this chunk's included
+    key_cache       [NB, BS, Hkv, D]   same dtype or float8_e4m3fn; holds every
+    value_cache     [NB, BS, Hkv, D]   token's K/V, this chunk's included
+    k_scale         [Hkv]              float32, with an fp8 cache only
+    v_scale         [Hkv]
     block_tables    [B, max_blocks]    int32
     query_start_loc [B + 1]            int32, cumulative query lengths (tokens)
     seq_lens        [B]                int32, context length after this step
@@ -34,6 +36,12 @@ Tensors (one layer):
 Limits: ``D <= 256`` (padded to a power of two >= 16 and masked); any cache
 block size (compile-time constant); ``G <= 128``; ``q_len <= seq_len`` for
 every sequence.
+
+FP8 KV cache: K/V tiles are dequantized in registers as they are loaded
+(``scale[h] * stored`` in float32, rounded to the query's dtype, as
+:func:`tandem.kernels.reference.dequantize_fp8_e4m3_ref`); the chunk's own
+tokens are read back from the cache like the prefix, so they too are seen
+quantized, as in the reference and in decode.
 """
 
 from __future__ import annotations
@@ -43,8 +51,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
-                                    check_last_dim_contiguous, check_shape, dot_options,
-                                    next_pow2)
+                                    check_kv_cache_scales, check_last_dim_contiguous,
+                                    check_shape, dot_options, next_pow2)
 from tandem.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
@@ -59,9 +67,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
                  k_cache_ptr, v_cache_ptr,
                  k_stride_b, k_stride_t, k_stride_h,
                  v_stride_b, v_stride_t, v_stride_h,
-                 qk_scale, offs_d, mask_d,
+                 qk_scale, offs_d, mask_d, k_descale, v_descale,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
     # One online-softmax step of the [BLOCK_M] query rows over keys
     # start_n .. start_n + BLOCK_N. Unmasked tiles lie wholly inside the context
     # and wholly at or below the diagonal of every row.
@@ -80,7 +88,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-    if UPCAST:
+    if FP8:
+        k = (k.to(tl.float32) * k_descale).to(q.dtype)
+    elif UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
@@ -96,7 +106,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-    if UPCAST:
+    if FP8:
+        v = (v.to(tl.float32) * v_descale).to(q.dtype)
+    elif UPCAST:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -105,7 +117,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
 @triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, qk_scale,
+    seq_lens_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
     q_stride_t, q_stride_h,
     k_stride_b, k_stride_t, k_stride_h,
     v_stride_b, v_stride_t, v_stride_h,
@@ -114,6 +126,7 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -140,6 +153,12 @@ def _paged_prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + tok
+    if FP8:
+        k_descale = tl.load(k_scale_ptr + kv_head)
+        v_descale = tl.load(v_scale_ptr + kv_head)
+    else:
+        k_descale = 1.0
+        v_descale = 1.0
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -152,16 +171,16 @@ def _paged_prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
             k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_t, k_stride_h,
-            v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST)
+            v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d, k_descale, v_descale,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST, FP8)
     # Diagonal tiles, up to the last row's position (clipped at seq_len by the mask).
     causal_end = tl.minimum(seq_len, prefix + first_tok + BLOCK_Q)
     for start_n in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
             k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_t, k_stride_h,
-            v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST)
+            v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d, k_descale, v_descale,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST, FP8)
 
     acc = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :],
@@ -191,7 +210,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             max_query_len: int, scale: float, *,
                             block_m: int | None = None, block_n: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed query chunks over a paged KV cache (Triton).
 
     Same contract as :func:`tandem.kernels.reference.paged_prefill_attention_ref`,
@@ -199,7 +220,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
 
     Args:
         query: ``[T, Hq, D]``; any outer strides, innermost stride 1.
-        key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype or
+            ``torch.float8_e4m3fn``.
         block_tables: ``[B, max_blocks]`` int32.
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths (tokens),
             ``query_start_loc[B] == T``.
@@ -211,12 +233,14 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
             >= 16; block_n: keys per tile, a power of two >= 16. None picks
             per device.
         out: optional ``[T, Hq, D]`` output (may be a view of a larger tensor).
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; None otherwise.
 
     Returns:
         ``[T, Hq, D]`` in the query's dtype, accumulated in float32.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, strides or options.
+        ValueError: bad shapes, dtypes, devices, strides or options; an fp8 cache
+            without scales, or scales for a cache in the model dtype.
     """
     t, hq, d = query.shape
     if key_cache.dim() != 4:
@@ -228,8 +252,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     check_last_dim_contiguous("query", query)
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_shape(name, x, (nb, bs, hkv, d))
-        check_dtype(name, x, (query.dtype,))
         check_last_dim_contiguous(name, x)
+    fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -265,11 +289,12 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     grid = (triton.cdiv(max_query_len, block_q), b, hkv)
     _paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        k_scale if fp8 else query, v_scale if fp8 else query,     # never read without FP8
         scale * _LOG2E,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n, DOT_PRECISION=precision,
-        UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        UPCAST=upcast, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

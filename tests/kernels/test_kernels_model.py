@@ -71,3 +71,25 @@ def test_engine_greedy_unchanged_with_triton_backend(f32_weights):
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
     assert got == want
+
+
+def test_engine_greedy_unchanged_with_triton_backend_on_fp8_kv(f32_weights):
+    """``kv_cache_dtype fp8_e4m3`` on the real default model: the Triton kernels write
+    and read the fp8 cache (interpreted on CPU) and give the torch backend's greedy
+    tokens, with the same calibrated scales and the same cache bytes."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch",
+              kv_cache_dtype="fp8_e4m3", weights_from=f32_weights)
+    tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton",
+              kv_cache_dtype="fp8_e4m3", weights_from=ref)
+    assert tri.engine.backend.name == "triton"
+    caches = [llm.engine.kv_cache for llm in (ref, tri)]
+    assert all(c.tensor.dtype == torch.float8_e4m3fn for c in caches)
+    assert torch.equal(caches[0].scales, caches[1].scales)
+    prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
+    assert got == want
