@@ -11,6 +11,13 @@ prompts), one prompt at a time, greedy (argmax of the logits), EOS ignored:
   ``eval`` of one token per further token; decode tok/s = (output_len - 1) / decode
   seconds.
 
+``--cache-type`` sets llama.cpp's KV cache type for K and V (``f16``, its default;
+``q8_0``: 8-bit blocks of 32 with an fp16 scale, 34 bytes per 32 values; ``q4_0``:
+4-bit blocks of 32 with an fp16 scale, 18 bytes per 32 values); a quantized V cache
+needs flash attention, which is then turned on (and also for ``f16`` when
+``--flash-attn`` is given). ``kv_bytes_per_token`` is computed from the GGUF's shape
+(layers x KV heads x head dim, K and V) and the type's bytes per value.
+
 Both are summed over the prompts. One untimed warm-up prompt first (page-in of the
 mapped file, thread start-up). Prints one JSON object; ``--out`` also writes it with
 every prompt's generated token ids.
@@ -25,6 +32,15 @@ which builds llama.cpp with CMake, about 10 minutes or more on 2 cores)::
 
     python3 -m venv /work/lcpp-venv
     CMAKE_ARGS="-DGGML_NATIVE=ON" /work/lcpp-venv/bin/python -m pip install llama-cpp-python
+
+On a CPU that reports AMX but whose kernel does not grant the tiles to the process,
+the native build dies with a general protection fault in ``libggml-cpu`` at the
+first ``eval``; build without AMX instead::
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      /work/lcpp-venv/bin/python -m pip install llama-cpp-python
 
 Run::
 
@@ -44,6 +60,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402
+
+
+CACHE_TYPES = {"f16": ("GGML_TYPE_F16", 2.0), "q8_0": ("GGML_TYPE_Q8_0", 34 / 32),
+               "q4_0": ("GGML_TYPE_Q4_0", 18 / 32)}
+"""``--cache-type`` -> (the ggml type's name in ``llama_cpp``, bytes per value)."""
 
 
 def greedy_run(llm, prompt: list[int], output_len: int) -> tuple[list[int], float, float]:
@@ -87,6 +108,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (decode and batch)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--cache-type", default="f16", choices=sorted(CACHE_TYPES),
+                    help="llama.cpp KV cache type for K and V")
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="flash attention with an f16 cache too (always on when quantized)")
     ap.add_argument("--out", default=None, help="also write the result, with outputs, here")
     args = ap.parse_args()
     if args.output_len < 1:
@@ -97,9 +122,19 @@ def main() -> None:
 
     import llama_cpp
 
+    ggml_type, bytes_per_value = CACHE_TYPES[args.cache_type]
+    flash_attn = args.flash_attn or args.cache_type != "f16"
     llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads,
                           n_threads_batch=args.threads, n_ctx=args.n_ctx, n_batch=args.n_batch,
-                          logits_all=False, verbose=False)
+                          logits_all=False, verbose=False, flash_attn=flash_attn,
+                          type_k=getattr(llama_cpp, ggml_type),
+                          type_v=getattr(llama_cpp, ggml_type))
+    meta = llm.metadata
+    arch = meta.get("general.architecture", "llama")
+    layers = int(meta[f"{arch}.block_count"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta[f"{arch}.embedding_length"]) // heads
     prompts = make_workload(args.num_prompts, args.min_prompt, args.max_prompt, llm.n_vocab(),
                             args.seed)
     greedy_run(llm, prompts[0][:32], 4)   # warm-up
@@ -118,6 +153,8 @@ def main() -> None:
         "file_type": llm.metadata.get("general.file_type"),
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads, "n_ctx": args.n_ctx, "n_batch": args.n_batch,
+        "cache_type": args.cache_type, "flash_attn": flash_attn,
+        "kv_bytes_per_token": round(2 * layers * kv_heads * head_dim * bytes_per_value, 1),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "num_prompts": len(prompts), "prompt_tokens": prompt_tokens,
         "output_len": args.output_len, "seed": args.seed,

@@ -174,12 +174,12 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30
     return out
 
 
-def run_llama_cpp(path: str, prompts, args) -> dict:
+def run_llama_cpp(path: str, prompts, args, cache_type: str = "f16") -> dict:
     cmd = [args.llama_cpp_python, str(Path(__file__).with_name("llama_cpp_peer.py")),
            path, "--num-prompts", str(args.single_prompts), "--output-len",
            str(args.output_len), "--min-prompt", str(args.min_prompt), "--max-prompt",
            str(args.max_prompt), "--seed", str(args.seed), "--threads",
-           str(torch.get_num_threads())]
+           str(torch.get_num_threads()), "--cache-type", cache_type]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -206,6 +206,8 @@ def main() -> None:
                     help="weights + KV budget for the capacity column (MiB)")
     ap.add_argument("--peers", default="", help="llama.cpp (needs --llama-cpp-python)")
     ap.add_argument("--llama-cpp-python", default="/work/lcpp-venv/bin/python")
+    ap.add_argument("--llama-cpp-kv", default="f16",
+                    help="llama.cpp KV cache types to run the Q4_1 file with (f16,q8_0,q4_0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", action="store_true", help="time the linear kernels only")
     ap.add_argument("--out", default=None)
@@ -252,10 +254,14 @@ def main() -> None:
                 path = resolve_model(None).path
             if path is None:
                 continue
-            r = run_llama_cpp(path, prompts, args)
-            result["formats"][f"llama.cpp-{name[5:]}"] = r
-            print(f"llama.cpp-{name[5:]:5s} prefill {r['prefill_tok_s']:6.1f} decode "
-                  f"{r['decode_tok_s']:6.1f} tok/s", flush=True)
+            kv_types = args.llama_cpp_kv.split(",") if name == "gguf-q4_1" else ["f16"]
+            for kv in kv_types:
+                r = run_llama_cpp(path, prompts, args, kv)
+                key = f"llama.cpp-{name[5:]}" + ("" if kv == "f16" else f"-{kv}kv")
+                result["formats"][key] = r
+                print(f"{key:22s} KV {r['kv_bytes_per_token']:6.0f} B/token  prefill "
+                      f"{r['prefill_tok_s']:6.1f} decode {r['decode_tok_s']:6.1f} tok/s",
+                      flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
