@@ -584,17 +584,63 @@ def test_core_kinds_match_the_kubernetes_schemas(k8s):
         kv.validate(bad, K8S_VERSION, strict=True)
 
 
+def _open_paths(schema, doc, path=()):
+    """Where ``doc`` reaches a schema node that accepts any fields
+    (``x-kubernetes-preserve-unknown-fields``): yields each such path."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        yield path
+    elif isinstance(doc, dict) and "properties" in schema:
+        for key, value in doc.items():
+            if key in schema["properties"]:
+                yield from _open_paths(schema["properties"][key], value, (*path, key))
+    elif isinstance(doc, list) and "items" in schema:
+        for i, value in enumerate(doc):
+            yield from _open_paths(schema["items"], value, (*path, i))
+
+
+def test_raycluster_matches_its_crd(k8s):
+    """KubeRay's own fields against the RayCluster CRD's openAPIV3Schema; the core
+    schemas it inlines (left open in the vendored CRD) are checked next, against the
+    core schema itself."""
+    (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
+    group, version = cluster["apiVersion"].split("/")
+    crd, validator = crd_validator(CRDS / "ray.io_rayclusters.yaml", version)
+    assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == cluster["kind"]
+    assert _errors(validator, cluster) == []
+    # The check is not vacuous: a misspelt field, a wrong type, a value outside an
+    # enum, a non-string ray start parameter and a missing required field are refused.
+    bad = json.loads(json.dumps(cluster))
+    bad["spec"]["workerGroupSpecs"][0]["maxReplica"] = 4
+    bad["spec"]["workerGroupSpecs"][1]["replicas"] = "1"
+    bad["spec"]["autoscalerOptions"]["upscalingMode"] = "Fast"
+    bad["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    del bad["spec"]["workerGroupSpecs"][1]["minReplicas"]
+    errors = _errors(validator, bad)
+    for needle in ("workerGroupSpecs/0: Additional properties", "workerGroupSpecs/1/replicas",
+                   "upscalingMode", "rayStartParams/num-cpus",
+                   "workerGroupSpecs/1: 'minReplicas' is a required property"):
+        assert any(needle in e for e in errors), (needle, errors)
+    assert len(errors) == 5
+    # Only the pod templates fall into the CRD's open (core) parts.
+    opened = set(_open_paths(validator.schema, cluster))
+    assert opened == {("spec", "headGroupSpec", "template"),
+                      *(("spec", "workerGroupSpecs", i, "template")
+                        for i in range(len(cluster["spec"]["workerGroupSpecs"])))}
+
+
 def test_raycluster_pod_templates_match_the_kubernetes_schema(k8s):
-    """KubeRay embeds core PodTemplateSpecs: each is checked as a PodTemplate. (The
-    RayCluster CRD's own fields are checked by the tests above; its 900 KB CRD is
-    not vendored.)"""
+    """KubeRay embeds core PodTemplateSpecs: each is checked as a PodTemplate."""
     kv = pytest.importorskip("kubernetes_validate")
     (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
     groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
     for g in groups:
         kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
                      "template": g["template"]}, K8S_VERSION, strict=True)
-        assert all(isinstance(v, str) for v in g["rayStartParams"].values())
+    bad = json.loads(json.dumps(groups[1]["template"]))
+    bad["spec"]["containers"][0]["resource"] = bad["spec"]["containers"][0].pop("resources")
+    with pytest.raises(kv.ValidationError):
+        kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                     "template": bad}, K8S_VERSION, strict=True)
 
 
 def _ray_resources(group: dict) -> dict:
