@@ -120,7 +120,7 @@ class DecodeWorker:
             self.engine.add_request(list(request.prompt_token_ids), request.sampling_params,
                                     request.request_id, request.priority,
                                     request.kv_transfer_params, request.output_token_ids,
-                                    request.output_logprobs)
+                                    request.output_logprobs, request.sample_index)
             self.loop.assign(request.request_id, request.router_id)
             if request.output_token_ids:      # the client has them already
                 self.loop.mark_published(request.request_id, len(request.output_token_ids))

@@ -136,11 +136,13 @@ class Orchestrator:
         (``contextlib.aclosing``): left to the garbage collector, the abort
         would be late on the workers and in the metrics.
 
-        If the decode worker dies mid-request, an ``n == 1`` request moves to
-        another decode worker (request migration, as in Dynamo): it is added
-        there with the tokens it emitted so far (read back from the journal),
-        whose KV that worker recomputes, and continues; the client sees no gap
-        and no duplicate, and a greedy or seeded stream equals the no-failure run.
+        If the decode worker dies mid-request (or is retired), the request moves
+        to another decode worker (request migration, as in Dynamo): it is added
+        there with the tokens it emitted so far (``n == 1``: checked against the
+        journal), whose KV that worker recomputes, and continues; the client sees
+        no gap and no duplicate, and a greedy or seeded stream equals the
+        no-failure run. Each unfinished sample of an ``n > 1`` request resumes as
+        a request of its own that draws from that sample's seed stream.
 
         Args:
             abort_source: what a stop by the consumer means (the front end's
@@ -227,9 +229,9 @@ class Orchestrator:
         """The next attempt after ``lost_id`` went away.
 
         Raises:
-            ServiceUnavailable: ``n > 1``, too many migrations, or no other worker.
+            ServiceUnavailable: too many migrations, or no other worker.
         """
-        if v.sampling_params.n != 1 or att.number >= MAX_MIGRATIONS:
+        if att.number >= MAX_MIGRATIONS:
             raise ServiceUnavailable(f"the request's decode worker {lost_id} failed")
         if att.prefill is not None and att.prefill.alive:
             self._spawn(self._try(att.prefill, "abort", rid))   # never prefill for the dead
@@ -254,21 +256,28 @@ class Orchestrator:
             _WorkerLost: the decode worker died (or was replaced) meanwhile.
         """
         cluster, params = self.cluster, v.sampling_params
-        output_ids, output_lps = (), ()
-        if att.number:
-            output_ids = tuple(samples[0].token_ids)
-            entry = self._journal("load", rid)
-            if entry is not None and tuple(entry.token_ids) != output_ids:
-                raise RuntimeError(f"request {rid}: the journal's tokens disagree with the stream")
-            output_lps = tuple(samples[0].logprobs) if params.logprobs is not None else ()
-        kv = (KVTransferParams(att.prefill.worker_id, attempt=att.number,
-                               peer_generation=att.prefill.generation)
-              if att.prefill is not None else None)
-        req = WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
-                            output_token_ids=output_ids, output_logprobs=output_lps,
-                            router_id=cluster.router_id, attempt=att.number)
+        if att.number and params.n > 1:
+            # Each unfinished sample resumes alone, as sample i (its own seed stream).
+            reqs = [self._resumed_sample(v, rid, s, cluster.router_id, att.number)
+                    for s in samples if not s.finished]
+        else:
+            output_ids, output_lps = (), ()
+            if att.number:
+                output_ids = tuple(samples[0].token_ids)
+                entry = self._journal("load", rid)
+                if entry is not None and tuple(entry.token_ids) != output_ids:
+                    raise RuntimeError(
+                        f"request {rid}: the journal's tokens disagree with the stream")
+                output_lps = tuple(samples[0].logprobs) if params.logprobs is not None else ()
+            kv = (KVTransferParams(att.prefill.worker_id, attempt=att.number,
+                                   peer_generation=att.prefill.generation)
+                  if att.prefill is not None else None)
+            reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
+                                  output_token_ids=output_ids, output_logprobs=output_lps,
+                                  router_id=cluster.router_id, attempt=att.number)]
+        req = reqs[0]
         self._journal("assign", rid, att.decode.worker_id, att.number)
-        att.added = asyncio.ensure_future(cluster.call(att.decode, "add_request", req))
+        att.added = asyncio.ensure_future(self._add(att.decode, reqs))
         try:
             await asyncio.shield(att.added)
         except (WorkerDiedError, WorkerFencedError) as exc:
@@ -284,6 +293,34 @@ class Orchestrator:
                 raise _WorkerLost(item.worker_id)
             for ev in self._consume(v, rid, samples, item, trace):
                 yield ev
+
+    @staticmethod
+    def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,
+                        attempt: int) -> WorkerRequest:
+        """Sample ``s`` of an ``n > 1`` request as an ``n == 1`` request of its own,
+        resuming after the tokens it emitted (id ``rid`` for sample 0, ``rid#i``
+        else, so its deltas reach the same sample stream)."""
+        params = v.sampling_params
+        lps = tuple(s.logprobs) if params.logprobs is not None and s.token_ids else ()
+        return WorkerRequest(rid if s.index == 0 else f"{rid}#{s.index}", v.prompt_token_ids,
+                             dataclasses.replace(params, n=1), v.priority,
+                             output_token_ids=tuple(s.token_ids), output_logprobs=lps,
+                             router_id=router_id, attempt=attempt, sample_index=s.index)
+
+    async def _add(self, w: WorkerHandle, reqs: list[WorkerRequest]) -> None:
+        """Add ``reqs`` to ``w``; all or none: if one is refused, those added are
+        aborted and the first error is raised."""
+        if len(reqs) == 1:
+            await self.cluster.call(w, "add_request", reqs[0])
+            return
+        results = await asyncio.gather(*(self.cluster.call(w, "add_request", r) for r in reqs),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r, res in zip(reqs, results):
+                if not isinstance(res, BaseException):
+                    await self._try(w, "abort", r.request_id)
+            raise errors[0]
 
     def _lost(self, w: WorkerHandle, exc: BaseException):
         """A call to the attempt's decode worker found it gone: raise :class:`_WorkerLost`."""

@@ -70,6 +70,29 @@ def test_a_resumed_request_continues_as_if_never_interrupted(base, case):
     assert engine.runner.sampler.num_seeded_requests == 0
 
 
+def test_each_sample_of_a_seeded_n_request_resumes_alone(base):
+    """Parallel sampling (n = 3, seeded): sample i resumed alone (n == 1,
+    ``sample_index`` i) after some of its tokens gives exactly sample i's tokens."""
+    prompt = base.tokenizer.encode(PROMPT)
+    params = dataclasses.replace(CASES["penalties"], n=3)
+    engine = _fresh(base)
+    ref = engine.add_request(prompt, params)
+    for _ in range(200):
+        if all(r.is_finished for r in ref):
+            break
+        engine.step()
+    want = [r.output_token_ids for r in ref]
+    assert all(len(w) == NUM_TOKENS for w in want) and len({tuple(w) for w in want}) == 3
+    single = dataclasses.replace(params, n=1)
+    for i, resumed in ((0, NUM_RESUMED), (1, 3), (2, NUM_RESUMED), (2, 0)):
+        req = _generate(_fresh(base), prompt, single, output_token_ids=want[i][:resumed],
+                        sample_index=i)
+        assert req.output_token_ids == want[i], (i, resumed)
+    # Without its index the sample draws from sample 0's stream instead.
+    other = _generate(_fresh(base), prompt, single, output_token_ids=want[2][:NUM_RESUMED])
+    assert other.output_token_ids != want[2]
+
+
 def test_logprobs_continue_and_stop_tokens_count_only_new_tokens(base):
     prompt = base.tokenizer.encode(PROMPT)
     params = dataclasses.replace(CASES["greedy"], logprobs=2)
@@ -103,6 +126,8 @@ def test_resume_arguments_are_checked(base):
         ("output_token_ids", dict(params=p, output_token_ids=[5, vocab])),
         ("output_logprobs", dict(params=dataclasses.replace(p, logprobs=0),
                                  output_token_ids=[5, 6], output_logprobs=[None])),
+        ("sample_index", dict(params=dataclasses.replace(p, n=2), sample_index=1)),
+        ("sample_index", dict(params=p, sample_index=-1)),
     ]
     for field, kwargs in bad:
         with pytest.raises(InvalidParameterError, match=field) as err:

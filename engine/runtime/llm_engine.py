@@ -126,7 +126,8 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     kv_transfer_params: KVTransferParams | None = None,
                     output_token_ids: Sequence[int] = (),
-                    output_logprobs: Sequence[TokenLogprobs] = ()) -> list[Request]:
+                    output_logprobs: Sequence[TokenLogprobs] = (),
+                    sample_index: int = 0) -> list[Request]:
         """Queue a prompt. Returns its ``params.n`` sample requests (index order).
 
         With ``kv_transfer_params`` the prompt's KV crosses engines (see
@@ -147,9 +148,15 @@ class LLMEngine:
         With ``params.prompt_logprobs`` the prompt is computed here whole (no
         prefix-cache hits) and its logprobs fill :attr:`Request.prompt_logprobs`.
 
+        One sample of a parallel-sampling request resumes alone (``n == 1`` with
+        ``sample_index`` i): a seeded one draws from sample i's stream
+        (``sampling_params.sample_seed(i)``), so it goes on as sample i of the
+        ``n``-sample request would have.
+
         Args:
             output_token_ids: tokens already generated for this request (n == 1).
             output_logprobs: their :class:`TokenLogprobs` (empty, or one per token).
+            sample_index: which sample of its request this one is (n == 1 only).
 
         Raises:
             InvalidParameterError: empty prompt, unknown token ids, or prompt +
@@ -158,7 +165,8 @@ class LLMEngine:
                 ``n > 1`` or with ``prompt_logprobs`` (they come from the engine
                 that computes the prompt); ``output_token_ids`` with ``n > 1``, with
                 ``kv_transfer_params``, with ids out of the vocabulary or as many
-                as ``max_tokens``; ``output_logprobs`` of another length.
+                as ``max_tokens``; ``output_logprobs`` of another length;
+                ``sample_index`` negative, or not 0 with ``n > 1``.
             ValueError: ``request_id`` is already in use.
         """
         ids = [int(t) for t in prompt_token_ids]
@@ -179,6 +187,9 @@ class LLMEngine:
             raise InvalidParameterError("kv_transfer_params",
                                         "needs an engine with a KV connector, n == 1 and "
                                         "no prompt_logprobs")
+        if sample_index < 0 or (sample_index and params.n > 1):
+            raise InvalidParameterError("sample_index", f"{sample_index}: must be >= 0, and 0 "
+                                                        "unless n == 1 (one sample alone)")
         if outputs:
             self._check_resumed(outputs, output_logprobs, params, kv_transfer_params)
             if params.prompt_logprobs is not None:
@@ -189,7 +200,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         first = Request(rid, ids, params, eos_token_id=eos, priority=priority,
                         kv_transfer_params=kv_transfer_params, output_token_ids=outputs,
-                        output_logprobs=list(output_logprobs))
+                        output_logprobs=list(output_logprobs), sample_index=sample_index)
         first.pending_forks = [
             Request(f"{rid}#{i}", ids, params, eos_token_id=eos, priority=priority,
                     arrival_time=first.arrival_time, sample_index=i, parent_id=rid,

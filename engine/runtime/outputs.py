@@ -35,6 +35,9 @@ class WorkerRequest:
             :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.poll`, and it is
             aborted if that router stops polling. ``""``: the default subscriber.
         attempt: how many times the router started this request before (0 first).
+        sample_index: which sample of an ``n > 1`` request this ``n == 1`` request
+            is (a sample resumed alone after a migration; its seed stream is
+            sample ``sample_index``'s); 0 otherwise.
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class WorkerRequest:
     output_logprobs: tuple[TokenLogprobs, ...] = ()
     router_id: str = ""
     attempt: int = 0
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,12 @@ def _ids(responses) -> list[int]:
 class Stream(threading.Thread):
     """A streaming request on its own thread: tokens, arrival times, final status."""
 
-    def __init__(self, address: str, prompt: str, n: int = N):
+    def __init__(self, address: str, prompt: str, n: int = N, request=None):
         super().__init__(daemon=True)
         self.address, self.prompt, self.n = address, prompt, n
+        self.request = request if request is not None else greedy(prompt, n)
         self.tokens: list[int] = []
+        self.by_index: dict[int, list[int]] = {}     # sample index -> its tokens
         self.times: list[float] = []
         self.code = None
         self.finish = None
@@ -69,8 +71,9 @@ class Stream(threading.Thread):
 
         with grpc.insecure_channel(self.address) as ch:
             try:
-                for r in pb_grpc.TandemStub(ch).Generate(greedy(self.prompt, self.n), timeout=300):
+                for r in pb_grpc.TandemStub(ch).Generate(self.request, timeout=300):
                     self.tokens.extend(r.token_ids)
+                    self.by_index.setdefault(r.index, []).extend(r.token_ids)
                     self.times.extend([time.monotonic()] * len(r.token_ids))
                     if r.finish_reason:
                         self.finish = r.finish_reason
@@ -326,27 +329,53 @@ def test_two_routers_burst_stays_balanced(cluster, router2, baseline):
     _assert_idle(cluster)
 
 
+def _seeded_samples(prompt: str, num_tokens: int):
+    """A streaming seeded parallel-sampling request: 3 samples of ``num_tokens``."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
+        n=3, max_tokens=num_tokens, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True))
+
+
 def test_scale_down_migrates_both_routers_requests_unchanged(cluster, router2, baseline):
     """Retiring a decode worker with no time to drain: requests of this router and of
-    the second one that run on it move to the other decode worker, token-exact; no
-    request fails. (Adding a worker is exercised by tests/cluster/test_autoscaling.py;
-    the tests after this one need one decode worker only.)"""
+    the second one that run on it move to the other decode worker, token-exact, a
+    seeded ``n = 3`` request sample by sample; no request fails. (Adding a worker is
+    exercised by tests/cluster/test_autoscaling.py; the tests after this one need
+    one decode worker only.)"""
+    from tandem.control.journal import RedisJournal
+
     srv = cluster.server.server
     _, address2 = router2
+    parallel = _seeded_samples(PROMPTS[3], 64)
+    ref = Stream(cluster.server.address, PROMPTS[3], request=parallel)
+    ref.join(300)
+    assert ref.code == grpc.StatusCode.OK and sorted(ref.by_index) == [0, 1, 2]
+    assert all(len(t) == 64 for t in ref.by_index.values())
+    assert len({tuple(t) for t in ref.by_index.values()}) == 3      # the samples differ
+    sampled = Stream(cluster.server.address, PROMPTS[3], request=parallel)
     streams = [Stream(cluster.server.address, p, 64) for p in PROMPTS] + \
         [Stream(address2, p, 64) for p in PROMPTS[:2]]
-    _wait(lambda: all(len(s.tokens) >= 3 for s in streams), 120, "every stream to start")
-    # The routers spread them over both decode workers: some run on decode-1.
-    assert srv.cluster.reservations.inflight("decode", ["decode-1"])["decode-1"] > 0
-    left = cluster.server.run(srv.retire_worker("decode-1", drain_timeout_s=0), 60)
+    _wait(lambda: all(len(s.tokens) >= 3 for s in [*streams, sampled]), 120,
+          "every stream to start")
+    # Retire the decode worker that runs the parallel-sampling request (the journal
+    # says which); the routers spread the others over both workers.
+    journal = RedisJournal(srv.state)
+    entries = [e for e in map(journal.load, journal.active()) if e is not None]
+    (victim,) = {e.worker_id for e in entries if e.record["sampling_params"]["n"] == 3}
+    (survivor,) = {"decode-0", "decode-1"} - {victim}
+    assert srv.cluster.reservations.inflight("decode", [victim])[victim] > 1
+    left = cluster.server.run(srv.retire_worker(victim, drain_timeout_s=0), 60)
     assert left > 0
-    for s in streams:
+    for s in [*streams, sampled]:
         s.join(300)
     for s in streams:
         assert s.code == grpc.StatusCode.OK, (s.prompt, s.code)
         assert len(s.tokens) == 64 and s.tokens[:N] == baseline[s.prompt], s.prompt
-    assert [w.worker_id for w in srv.registry.workers("decode")] == ["decode-0"]
-    assert "decode-1" not in srv.actors and srv.state.draining() == {}
+    assert sampled.code == grpc.StatusCode.OK, sampled.details
+    assert sampled.by_index == ref.by_index         # each sample resumed where it was
+    assert [w.worker_id for w in srv.registry.workers("decode")] == [survivor]
+    assert victim not in srv.actors and srv.state.draining() == {}
     _assert_idle(cluster)
     assert _ids(cluster.generate(greedy(PROMPTS[1], N))) == baseline[PROMPTS[1]]
 
