@@ -442,6 +442,7 @@ class Planner:
         loads = await asyncio.to_thread(self.reader.worker_loads, list(ages))
         if self._interval_start is None:        # first tick as leader: discard the backlog
             self._interval_start, self._loads, self._obs = now, [], Observations([], [])
+            await asyncio.to_thread(self._restore_cooldowns, now)
             return []
         self._loads.append(loads)
         self._obs.arrivals += obs.arrivals
@@ -461,19 +462,45 @@ class Planner:
         self.intervals = (self.intervals + [(now, stats, decisions)])[-1000:]
         if self.on_interval is not None:
             self.on_interval(sizes, decisions)
-        await asyncio.to_thread(self._record, stats, decisions)
+        await asyncio.to_thread(self._record, stats, decisions, now)
         return decisions
 
-    def _record(self, stats: IntervalStats, decisions: list[PoolDecision]) -> None:
-        """Keep the last decisions in the cluster state (``{ns}:planner:decisions``)."""
+    def _record(self, stats: IntervalStats, decisions: list[PoolDecision], now: float) -> None:
+        """Keep the last decisions in the cluster state (``{ns}:planner:decisions``),
+        with the seconds since each pool's last change (what the cooldowns count
+        from), for the next leader."""
         state = self.reader.state
+        ages = {p: now - t for p, t in self._last_change.items() if math.isfinite(t)}
         try:
             state.redis.xadd(state.key("planner", "decisions"),
                              {"stats": json.dumps(asdict(stats)),
-                              "decisions": json.dumps([asdict(d) for d in decisions])},
+                              "decisions": json.dumps([asdict(d) for d in decisions]),
+                              "last_change_age_s": json.dumps(ages)},
                              maxlen=1000, approximate=True)
         except Exception as exc:
             logger.debug("recording planner decisions failed: %s", exc)
+
+    def _restore_cooldowns(self, now: float) -> None:
+        """On taking the lead: each pool's last change as the previous leader last
+        recorded it (the newest ``{ns}:planner:decisions`` entry; its id is on the
+        Redis clock, so no two hosts' clocks are compared), so a fail-over neither
+        skips a cooldown (adding a worker right after the old leader did) nor
+        forgets one. Without a record (Redis down, a first leader) nothing changes."""
+        state = self.reader.state
+        try:
+            secs, micros = state.redis.time()
+            newest = state.redis.xrevrange(state.key("planner", "decisions"), count=1)
+        except Exception as exc:
+            logger.debug("reading the last planner decisions failed: %s", exc)
+            return
+        if not newest or "last_change_age_s" not in newest[0][1]:
+            return
+        entry_id, fields = newest[0]
+        since_entry = max(0.0, secs + micros / 1e6 - int(entry_id.split("-")[0]) / 1000)
+        for pool, age in json.loads(fields["last_change_age_s"]).items():
+            if pool in POOLS:
+                t = now - since_entry - float(age)
+                self._last_change[pool] = max(self._last_change.get(pool, -math.inf), t)
 
     def start(self) -> None:
         """Run :meth:`step` every ``sample_interval_s`` on the running loop until :meth:`stop`."""

@@ -293,6 +293,56 @@ def test_planner_steps_read_reports_and_apply_through_the_controller(state):
     assert entries and '"pool": "prefill"' in entries[0][1]["decisions"]
 
 
+def test_a_new_leader_under_load_keeps_the_old_leaders_cooldown(state):
+    """Fail-over under load: the leader adds a prefill worker and dies (no resign);
+    the standby takes the lease after its TTL while the prefill pool is still
+    saturated. It restores the cooldowns from the decisions the old leader recorded,
+    so it holds instead of adding a third worker at once; later, with the cooldown
+    over, it scales on."""
+    reporter = LoadReporter(state, "router-t")
+
+    class Shared(Pools):          # both planners see and change the same pools
+        def worker_ages(self):
+            return {"prefill-0": 100.0, "prefill-1": 100.0, "decode-0": 100.0}
+
+    pools = Shared()
+    cfg = PlannerConfig(interval_s=0.2, sample_interval_s=0.05, prefill_queue_high=100,
+                        scale_up_cooldown_s=2.0, warmup_s=1, max_prefill=4)
+    a = Planner(cfg, LoadReader(state), pools, LeaderElection(state, "planner", 0.4, "a"))
+    b = Planner(cfg, LoadReader(state), pools, LeaderElection(state, "planner", 0.4, "b"))
+    saturated = {"prefill-0": WorkerLoad("prefill", 500), "prefill-1": WorkerLoad("prefill", 500),
+                 "decode-0": WorkerLoad("decode", 0, 0.1)}
+    held = []
+
+    async def tick(*planners):
+        reporter.flush(saturated)
+        for p in planners:
+            for d in await p.step():
+                if d.pool == "prefill" and p is b:
+                    held.append(d)
+        await asyncio.sleep(0.05)
+
+    async def run():
+        while not pools.calls:                   # a leads and adds a prefill worker
+            await tick(a, b)
+        t_change = time.monotonic()
+        # a dies here: it never steps (nor renews) again. b takes over after the TTL.
+        while time.monotonic() - t_change < 1.5:
+            await tick(b)
+        assert b.election.is_leader and pools.calls == [("prefill", 2)]
+        while len(pools.calls) < 2:               # the cooldown ends 2 s after a's change
+            await tick(b)
+        return t_change
+    t_change = asyncio.run(run())
+    assert pools.calls == [("prefill", 2), ("prefill", 3)]
+    *holds, last = held
+    assert holds and all(d.target == d.current == 2 and "held: cooldown" in d.reason
+                         for d in holds), holds
+    assert (last.current, last.target) == (2, 3)
+    assert time.monotonic() - t_change >= cfg.scale_up_cooldown_s - 0.3
+    asyncio.run(b.stop())
+
+
 def test_the_budget_caps_growth_until_the_other_pool_shrinks():
     planner, _ = _planner(max_total_workers=3, max_prefill=3, max_decode=3,
                           scale_down_intervals=1, scale_down_cooldown_s=0, scale_up_cooldown_s=0)
