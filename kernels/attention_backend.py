@@ -226,6 +226,7 @@ class TorchAttentionBackend(AttentionBackend):
     or int4) cache by dequantizing the gathered blocks into the model dtype."""
 
     name = "torch"
+    _int4_token_rows = None      # the int4 per-token write; None: torch's (int4_kv)
 
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
@@ -243,7 +244,7 @@ class TorchAttentionBackend(AttentionBackend):
                 raise ValueError("int4 KV cache: needs the step's write plan (meta.int4_plan) "
                                  "and the layer's open-block K store (k_scale)")
             int4_kv.reshape_and_cache_int4(key, value, key_cache, value_cache, meta.slot_mapping,
-                                           k_scale, meta.int4_plan)
+                                           k_scale, meta.int4_plan, self._int4_token_rows)
             return self.attend(query, key, value, key_cache, value_cache, meta, scale, k_scale,
                                meta.int4_plan.seq_open_entries)
         ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,

@@ -97,7 +97,7 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
 
 
-def _check_rows(row_bytes: int, head_dim: int) -> None:
+def check_token_rows(row_bytes: int, head_dim: int) -> None:
     """Raises ValueError if rows of ``row_bytes`` cannot hold ``head_dim`` channels in
     the per-token format (the smallest row of any block size)."""
     need = head_dim // 2 + 4 * head_dim // int4_kv_group_size(head_dim)
@@ -114,7 +114,7 @@ def quantize_int4_tokens(x: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """
     d = x.shape[-1]
     g = int4_kv_group_size(d)
-    _check_rows(row_bytes, d)
+    check_token_rows(row_bytes, d)
     q, step, lo = _quantize(x.float().unflatten(-1, (d // g, g)), -1)
     out = torch.zeros(*x.shape[:-1], row_bytes, dtype=torch.uint8, device=x.device)
     out[..., :d // 2] = _pack(q.flatten(-2))
@@ -127,7 +127,7 @@ def dequantize_int4_tokens(rows: torch.Tensor, head_dim: int, dtype: torch.dtype
     """Per-token rows ``uint8 [..., Hkv, R]`` -> ``[..., Hkv, D]`` in ``dtype`` (float32 math)."""
     d = head_dim
     g = int4_kv_group_size(d)
-    _check_rows(rows.shape[-1], d)
+    check_token_rows(rows.shape[-1], d)
     q = _unpack(rows[..., :d // 2]).unflatten(-1, (d // g, g))
     params = rows[..., d // 2:d // 2 + 4 * (d // g)].contiguous().view(torch.float16).float()
     params = params.unflatten(-1, (d // g, 2))
@@ -245,19 +245,30 @@ class Int4WritePlan:
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           open_keys: torch.Tensor, plan: Int4WritePlan) -> None:
+                           open_keys: torch.Tensor, plan: Int4WritePlan,
+                           write_token_rows=None) -> None:
     """Write one layer's new K/V ``[T, Hkv, D]`` into an int4 cache ``uint8 [NB, BS, Hkv, R]``.
 
     Every token's K and V row is written in the per-token format at its slot; the
     K of tokens in open blocks is copied into ``open_keys`` (this layer's store,
     ``[S, BS, Hkv, D]`` in the model dtype); then each block the step filled is
     rewritten in the per-channel format, from the store or from the step's K.
+
+    Args:
+        write_token_rows: ``(key, value, key_cache, value_cache, slot_mapping)``
+            writing the per-token rows with the bytes of :func:`quantize_int4_tokens`
+            (e.g. the compiled :func:`tandem.kernels.cpu.ops.reshape_and_cache_int4_rows`);
+            None: the torch code here.
     """
     nb, bs, hkv, row = key_cache.shape
     d = key.shape[-1]
-    key_cache.view(nb * bs, hkv, row).index_copy_(0, slot_mapping, quantize_int4_tokens(key, row))
-    value_cache.view(nb * bs, hkv, row).index_copy_(0, slot_mapping,
-                                                    quantize_int4_tokens(value, row))
+    if write_token_rows is not None:
+        write_token_rows(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        key_cache.view(nb * bs, hkv, row).index_copy_(0, slot_mapping,
+                                                      quantize_int4_tokens(key, row))
+        value_cache.view(nb * bs, hkv, row).index_copy_(0, slot_mapping,
+                                                        quantize_int4_tokens(value, row))
     if plan.store_tokens.numel():
         open_keys.view(-1, hkv, d).index_copy_(0, plan.store_slots,
                                                key.index_select(0, plan.store_tokens)

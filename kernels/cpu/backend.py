@@ -13,8 +13,10 @@ An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
 then take the torch path, which dequantizes the gathered blocks (the bfloat16
 prefill kernel reads bfloat16 caches only).
 
-An int4 (packed ``uint8``) KV cache is written by the torch code of
-:mod:`tandem.kernels.int4_kv` (a step's new rows and the blocks it fills) and
+An int4 (packed ``uint8``) KV cache: a step's new per-token rows are quantized and
+written by the compiled int4 ``reshape_and_cache`` (the bytes of
+:func:`tandem.kernels.int4_kv.quantize_int4_tokens`), the blocks it fills are
+rewritten per channel by the torch code of :mod:`tandem.kernels.int4_kv`; it is
 read by the compiled int4 decode kernel; prefill chunks take the torch path.
 """
 
@@ -43,6 +45,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """
 
     name = "cpu"
+    _int4_token_rows = staticmethod(ops.reshape_and_cache_int4_rows)
 
     def __init__(self, batch_invariant: bool = False) -> None:
         from tandem.kernels.cpu.build import load_library
@@ -73,7 +76,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if key_cache.dtype == torch.uint8:
             if self.batch_invariant:
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto")
-            # Through TorchAttentionBackend: the write in torch, decodes via self._decode.
+            # Through TorchAttentionBackend: the compiled row write (_int4_token_rows),
+            # the rest of the write in torch, decodes via self._decode.
             return super().attention(query, key, value, key_cache, value_cache, meta, scale,
                                      k_scale, v_scale)
         ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,

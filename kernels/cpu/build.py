@@ -127,6 +127,8 @@ _SIGNATURES = {
     "decode_attention_int4": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                               _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR,
                               _INT],
+    "reshape_and_cache_int4": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                               _I64, _I64, _INT],
 }
 # Kernels without a dtype suffix: (argument types, result type).
 _UNSUFFIXED = {
@@ -134,6 +136,7 @@ _UNSUFFIXED = {
     "gguf_block_bytes": ([_INT], _INT),
     "fp8_e4m3_encode": ([_PTR, _PTR, _I64], None),
     "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
+    "float_to_fp16": ([_PTR, _PTR, _I64], None),
 }
 # Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
 _BF16_ONLY = {

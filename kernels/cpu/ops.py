@@ -255,6 +255,39 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key.shape[1] * key.shape[2])
 
 
+def reshape_and_cache_int4_rows(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into an int4 cache ``uint8 [NB, BS, Hkv, R]``
+    at ``slot_mapping`` ``[T]`` (negative = skip), every row in the per-token format:
+    the rows of :func:`tandem.kernels.int4_kv.quantize_int4_tokens`, bit for bit,
+    quantized and stored in one pass (the per-channel rewrite of filled blocks and
+    the open-block store stay in :func:`~tandem.kernels.int4_kv.reshape_and_cache_int4`).
+
+    Raises:
+        ValueError: non-contiguous caches, rows that cannot hold ``D`` channels, or a
+            dtype other than float32 / bfloat16.
+    """
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache/value_cache: must be contiguous")
+    nb, bs, hkv, row = key_cache.shape
+    d = key.shape[-1]
+    int4_kv.check_token_rows(row, d)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _fn("reshape_and_cache_int4", key.dtype)(
+        key.data_ptr(), _rows(key, "key"), value.data_ptr(), _rows(value, "value"),
+        key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0], hkv, d,
+        int4_kv.int4_kv_group_size(d), row, torch.get_num_threads())
+
+
+def float_to_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (any shape) -> ``torch.float16`` by the compiled conversion of the
+    int4 write (round to nearest even); meant to equal ``x.to(torch.float16)`` bit for bit."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.float16)
+    load_library().tandem_float_to_fp16(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add.

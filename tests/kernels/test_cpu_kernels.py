@@ -106,6 +106,54 @@ def test_reshape_and_cache_is_exact(dtype):
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
 
 
+def test_float_to_fp16_rounds_like_torch():
+    """Every fp16 value, every midpoint between neighbours (ties to even) and the
+    float32 just either side of it, the subnormal range, overflow and specials."""
+    h = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    v = h.float()
+    v = v[torch.isfinite(v)]
+    up = torch.nextafter(v.to(torch.float16), torch.tensor(float("inf"), dtype=torch.float16)).float()
+    mid = (v + up) / 2                                      # exact in float32
+    mid = mid[torch.isfinite(mid)]
+    near = torch.cat([torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)])
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65519.99, 65520.0,
+                            1e6, -1e6, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -26, 1e-30])
+    x = torch.cat([v, mid, near, special, torch.randn(10000) * 100])
+    got = ops.float_to_fp16(x).view(torch.int16)
+    assert torch.equal(got, x.to(torch.float16).view(torch.int16))
+    nan = ops.float_to_fp16(torch.tensor([float("nan")]))
+    assert torch.isnan(nan).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv,d,bs", [(3, 64, 16), (2, 40, 8), (1, 128, 32)])
+def test_int4_row_write_equals_the_torch_rows(dtype, hkv, d, bs):
+    """The compiled per-token int4 write stores exactly the rows of
+    ``int4_kv.quantize_int4_tokens``, at the slots, leaving other slots alone."""
+    from tandem.kernels import int4_kv
+
+    row = int4_kv.int4_kv_row_bytes(d, bs)
+    g = torch.Generator().manual_seed(d)
+    kv = (torch.randn(7, 3, hkv, d, generator=g) * 3).to(dtype)    # strided [T, K|V|x, Hkv, D]
+    kv[2, 0, 0] = 1.5                                        # a constant group: step 0
+    kv[3, 1, -1, : d // 2] = 0.0
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([0, 5, 9, -1, 17, 4, 30])
+    kc = torch.full((30 // bs + 1, bs, hkv, row), 0xAB, dtype=torch.uint8)
+    vc = kc.clone()
+    ops.reshape_and_cache_int4_rows(key, value, kc, vc, slots)
+    keep = slots >= 0
+    want_k, want_v = (int4_kv.quantize_int4_tokens(x[keep], row) for x in (key, value))
+    flat_k, flat_v = kc.view(-1, hkv, row), vc.view(-1, hkv, row)
+    assert torch.equal(flat_k[slots[keep]], want_k) and torch.equal(flat_v[slots[keep]], want_v)
+    others = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    others[slots[keep]] = False
+    assert (flat_k[others] == 0xAB).all() and (flat_v[others] == 0xAB).all()
+    with pytest.raises(ValueError, match="cannot hold"):
+        small = torch.zeros(*kc.shape[:3], 8, dtype=torch.uint8)
+        ops.reshape_and_cache_int4_rows(key, value, small, small.clone(), slots)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, with_residual):

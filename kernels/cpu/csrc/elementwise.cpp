@@ -100,6 +100,82 @@ void rotary_embedding(const int64_t* positions, T* query, int64_t q_stride, int6
     }
 }
 
+// float32 -> IEEE fp16 bits, round to nearest even (as torch's .to(torch.float16)):
+// overflow to +-inf, subnormals rounded at 2^-24, NaN kept quiet. Software only, so
+// the one code path is the one the tests check on every CPU.
+inline uint16_t float_to_fp16(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)                             // inf, NaN
+        return sign | 0x7c00u | (ax > 0x7f800000u ? 0x0200u : 0u);
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;      // >= 65520: rounds to inf
+    if (ax < 0x38800000u) {                            // under 2^-14: subnormal (or 0)
+        float a;
+        std::memcpy(&a, &ax, sizeof a);
+        return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));   // x 2^24
+    }
+    uint32_t h = ((((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu));
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;   // carries into the exponent
+    return sign | static_cast<uint16_t>(h);
+}
+
+// The per-token int4 KV write (format in tandem/kernels/int4_kv.py): each of the n
+// tokens' K and V rows [Hkv, D] is quantized per group of `grp` channels (lo =
+// fp16(min), step = fp16((max - lo) / 15), codes round((x - lo) / step) in 0..15,
+// the float32 steps of int4_kv.quantize_int4_tokens, bit for bit) and stored as
+// one `rb`-byte row per (token, KV head) at its slot: D/2 bytes of nibbles (low
+// nibble first), then (step, lo) fp16 per group, zeros after. slot < 0: skipped.
+template <typename T>
+void int4_write_row(const T* x, uint8_t* r, int64_t d, int64_t grp, int64_t rb) {
+    std::memset(r, 0, static_cast<size_t>(rb));
+    uint8_t* params = r + d / 2;
+    float y[16];
+    for (int64_t g0 = 0; g0 < d; g0 += grp) {
+        float mn = to_float(x[g0]), mx = mn;
+        for (int64_t j = 1; j < grp; ++j) {
+            const float v = to_float(x[g0 + j]);
+            mn = std::min(mn, v);
+            mx = std::max(mx, v);
+        }
+        const uint16_t lo16 = float_to_fp16(mn);
+        const float lo = fp16_to_float(reinterpret_cast<const uint8_t*>(&lo16));
+        const uint16_t step16 = float_to_fp16((mx - lo) / 15.0f);
+        const float step = fp16_to_float(reinterpret_cast<const uint8_t*>(&step16));
+        const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+        std::memcpy(params + 4 * (g0 / grp), &step16, 2);
+        std::memcpy(params + 4 * (g0 / grp) + 2, &lo16, 2);
+        for (int64_t j = 0; j < grp; j += 16) {
+            const int64_t m = std::min<int64_t>(16, grp - j);
+            for (int64_t k = 0; k < m; ++k) {
+                const float q = std::nearbyint((to_float(x[g0 + j + k]) - lo) * inv);
+                y[k] = std::min(15.0f, std::max(0.0f, q));
+            }
+            for (int64_t k = 0; k < m; k += 2)
+                r[(g0 + j + k) / 2] = static_cast<uint8_t>(
+                    static_cast<uint32_t>(y[k]) | (static_cast<uint32_t>(y[k + 1]) << 4));
+        }
+    }
+}
+
+template <typename T>
+void reshape_and_cache_int4(const T* key, int64_t key_stride, const T* value,
+                            int64_t value_stride, uint8_t* kc, uint8_t* vc, const int64_t* slots,
+                            int64_t n, int64_t hkv, int64_t d, int64_t grp, int64_t rb,
+                            int num_threads) {
+#pragma omp parallel for num_threads(threads_for(n * hkv * d, num_threads, 1 << 14)) schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;   // padding token: nothing to store
+        for (int64_t h = 0; h < hkv; ++h) {
+            int4_write_row(key + t * key_stride + h * d, kc + (slot * hkv + h) * rb, d, grp, rb);
+            int4_write_row(value + t * value_stride + h * d, vc + (slot * hkv + h) * rb, d, grp, rb);
+        }
+    }
+}
+
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t n, int64_t f, int num_threads) {
 #pragma omp parallel for num_threads(threads_for(n * f, num_threads, 1 << 14)) schedule(static)
@@ -156,10 +232,24 @@ using tandem_cpu::bf16;
                                              static_cast<tandem_cpu::fp8*>(kc),                  \
                                              static_cast<tandem_cpu::fp8*>(vc), slots, n, hkv, d, \
                                              k_scale, v_scale);                                   \
+    }                                                                                             \
+    extern "C" void tandem_reshape_and_cache_int4_##SUFFIX(                                      \
+        const void* key, int64_t key_stride, const void* value, int64_t value_stride, void* kc,  \
+        void* vc, const int64_t* slots, int64_t n, int64_t hkv, int64_t d, int64_t grp,          \
+        int64_t rb, int nt) {                                                                     \
+        tandem_cpu::reshape_and_cache_int4<T>(static_cast<const T*>(key), key_stride,            \
+                                              static_cast<const T*>(value), value_stride,        \
+                                              static_cast<uint8_t*>(kc), static_cast<uint8_t*>(vc), \
+                                              slots, n, hkv, d, grp, rb, nt);                     \
     }
 
 TANDEM_EXPORT(f32, float)
 TANDEM_EXPORT(bf16, bf16)
+
+// float32 -> fp16 bits on its own, for tests against torch's .to(torch.float16).
+extern "C" void tandem_float_to_fp16(const float* x, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = tandem_cpu::float_to_fp16(x[i]);
+}
 
 // e4m3 conversions on their own, for tests against torch.float8_e4m3fn.
 extern "C" void tandem_fp8_e4m3_encode(const float* x, uint8_t* out, int64_t n) {
