@@ -256,26 +256,21 @@ class Orchestrator:
             _WorkerLost: the decode worker died (or was replaced) meanwhile.
         """
         cluster, params = self.cluster, v.sampling_params
-        if att.number and params.n > 1:
-            # Each unfinished sample resumes alone, as sample i (its own seed stream).
+        if att.number:
+            # Each unfinished sample resumes after its own tokens (as sample i: its
+            # own seed stream); an n == 1 request's tokens are checked against the journal.
+            if params.n == 1:
+                entry = self._journal("load", rid)
+                if entry is not None and list(entry.token_ids) != samples[0].token_ids:
+                    raise RuntimeError(
+                        f"request {rid}: the journal's tokens disagree with the stream")
             reqs = [self._resumed_sample(v, rid, s, cluster.router_id, att.number)
                     for s in samples if not s.finished]
         else:
-            output_ids, output_lps = (), ()
-            if att.number:
-                output_ids = tuple(samples[0].token_ids)
-                entry = self._journal("load", rid)
-                if entry is not None and tuple(entry.token_ids) != output_ids:
-                    raise RuntimeError(
-                        f"request {rid}: the journal's tokens disagree with the stream")
-                output_lps = tuple(samples[0].logprobs) if params.logprobs is not None else ()
-            kv = (KVTransferParams(att.prefill.worker_id, attempt=att.number,
-                                   peer_generation=att.prefill.generation)
+            kv = (KVTransferParams(att.prefill.worker_id, peer_generation=att.prefill.generation)
                   if att.prefill is not None else None)
             reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
-                                  output_token_ids=output_ids, output_logprobs=output_lps,
-                                  router_id=cluster.router_id, attempt=att.number)]
-        req = reqs[0]
+                                  router_id=cluster.router_id)]
         self._journal("assign", rid, att.decode.worker_id, att.number)
         att.added = asyncio.ensure_future(self._add(att.decode, reqs))
         try:
@@ -284,8 +279,8 @@ class Orchestrator:
             self._lost(att.decode, exc)
         if att.prefill is None and trace is not None and trace.dispatched is None:
             trace.dispatched = time.monotonic()
-        if att.prefill is not None:
-            async for ev in self._remote_prefill(req, att, samples, queue, trace):
+        if att.prefill is not None:          # the first attempt: reqs is the one request
+            async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
                 yield ev
         while not all(s.finished for s in samples):
             item = await queue.get()
@@ -297,9 +292,9 @@ class Orchestrator:
     @staticmethod
     def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,
                         attempt: int) -> WorkerRequest:
-        """Sample ``s`` of an ``n > 1`` request as an ``n == 1`` request of its own,
-        resuming after the tokens it emitted (id ``rid`` for sample 0, ``rid#i``
-        else, so its deltas reach the same sample stream)."""
+        """Sample ``s`` of a request as an ``n == 1`` request of its own, resuming
+        after the tokens it emitted (id ``rid`` for sample 0, ``rid#i`` else, so its
+        deltas reach the same sample stream)."""
         params = v.sampling_params
         lps = tuple(s.logprobs) if params.logprobs is not None and s.token_ids else ()
         return WorkerRequest(rid if s.index == 0 else f"{rid}#{s.index}", v.prompt_token_ids,
@@ -310,9 +305,6 @@ class Orchestrator:
     async def _add(self, w: WorkerHandle, reqs: list[WorkerRequest]) -> None:
         """Add ``reqs`` to ``w``; all or none: if one is refused, those added are
         aborted and the first error is raised."""
-        if len(reqs) == 1:
-            await self.cluster.call(w, "add_request", reqs[0])
-            return
         results = await asyncio.gather(*(self.cluster.call(w, "add_request", r) for r in reqs),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -269,7 +269,7 @@ def reshape_and_cache_int4_rows(key: torch.Tensor, value: torch.Tensor, key_cach
     """
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache/value_cache: must be contiguous")
-    nb, bs, hkv, row = key_cache.shape
+    *_, hkv, row = key_cache.shape
     d = key.shape[-1]
     int4_kv.check_token_rows(row, d)
     slots = slot_mapping.to(torch.int64).contiguous()

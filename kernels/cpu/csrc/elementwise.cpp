@@ -132,7 +132,6 @@ template <typename T>
 void int4_write_row(const T* x, uint8_t* r, int64_t d, int64_t grp, int64_t rb) {
     std::memset(r, 0, static_cast<size_t>(rb));
     uint8_t* params = r + d / 2;
-    float y[16];
     for (int64_t g0 = 0; g0 < d; g0 += grp) {
         float mn = to_float(x[g0]), mx = mn;
         for (int64_t j = 1; j < grp; ++j) {
@@ -147,16 +146,12 @@ void int4_write_row(const T* x, uint8_t* r, int64_t d, int64_t grp, int64_t rb) 
         const float inv = step > 0.0f ? 1.0f / step : 0.0f;
         std::memcpy(params + 4 * (g0 / grp), &step16, 2);
         std::memcpy(params + 4 * (g0 / grp) + 2, &lo16, 2);
-        for (int64_t j = 0; j < grp; j += 16) {
-            const int64_t m = std::min<int64_t>(16, grp - j);
-            for (int64_t k = 0; k < m; ++k) {
-                const float q = std::nearbyint((to_float(x[g0 + j + k]) - lo) * inv);
-                y[k] = std::min(15.0f, std::max(0.0f, q));
-            }
-            for (int64_t k = 0; k < m; k += 2)
-                r[(g0 + j + k) / 2] = static_cast<uint8_t>(
-                    static_cast<uint32_t>(y[k]) | (static_cast<uint32_t>(y[k + 1]) << 4));
-        }
+        auto code = [&](int64_t i) {
+            const float q = std::nearbyint((to_float(x[i]) - lo) * inv);
+            return static_cast<uint32_t>(std::min(15.0f, std::max(0.0f, q)));
+        };
+        for (int64_t i = g0; i < g0 + grp; i += 2)
+            r[i / 2] = static_cast<uint8_t>(code(i) | (code(i + 1) << 4));
     }
 }
 
