@@ -91,7 +91,10 @@ def test_parity_each_prompt_alone(base_llm, prompts, reference):
 def test_chunked_prefill_on_off(base_llm, prompts, reference, chunked, budget):
     llm = LLM(dtype="float32", num_blocks=512, enable_chunked_prefill=chunked,
               max_num_batched_tokens=budget, weights_from=base_llm)
-    check_parity(llm, prompts, reference)
+    # Both long prompts (661 and 715 tokens: 11 and 12 chunks) beside two short ones,
+    # whose decode steps share the budget with those chunks.
+    keep = [0, 3, 4, 7]
+    check_parity(llm, [prompts[i] for i in keep], [reference[i] for i in keep])
 
 
 def test_prefix_caching_on_off(base_llm, prompts, reference):

@@ -118,7 +118,11 @@ class LlamaForCausalLM(nn.Module):
 
             self.model.embed_tokens = GGUFEmbedding(cfg.vocab_size, cfg.hidden_size)
         else:
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # ``_weight``: no random init, which on the meta device would run torch's
+            # Python reference of normal_ and import torch._dynamo (1.5 s per process).
+            self.model.embed_tokens = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, linear_method)
                                           for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
