@@ -7,7 +7,8 @@
     tandem chat --endpoint HOST:PORT "message"       gRPC client, chat template, streaming
     tandem generate "prompt" ...                     no endpoint: offline, engine in this process
     tandem quantize --method gptq --output DIR       int4 GPTQ / RTN / AWQ checkpoint, or a
-                                                     GGUF file in another block type (q8_0)
+                                                     GGUF file in another block type (q8_0,
+                                                     q4_k_m, ...)
 """
 
 from __future__ import annotations
@@ -502,7 +503,7 @@ def _cmd_quantize(args) -> int:
     return 0
 
 
-GGUF_REQUANTIZE_METHODS = ("q8_0", "q4_0", "q4_1")
+GGUF_REQUANTIZE_METHODS = ("q8_0", "q6_k", "q5_0", "q4_k_m", "q4_k", "q4_0", "q4_1")
 
 
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
@@ -511,8 +512,9 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                    help="gptq (Frantar et al. 2022: error feedback from calibration "
                         "activations) or rtn (round-to-nearest, no calibration): an AutoGPTQ "
                         "checkpoint dir; awq (Lin et al. 2023: activation-aware scales and "
-                        "clipping): an AutoAWQ checkpoint dir; q8_0, q4_0, q4_1: the GGUF file "
-                        "rewritten in that block type (--output is a .gguf path)")
+                        "clipping): an AutoAWQ checkpoint dir; q8_0, q6_k, q5_0, q4_k, q4_0, "
+                        "q4_1: the GGUF file rewritten in that block type, q4_k_m: in "
+                        "llama.cpp's Q4_K_M mix (--output is a .gguf path)")
     p.add_argument("--model", default=None,
                    help="a .gguf file or a dense Hugging Face checkpoint dir "
                         "(default: SmolLM2-135M-Instruct)")

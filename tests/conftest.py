@@ -29,6 +29,15 @@ def f32_weights():
 
 
 @pytest.fixture(scope="session")
+def gguf_source(model_files):
+    """A ``gguf.GGUFReader`` open on the default model's file (parsing its fields
+    takes seconds: opened once for the tests that read or requantize it)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(model_files.path)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_files):
     from tandem.engine.text.tokenizer import Tokenizer
 

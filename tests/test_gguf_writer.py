@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from tandem.engine.quantization.gguf_writer import (field_value, requantize_gguf,
                                                     tensor_kind)
+from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
 
 
 def test_tensor_kinds():
@@ -144,7 +145,7 @@ def test_file_type_and_quantization_version_added_and_alignment_kept(tmp_path):
 
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="qtype"):
-        requantize_gguf(str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "Q4_K")
+        requantize_gguf(str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "Q5_K")
     src = tiny_gguf(tmp_path / "src.gguf")
     with pytest.raises(ValueError, match="dst"):
         requantize_gguf(src, src, "Q8_0")
@@ -160,11 +161,45 @@ def test_bad_arguments_are_named(tmp_path):
                                                           "out.gguf", "src.gguf"]
 
 
+def test_k_quant_targets_mix_and_fall_back_as_llama_cpp(tmp_path):
+    """Q4_K_M: Q6_K for the output matrix and for attn_v / ffn_down of the layers
+    llama.cpp gives more bits (of 2 layers: layer 1), Q4_K elsewhere; rows that are
+    not whole 256-weight super-blocks take Q5_0 (for Q4_K) or Q8_0 (for Q6_K)."""
+    wide = [("blk.1.ffn_down.weight", _matrix(8, 512)), ("blk.1.attn_v.weight", _matrix(4, 256)),
+            ("blk.1.attn_q.weight", _matrix(4, 256))]
+    src = GGUFReader(tiny_gguf(tmp_path / "src.gguf", extra_tensors=wide))
+    dst = str(tmp_path / "q4_k_m.gguf")
+    stats = requantize_gguf(src, dst, "Q4_K_M")
+    out = {t.name: t for t in GGUFReader(dst).tensors}
+    want = {"blk.0.attn_q.weight": QT.Q5_0, "blk.0.attn_k.weight": QT.Q5_0,
+            "blk.0.ffn_down.weight": QT.Q5_0, "blk.0.ffn_up.weight": QT.Q5_0,
+            "blk.1.ffn_down.weight": QT.Q6_K, "blk.1.attn_v.weight": QT.Q6_K,
+            "blk.1.attn_q.weight": QT.Q4_K, "output.weight": QT.Q8_0,
+            "token_embd.weight": QT.Q5_0}
+    assert {name: out[name].tensor_type for name in want} == want
+    for t in src.tensors:
+        if t.name not in want:
+            continue
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(t.shape.tolist()[::-1])
+        packed = {QT.Q4_K: quantize_q4_k, QT.Q6_K: quantize_q6_k}.get(
+            want[t.name], lambda a: quantize(a, want[t.name]))(w)
+        assert np.array_equal(out[t.name].data.reshape(-1), packed.reshape(-1)), t.name
+    assert stats["file_type"] == int(LlamaFileType.MOSTLY_Q4_K_M)
+    assert stats["kinds"]["projection"]["types_after"] == ["Q4_K", "Q5_0", "Q6_K"]
+    # A plain Q4_K target: the wide rows in Q4_K, the narrow ones in Q5_0.
+    stats = requantize_gguf(src, dst, "Q4_K")
+    out = {t.name: t.tensor_type for t in GGUFReader(dst).tensors}
+    assert out["blk.1.ffn_down.weight"] == out["blk.1.attn_v.weight"] == QT.Q4_K
+    assert out["blk.0.attn_q.weight"] == out["output.weight"] == QT.Q5_0
+    assert stats["file_type"] == int(LlamaFileType.MOSTLY_Q4_K_S)
+
+
 @pytest.fixture(scope="module")
-def requantized(model_files, tmp_path_factory):
+def requantized(gguf_source, tmp_path_factory):
     """``(source reader, Q8_0 file path, its reader, stats)``: the default model
     requantized to Q8_0 once for the module."""
-    src = GGUFReader(model_files.path)
+    src = gguf_source
     dst = str(tmp_path_factory.mktemp("gguf") / "model-q8_0.gguf")
     stats = requantize_gguf(src, dst, "Q8_0")
     return src, dst, GGUFReader(dst), stats

@@ -1,4 +1,5 @@
-"""Requantize a GGUF file to another GGUF type (Q8_0, Q4_0, Q4_1, F16, F32).
+"""Requantize a GGUF file to another GGUF type (Q8_0, Q6_K, Q5_0, Q4_K, Q4_0, Q4_1,
+F16, F32) or to the Q4_K_M mix.
 
 :func:`requantize_gguf` reads a GGUF file with ``gguf.GGUFReader`` and writes a new
 one with ``gguf.GGUFWriter``:
@@ -10,12 +11,21 @@ one with ``gguf.GGUFWriter``:
   ``ffn_gate``, ``ffn_up``, ``ffn_down``) and, unless ``keep_embedding``, the
   embedding and output matrices (``token_embd``, ``output``) are dequantized with
   ``gguf.quants.dequantize`` and quantized to the new type with
-  ``gguf.quants.quantize``, row by row; the rows stay in the order the file stores
+  ``gguf.quants.quantize`` (Q4_K and Q6_K, which gguf-py cannot write, with
+  :mod:`~tandem.engine.quantization.kquants`), row by row; the rows stay in the order the file stores
   them (``attn_q`` / ``attn_k`` in llama.cpp's permuted order, which a row-wise
   requantization keeps), so the result is read exactly as the source is. A tensor
   already stored in the target type is copied as stored (requantizing it could only
   add rounding);
 - 1-D tensors (the norms) are written as F32; other tensors are copied as stored.
+
+K-quant rows must hold whole 256-weight super-blocks. A tensor whose rows do not
+(SmolLM2-135M's hidden size is 576) takes llama.cpp's fallback type instead
+(:data:`KQUANT_FALLBACK`: Q4_K -> Q5_0, Q6_K -> Q8_0), as ``llama-quantize`` does.
+``Q4_K_M`` is llama.cpp's mix of that name (:func:`q4_k_m_type`): Q4_K, with Q6_K for
+the output matrix (the token embedding when the output is tied to it) and for
+``attn_v`` / ``ffn_down`` of the first and last eighth of the layers and every third
+layer between.
 
 Tensors are written one at a time (the output's layout is planned from the shapes
 first), so memory holds one tensor's float32 copy at a time, not the model.
@@ -32,14 +42,20 @@ import numpy as np
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
-#: Target types :func:`requantize_gguf` writes, by their ``gguf.GGMLQuantizationType`` name.
-REQUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "F32")
+#: Targets :func:`requantize_gguf` writes: ``gguf.GGMLQuantizationType`` names, and the
+#: ``Q4_K_M`` mix.
+REQUANTIZE_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q4_K", "Q4_K_M", "Q4_0", "Q4_1", "F16", "F32")
+
+#: ggml type name -> the type llama.cpp uses for rows that are not whole super-blocks.
+KQUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
 #: GGUF tensor-name stems of the projection matrices (``blk.{i}.<stem>.weight``).
 PROJECTION_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                     "ffn_down")
 #: GGUF tensor names of the embedding and the output (LM head) matrices.
 EMBEDDING_NAMES = ("token_embd.weight", "output.weight")
+
+QT_K_BLOCK = 256     # weights per K-quant super-block
 
 # Fields the reader synthesises from the file header; the writer writes its own.
 _HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
@@ -64,12 +80,40 @@ def tensor_kind(name: str, n_dims: int) -> str:
     return "other"
 
 
-def _file_type(qtype) -> int:
-    from gguf import GGMLQuantizationType as QT
+def _file_type(target: str) -> int:
+    """``general.file_type`` of a file requantized to ``target`` (plain Q4_K files are
+    llama.cpp's ``Q4_K_S``, the mix without the Q6_K layers)."""
     from gguf import LlamaFileType as FT
 
-    return int({QT.F32: FT.ALL_F32, QT.F16: FT.MOSTLY_F16, QT.Q4_0: FT.MOSTLY_Q4_0,
-                QT.Q4_1: FT.MOSTLY_Q4_1, QT.Q8_0: FT.MOSTLY_Q8_0}[qtype])
+    return int({"F32": FT.ALL_F32, "F16": FT.MOSTLY_F16, "Q4_0": FT.MOSTLY_Q4_0,
+                "Q4_1": FT.MOSTLY_Q4_1, "Q5_0": FT.MOSTLY_Q5_0, "Q8_0": FT.MOSTLY_Q8_0,
+                "Q4_K": FT.MOSTLY_Q4_K_S, "Q4_K_M": FT.MOSTLY_Q4_K_M,
+                "Q6_K": FT.MOSTLY_Q6_K}[target])
+
+
+def _use_more_bits(layer: int, num_layers: int) -> bool:
+    # llama.cpp's choice of the layers that get more bits in its _M mixes.
+    return (layer < num_layers // 8 or layer >= 7 * num_layers // 8
+            or (layer - num_layers // 8) % 3 == 2)
+
+
+def q4_k_m_type(name: str, num_layers: int, has_output: bool) -> str:
+    """The ggml type name the ``Q4_K_M`` mix gives matrix ``name`` (before the
+    fallback for rows that are not whole super-blocks).
+
+    Args:
+        name: GGUF tensor name (``blk.{i}.attn_v.weight``, ``output.weight``, ...).
+        num_layers: the model's decoder layers.
+        has_output: whether the file stores an ``output.weight`` (else the output
+            projection is the token embedding).
+    """
+    if name == "output.weight" or (name == "token_embd.weight" and not has_output):
+        return "Q6_K"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") \
+            and _use_more_bits(int(parts[1]), num_layers):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def field_value(field) -> tuple[Any, Any, Any]:
@@ -100,7 +144,8 @@ def field_value(field) -> tuple[Any, Any, Any]:
     return [field.parts[i][0].item() for i in field.data], vtype, etype
 
 
-def _plan(reader, qtype, keep_embedding: bool) -> list[tuple[Any, str, Any, tuple[int, ...], int]]:
+def _plan(reader, target: str, keep_embedding: bool
+          ) -> list[tuple[Any, str, Any, tuple[int, ...], int]]:
     """Per source tensor: ``(tensor, kind, out_type, numpy shape, out_nbytes)``.
 
     Raises:
@@ -109,6 +154,9 @@ def _plan(reader, qtype, keep_embedding: bool) -> list[tuple[Any, str, Any, tupl
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import quant_shape_to_byte_shape
 
+    names = {t.name for t in reader.tensors}
+    num_layers = 1 + max((int(n.split(".")[1]) for n in names
+                          if n.startswith("blk.") and n.split(".")[1].isdigit()), default=-1)
     plan = []
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))   # GGUF lists fastest dim first
@@ -116,7 +164,11 @@ def _plan(reader, qtype, keep_embedding: bool) -> list[tuple[Any, str, Any, tupl
         if kind == "norm":
             out_type = QT.F32
         elif kind == "projection" or (kind == "embedding" and not keep_embedding):
-            out_type = qtype
+            name = (q4_k_m_type(t.name, num_layers, "output.weight" in names)
+                    if target == "Q4_K_M" else target)
+            if name in KQUANT_FALLBACK and shape[-1] % QT_K_BLOCK:
+                name = KQUANT_FALLBACK[name]
+            out_type = QT[name]
         else:
             out_type = t.tensor_type
         if out_type == t.tensor_type:
@@ -132,13 +184,18 @@ def _plan(reader, qtype, keep_embedding: bool) -> list[tuple[Any, str, Any, tupl
 
 def _converted(t, out_type, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``t``'s data in ``out_type``: as stored if the type is unchanged, else
-    dequantized to float32 and quantized (``gguf.quants``)."""
+    dequantized to float32 and quantized (``gguf.quants``, or :mod:`.kquants` for the
+    K-quants)."""
+    from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize, quantize
+
+    from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
 
     if out_type == t.tensor_type:
         return np.ascontiguousarray(t.data)
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-    return np.ascontiguousarray(quantize(w, out_type))
+    kquant = {QT.Q4_K: quantize_q4_k, QT.Q6_K: quantize_q6_k}.get(out_type)
+    return np.ascontiguousarray(quantize(w, out_type) if kquant is None else kquant(w))
 
 
 def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike, qtype: str,
@@ -155,7 +212,8 @@ def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike,
             field, the tokenizer's vocabulary element by element: seconds). Its
             converted tensors may be of any type ``gguf.quants`` can dequantize.
         dst: path of the file to write (replaced if it exists); must differ from ``src``.
-        qtype: the target type, one of :data:`REQUANTIZE_TYPES`.
+        qtype: the target, one of :data:`REQUANTIZE_TYPES` (a K-quant falls back per
+            tensor as the module docstring says).
         keep_embedding: copy ``token_embd`` / ``output`` as stored instead of
             requantizing them.
 
@@ -190,12 +248,11 @@ def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike,
                          f"machine's is not supported")
     if os.path.exists(dst) and os.path.samefile(src_path, dst):
         raise ValueError(f"dst: {dst!r} is the source file")
-    target = QT[qtype]
     arch_field = reader.fields.get(Keys.General.ARCHITECTURE)
     if arch_field is None:
         raise ValueError(f"{src_path}: no {Keys.General.ARCHITECTURE} field")
     arch = arch_field.contents()
-    plan = _plan(reader, target, keep_embedding)
+    plan = _plan(reader, qtype, keep_embedding)
 
     out_dir = os.path.dirname(os.path.abspath(dst))
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".gguf")
@@ -206,14 +263,14 @@ def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike,
             if key in _HEADER_FIELDS or key == Keys.General.ARCHITECTURE:
                 continue
             if key == Keys.General.FILE_TYPE:
-                writer.add_key_value(key, _file_type(target), field.types[0])
+                writer.add_key_value(key, _file_type(qtype), field.types[0])
                 continue
             value, vtype, etype = field_value(field)
             writer.add_key_value(key, value, vtype, sub_type=etype)
         if Keys.General.FILE_TYPE not in reader.fields:
-            writer.add_key_value(Keys.General.FILE_TYPE, _file_type(target), GGUFValueType.UINT32)
+            writer.add_key_value(Keys.General.FILE_TYPE, _file_type(qtype), GGUFValueType.UINT32)
         if (Keys.General.QUANTIZATION_VERSION not in reader.fields
-                and target not in (QT.F32, QT.F16)):
+                and qtype not in ("F32", "F16")):
             writer.add_quantization_version(GGML_QUANT_VERSION)
         writer.data_alignment = int(reader.alignment)
         for t, _, out_type, shape, nbytes in plan:
@@ -246,7 +303,7 @@ def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike,
         k["types_before"], k["types_after"] = sorted(k["types_before"]), sorted(k["types_after"])
     return {
         "qtype": qtype,
-        "file_type": _file_type(target),
+        "file_type": _file_type(qtype),
         "tensors": len(plan),
         "kinds": kinds,
         "tensor_bytes_before": sum(k["bytes_before"] for k in kinds.values()),
