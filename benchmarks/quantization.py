@@ -6,8 +6,9 @@ SmolLM2-135M-Instruct GGUF unless ``--model``):
 - ``f32`` / ``bf16``: the file's blocks dequantized to dense float32 / bfloat16 at load;
 - ``gguf-f32`` / ``gguf-bf16``: ``quantization="gguf"``, the blocks kept packed and
   read by the quantized kernels, activations in float32 / bfloat16;
-- ``gguf-q8_0``: the same on a Q8_0 file (``--q8-model``, e.g. made with
-  ``tandem quantize --method q8_0``);
+- ``gguf-q8_0``, ``gguf-q6_k``, ``gguf-q4_k_m``: the same on a Q8_0, Q6_K or Q4_K_M
+  file of the model (``--q8-model``, ``--q6k-model``, ``--q4km-model``, e.g. made with
+  ``tandem quantize --method q8_0`` / ``q6_k`` / ``q4_k_m``);
 - extra formats are entries of :data:`FORMATS` (name -> model, LLM kwargs).
 
 For each: the bytes of the weights held in memory (every distinct tensor a module
@@ -23,10 +24,10 @@ files, through benchmarks/llama_cpp_peer.py in the venv of ``--llama-cpp-python`
     python benchmarks/quantization.py --formats f32,gguf-f32 --num-prompts 8
     python benchmarks/quantization.py --kernels     # the linear kernels alone, per batch size
 
-``--kernels`` times one projection of the model's shapes (gate-up, ``[3072, 576]``)
-per activation rows M: the GGUF in-register kernel, dequantize + GEMM, and the dense
-float32 / bfloat16 paths the unquantized method runs, to place
-``kernels.cpu.gguf_linear.MAX_FUSED_ROWS``.
+``--kernels`` times one projection of the model's shapes per type and activation
+rows M (gate-up, ``[3072, 576]``; down_proj ``[576, 1536]`` for the K-quants): the GGUF
+in-register kernel, dequantize + GEMM, and the dense float32 / bfloat16 paths the
+unquantized method runs, to place ``kernels.cpu.gguf_linear.MAX_FUSED_ROWS``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ FORMATS: dict[str, tuple[str | None, dict]] = {
     "gguf-f32": (None, {"dtype": "float32", "quantization": "gguf"}),
     "gguf-bf16": (None, {"dtype": "bfloat16", "quantization": "gguf"}),
     "gguf-q8_0": ("--q8-model", {"dtype": "float32", "quantization": "gguf"}),
+    "gguf-q6_k": ("--q6k-model", {"dtype": "float32", "quantization": "gguf"}),
+    "gguf-q4_k_m": ("--q4km-model", {"dtype": "float32", "quantization": "gguf"}),
     "gguf-f32-fp8kv": (None, {"dtype": "float32", "quantization": "gguf",
                               "kv_cache_dtype": "fp8_e4m3"}),
     "bf16-fp8kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}),
@@ -132,12 +135,17 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
     }
 
 
-def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30) -> dict:
+def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), iters=30) -> dict:
+    """Microseconds per product of each linear path, per activation rows ``M``: the
+    32-weight types on gate-up's shape ``[3072, 576]``, the K-quants (and Q4_1 for
+    comparison) on down_proj's ``[576, 1536]``, the layer they are used for in a
+    Q4_K_M file of this model (576-wide rows are not whole super-blocks)."""
     import numpy as np
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize, quantize
 
+    from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
     from tandem.kernels.cpu.gguf_linear import gguf_dequantize, gguf_linear
     from tandem.kernels.cpu.linear import invariant_linear, pack_invariant_weight
 
@@ -150,16 +158,19 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 4] * 1e6       # lower quartile: less noise
 
-    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    cases = [(QT.Q4_1, 3072, 576), (QT.Q5_0, 3072, 576), (QT.Q8_0, 3072, 576),
+             (QT.Q4_1, 576, 1536), (QT.Q4_K, 576, 1536), (QT.Q6_K, 576, 1536)]
+    kquant = {QT.Q4_K: quantize_q4_k, QT.Q6_K: quantize_q6_k}
     out = {}
-    for qtype in (QT.Q4_1, QT.Q8_0):
-        qw = torch.from_numpy(quantize(w, qtype))
+    for qtype, n, k in cases:
+        w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+        qw = torch.from_numpy(kquant[qtype](w) if qtype in kquant else quantize(w, qtype))
         dense = torch.from_numpy(np.asarray(dequantize(qw.numpy(), qtype)).reshape(n, k).copy())
         bf16_panels = pack_invariant_weight(dense.bfloat16())
         for m in rows:
             x = torch.randn(m, k)
             xb = x.bfloat16()
-            out[f"{qtype.name} M={m}"] = r = {
+            out[f"{qtype.name} [{n}, {k}] M={m}"] = r = {
                 "gguf_fused_f32_us": best_us(lambda: gguf_linear(x, qw, int(qtype), k,
                                                                   fused_only=True)),
                 "gguf_dequant_gemm_f32_us": best_us(
@@ -169,8 +180,8 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), n=3072, k=576, iters=30
                 "dense_f32_us": best_us(lambda: F.linear(x, dense)),
                 "dense_bf16_invariant_us": best_us(lambda: invariant_linear(xb, bf16_panels, n)),
             }
-            print(f"{qtype.name} M={m:4d} " + "  ".join(f"{key[:-3]} {v:8.0f}us"
-                                                        for key, v in r.items()), flush=True)
+            print(f"{qtype.name} [{n}, {k}] M={m:4d} " + "  ".join(
+                f"{key[:-3]} {v:8.0f}us" for key, v in r.items()), flush=True)
     return out
 
 
@@ -192,6 +203,8 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"comma-separated, from {', '.join(FORMATS)}")
     ap.add_argument("--q8-model", default=None, help="a Q8_0 GGUF of the same model")
+    ap.add_argument("--q6k-model", default=None, help="a Q6_K GGUF of the same model")
+    ap.add_argument("--q4km-model", default=None, help="a Q4_K_M GGUF of the same model")
     ap.add_argument("--awq-model", default=None, help="an AWQ checkpoint of the same model")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=128)
@@ -247,7 +260,8 @@ def main() -> None:
               f"offline {r['offline_output_tok_s']:6.1f} tok/s",
               flush=True)
     if "llama.cpp" in args.peers.split(","):
-        files = {"gguf-q4_1": None, "gguf-q8_0": args.q8_model}
+        files = {"gguf-q4_1": None, "gguf-q8_0": args.q8_model, "gguf-q6_k": args.q6k_model,
+                 "gguf-q4_k_m": args.q4km_model}
         for name, path in files.items():
             if path is None and name == "gguf-q4_1":
                 from tandem.engine.model.model_files import resolve_model

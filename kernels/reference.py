@@ -311,26 +311,48 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :f]) * x[..., f:]
 
 
-# --- GGUF quantized weights (Q4_0, Q4_1, Q8_0) ------------------------------------
+# --- GGUF quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) ------------
 #
 # A quantized weight stays in GGUF's own bytes: ``qweight`` is uint8
 # ``[N, row_bytes]``, one row per output feature (row-major ``[out, in]``), each row
-# ``K / 32`` consecutive blocks of 32 weights. Per block, little-endian:
+# ``K / QB`` consecutive blocks of ``QB`` weights. Per block, little-endian:
 #
-#     Q4_0  18 bytes  fp16 d, 16 bytes qs       w_j = (q_j - 8) * d
-#     Q4_1  20 bytes  fp16 d, fp16 m, 16 qs     w_j = q_j * d + m
-#     Q8_0  34 bytes  fp16 d, 32 int8 qs        w_j = qs[j] * d
+#     Q4_0   32 w   18 bytes  fp16 d, 16 qs                  w_j = (q_j - 8) * d
+#     Q4_1   32 w   20 bytes  fp16 d, fp16 m, 16 qs          w_j = q_j * d + m
+#     Q5_0   32 w   22 bytes  fp16 d, u32 qh, 16 qs          w_j = (q_j + 16 h_j - 16) * d
+#     Q5_1   32 w   24 bytes  fp16 d, fp16 m, u32 qh, 16 qs  w_j = (q_j + 16 h_j) * d + m
+#     Q8_0   32 w   34 bytes  fp16 d, 32 int8 qs             w_j = qs[j] * d
 #
-# where for the 4-bit types q_j = qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for
-# j >= 16 (low nibbles hold the first half of the block, high nibbles the second).
+# where for the 4- and 5-bit types q_j = qs[j] & 0xF for j < 16 and qs[j - 16] >> 4
+# for j >= 16 (low nibbles hold the first half of the block, high nibbles the
+# second) and h_j is bit j of qh. The K-quants (super-blocks of 256 weights):
+#
+#     Q4_K  256 w  144 bytes  fp16 d, fp16 dmin, 12 bytes scales, 128 qs
+#         8 sub-blocks s of 32 weights, w = d * sc_s * q - dmin * m_s, q in 0..15;
+#         sub-blocks 2i, 2i + 1 are the low and high nibbles of qs[32i : 32i + 32];
+#         sc_s, m_s 6-bit: for s < 4 the low 6 bits of scales[s], scales[s + 4]; for
+#         s >= 4 the nibbles of scales[s + 4] with the top 2 bits of scales[s - 4],
+#         scales[s] above them.
+#     Q6_K  256 w  210 bytes  128 ql, 64 qh, 16 int8 scales, fp16 d
+#         16 sub-blocks of 16 weights, w = d * sc_(j / 16) * (q_j - 32), q in 0..63;
+#         weight 128h + 32p + l: low 4 bits in ql[64h + 32(p % 2) + l] (high nibble
+#         for p >= 2), high 2 bits at bit 2p of qh[32h + l].
+#
+# (ggml's block_q4_0 ... block_q6_K; llama.cpp PR #1684 for the K-quants.)
 
 # ggml type id (``gguf.GGMLQuantizationType``) -> (weights per block, bytes per block).
 GGUF_BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    2: (32, 18),   # Q4_0
-    3: (32, 20),   # Q4_1
-    8: (32, 34),   # Q8_0
+    2: (32, 18),    # Q4_0
+    3: (32, 20),    # Q4_1
+    6: (32, 22),    # Q5_0
+    7: (32, 24),    # Q5_1
+    8: (32, 34),    # Q8_0
+    12: (256, 144),  # Q4_K
+    14: (256, 210),  # Q6_K
 }
-_GGUF_Q4_0, _GGUF_Q4_1, _GGUF_Q8_0 = 2, 3, 8
+GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+_GGUF_Q4_0, _GGUF_Q4_1, _GGUF_Q5_0, _GGUF_Q5_1, _GGUF_Q8_0 = 2, 3, 6, 7, 8
+_GGUF_Q4_K, _GGUF_Q6_K = 12, 14
 
 
 def check_gguf_weight(qweight: torch.Tensor, qtype: int, in_features: int) -> tuple[int, int]:
@@ -338,12 +360,14 @@ def check_gguf_weight(qweight: torch.Tensor, qtype: int, in_features: int) -> tu
 
     Raises:
         ValueError: ``qtype`` not a key of :data:`GGUF_BLOCK_SIZES`, ``in_features``
-            not a positive multiple of 32, ``qweight`` not a 2-D uint8 tensor of
-            ``in_features / 32 * bytes_per_block`` columns.
+            not a positive multiple of the block's weights (32, or 256 for the
+            K-quants), ``qweight`` not a 2-D uint8 tensor of ``in_features /
+            weights_per_block * bytes_per_block`` columns.
     """
     if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in GGUF_BLOCK_SIZES:
         raise ValueError(f"qtype: {qtype!r} not supported, expected one of "
-                         f"{sorted(GGUF_BLOCK_SIZES)} (Q4_0, Q4_1, Q8_0)")
+                         f"{sorted(GGUF_BLOCK_SIZES)} "
+                         f"({', '.join(GGUF_TYPE_NAMES[t] for t in sorted(GGUF_BLOCK_SIZES))})")
     block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
     if isinstance(in_features, bool) or not isinstance(in_features, int) \
             or in_features <= 0 or in_features % block_weights:
@@ -365,9 +389,45 @@ def _fp16_from_bytes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.float16).to(torch.float32)
 
 
+def _u32_bits(b: torch.Tensor) -> torch.Tensor:
+    """The 32 bits (0/1, int64 ``[..., 32]``, bit 0 first) of the little-endian u32 in
+    the last dim's 4 bytes ``b`` (uint8 ``[..., 4]``)."""
+    v = (b[..., 0].to(torch.int64) | (b[..., 1].to(torch.int64) << 8)
+         | (b[..., 2].to(torch.int64) << 16) | (b[..., 3].to(torch.int64) << 24))
+    return (v[..., None] >> torch.arange(32, device=b.device)) & 1
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., 144]`` uint8 Q4_K blocks -> float32 ``[..., 256]``."""
+    d = _fp16_from_bytes(blocks[..., 0], blocks[..., 1])[..., None]
+    dmin = _fp16_from_bytes(blocks[..., 2], blocks[..., 3])[..., None]
+    lo, mid, hi = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = torch.cat([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], dim=-1).to(torch.float32)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1).to(torch.float32)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32)
+    w = (d * sc)[..., None] * q.to(torch.float32) - (dmin * mn)[..., None]
+    return w.reshape(*blocks.shape[:-1], 256)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., 210]`` uint8 Q6_K blocks -> float32 ``[..., 256]``."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., :128].reshape(*lead, 2, 2, 32)                 # [half, p % 2, l]
+    low = torch.cat([ql & 0xF, ql >> 4], dim=-2)                    # [half, p, l]
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+    high = (qh >> shifts.reshape(4, 1)) & 3                          # [half, p, l]
+    q = (low | (high << 4)).to(torch.float32) - 32.0
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = _fp16_from_bytes(blocks[..., 208], blocks[..., 209])[..., None]
+    w = (d * sc)[..., None] * q.reshape(*lead, 16, 16)
+    return w.reshape(*lead, 256)
+
+
 def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: int,
                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpack a GGUF Q4_0 / Q4_1 / Q8_0 weight (pure torch, any device).
+    """Unpack a GGUF weight of a type in :data:`GGUF_BLOCK_SIZES` (pure torch, any device).
 
     Computed in float32 with the operations of ``gguf.quants.dequantize`` (so the
     float32 result equals it bit for bit), then cast to ``dtype``.
@@ -375,7 +435,7 @@ def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: in
     Args:
         qweight: ``[N, row_bytes]`` uint8, GGUF blocks (layout above).
         qtype: ggml type id, a key of :data:`GGUF_BLOCK_SIZES`.
-        in_features: ``K``, weights per row, a multiple of 32.
+        in_features: ``K``, weights per row, a multiple of the block's weights.
         dtype: dtype of the result.
 
     Returns:
@@ -387,16 +447,26 @@ def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: in
     n, _ = check_gguf_weight(qweight, qtype, in_features)
     block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
     blocks = qweight.reshape(n, in_features // block_weights, block_bytes)
+    if qtype == _GGUF_Q4_K:
+        return _dequantize_q4_k(blocks).reshape(n, in_features).to(dtype)
+    if qtype == _GGUF_Q6_K:
+        return _dequantize_q6_k(blocks).reshape(n, in_features).to(dtype)
     d = _fp16_from_bytes(blocks[..., 0], blocks[..., 1])[..., None]
     if qtype == _GGUF_Q8_0:
         w = blocks[..., 2:].view(torch.int8).to(torch.float32) * d
     else:
-        qs = blocks[..., 4:] if qtype == _GGUF_Q4_1 else blocks[..., 2:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.float32)
-        if qtype == _GGUF_Q4_0:
-            w = (q - 8.0) * d
-        else:
+        has_min = qtype in (_GGUF_Q4_1, _GGUF_Q5_1)
+        five = qtype in (_GGUF_Q5_0, _GGUF_Q5_1)
+        start = 2 + 2 * has_min
+        qs = blocks[..., start + 4 * five:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.int64)
+        if five:
+            q = q | (_u32_bits(blocks[..., start:start + 4]) << 4)
+        q = q.to(torch.float32)
+        if has_min:
             w = q * d + _fp16_from_bytes(blocks[..., 2], blocks[..., 3])[..., None]
+        else:
+            w = (q - (16.0 if five else 8.0)) * d
     return w.reshape(n, in_features).to(dtype)
 
 

@@ -2,7 +2,7 @@
 
 ``EngineConfig.quantization="gguf"`` (``--quantization gguf``) on a ``.gguf`` model
 loads each projection matrix as its file stores it: ``qweight`` uint8 ``[N,
-row_bytes]`` (one row of ``K / 32`` ggml blocks per output feature) and
+row_bytes]`` (one row of ggml blocks per output feature) and
 ``qweight_type`` (the ggml type id), the layout vLLM's GGUF support also uses. The
 matmul reads the blocks directly:
 
@@ -10,14 +10,22 @@ matmul reads the blocks directly:
   registers for decode-sized batches);
 - CUDA: :func:`tandem.kernels.gguf_linear.gguf_linear` (a Triton dequant-GEMM).
 
+The shards of a fused layer (q/k/v, gate/up) may be of different native types, as
+in llama.cpp's ``_M`` mixes (``attn_v`` in more bits than ``attn_q``): their bytes
+are then kept in one flat ``qweight`` and each shard is multiplied by its own
+kernel, the outputs side by side (vLLM's GGUF layers do the same).
+
 The token embedding is kept in its blocks as well (:class:`GGUFEmbedding`: a lookup
 dequantizes only the rows it gathers), and a tied output projection multiplies by
 those same blocks (no second copy).
 
-Natively read types: Q4_0, Q4_1, Q8_0. A layer whose fused sub-matrices have
-different types, or a type without a kernel (the K-quants, F16, ...), or a machine
-without the compiled kernels, is dequantized once at load to a dense weight in the
-model's dtype (``gguf.quants.dequantize``) and multiplied like an unquantized one.
+Natively read types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q6_K (so a
+llama.cpp ``Q4_K_M`` or ``Q6_K`` file, whose rows that are not whole 256-weight
+super-blocks are Q5_0 / Q8_0, is read natively throughout). A layer with a
+type without a kernel (Q2_K, Q3_K, Q5_K,
+the IQ types, F16, ...), or a machine without the compiled kernels, is dequantized
+once at load to a dense weight in the model's dtype (``gguf.quants.dequantize``)
+and multiplied like an unquantized one.
 """
 
 from __future__ import annotations
@@ -67,9 +75,12 @@ def dequantize_rows(qweight: torch.Tensor, qtype: int, in_features: int) -> torc
 class GGUFLinearMethod(LinearMethodBase):
     """GGUF blocks in memory, multiplied without a dense copy (see module doc).
 
-    Parameters of a layer: ``qweight`` uint8 ``[N, row_bytes]`` and ``qweight_type``
-    int64 ``[]`` once processed; while loading, each fused sub-matrix (shard) is kept
-    apart, since the shards of one layer may have different ggml types.
+    Parameters of a layer once processed: ``qweight`` uint8 ``[N, row_bytes]`` and
+    ``qweight_type`` int64 ``[]`` when every shard has one type; for shards of
+    different types, ``qweight`` uint8 ``[total bytes]`` (the shards' rows one after
+    the other), ``qweight_type`` int64 ``[shards]``, and ``layer.shard_weights`` the
+    ``(rows view, type)`` of each. While loading, each fused sub-matrix (shard) is
+    kept apart.
     """
 
     name = "gguf"
@@ -82,53 +93,75 @@ class GGUFLinearMethod(LinearMethodBase):
         _load_shard(layer, param_name, loaded, shard_id, rows)
 
     def process_weights_after_loading(self, layer):
-        if layer.qtype is not None or layer.dense_weight is not None:
+        if (layer.qtype is not None or layer.dense_weight is not None
+                or layer.shard_weights is not None):
             return
         _pack_shards(layer, layer.shard_ids, layer.in_features)
 
     def apply(self, layer, x):
         if layer.dense_weight is not None:
             return F.linear(x, layer.dense_weight)
-        if x.device.type == "cuda":
-            from tandem.kernels.gguf_linear import gguf_linear as triton_gguf_linear
+        if layer.shard_weights is not None:
+            return torch.cat([_matmul(x, q, t, layer.in_features, layer.batch_invariant)
+                              for q, t in layer.shard_weights], dim=-1)
+        return _matmul(x, layer.qweight, layer.qtype, layer.in_features, layer.batch_invariant)
 
-            return triton_gguf_linear(x, layer.qweight, layer.qtype, layer.in_features)
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            return gguf_linear(x.float(), layer.qweight, layer.qtype,
-                               layer.in_features).to(x.dtype)
-        return gguf_linear(x, layer.qweight, layer.qtype, layer.in_features,
-                           fused_only=layer.batch_invariant)
+
+def _matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+            batch_invariant: bool) -> torch.Tensor:
+    """``x @ W.T`` for one native-typed ``qweight`` on x's device."""
+    if x.device.type == "cuda":
+        from tandem.kernels.gguf_linear import gguf_linear as triton_gguf_linear
+
+        return triton_gguf_linear(x, qweight, qtype, in_features)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return gguf_linear(x.float(), qweight, qtype, in_features).to(x.dtype)
+    return gguf_linear(x, qweight, qtype, in_features, fused_only=batch_invariant)
 
 
 def _pack_shards(layer: nn.Module, ids, in_features: int) -> None:
-    """Turn the loaded shards of ``layer`` into one ``qweight`` (native type) or one
+    """Turn the loaded shards of ``layer`` into one ``qweight`` (native types) or one
     ``dense_weight`` (the fallback); see :class:`GGUFLinearMethod`."""
     if set(layer.gguf_shards) != set(ids) or set(layer.gguf_shard_types) != set(ids):
         raise WeightLoadError(f"GGUF layer: shards {sorted(layer.gguf_shards, key=str)} "
                               f"loaded, expected {list(ids)}")
     device = layer.qweight.device
     types = {layer.gguf_shard_types[i] for i in ids}
-    native = (len(types) == 1 and next(iter(types)) in GGUF_NATIVE_TYPES
+    native = (all(t in GGUF_NATIVE_TYPES for t in types)
               and (device.type == "cuda" or (device.type == "cpu"
                                              and gguf_kernels_available())))
     if native and getattr(layer, "batch_invariant", False) and device.type != "cpu":
         raise ValueError("batch_invariant: the batch-invariant GGUF kernel runs on the "
                          f"CPU only, not on {device}")
     if native:
-        qtype = next(iter(types))
-        width = row_bytes(qtype, in_features)
         for i in ids:
+            qtype = layer.gguf_shard_types[i]
+            try:
+                width = row_bytes(qtype, in_features)
+            except ValueError as exc:
+                raise WeightLoadError(f"qweight: {exc}") from None
             if layer.gguf_shards[i].shape[1] != width:
                 raise WeightLoadError(
                     f"qweight: rows of {layer.gguf_shards[i].shape[1]} bytes do not hold "
                     f"{in_features} {_ggml_type_name(qtype)} weights ({width} bytes)")
         shards = [layer.gguf_shards[i] for i in ids]
-        # One shard is used as is: a tied output projection shares the embedding's.
-        packed = (shards[0] if len(shards) == 1 else torch.cat(shards)).to(device)
+        if len(types) == 1:
+            # One shard is used as is: a tied output projection shares the embedding's.
+            qtype = next(iter(types))
+            packed = (shards[0] if len(shards) == 1 else torch.cat(shards)).to(device)
+            qweight_type = torch.tensor(qtype, dtype=torch.int64, device=device)
+            layer.qtype = qtype
+        else:
+            packed = torch.cat([s.reshape(-1) for s in shards]).to(device)
+            qweight_type = torch.tensor([layer.gguf_shard_types[i] for i in ids],
+                                        dtype=torch.int64, device=device)
+            layer.shard_weights, start = [], 0
+            for i, s in zip(ids, shards):
+                view = packed[start:start + s.numel()].view(s.shape)
+                layer.shard_weights.append((view, layer.gguf_shard_types[i]))
+                start += s.numel()
         layer.qweight = nn.Parameter(packed, requires_grad=False)
-        layer.qweight_type = nn.Parameter(torch.tensor(qtype, dtype=torch.int64,
-                                                       device=device), requires_grad=False)
-        layer.qtype = qtype
+        layer.qweight_type = nn.Parameter(qweight_type, requires_grad=False)
     else:
         logger.debug("GGUF layer with types %s: dequantized to a dense weight",
                      sorted(_ggml_type_name(t) for t in types))
@@ -171,6 +204,7 @@ def _init_gguf_params(layer: nn.Module, params_dtype: torch.dtype) -> None:
     layer.gguf_shards = {}        # shard id -> uint8 rows
     layer.gguf_shard_types = {}   # shard id -> ggml type id
     layer.qtype = None            # set once processed: the type the kernel reads
+    layer.shard_weights = None    # set once processed, for shards of mixed types
     layer.dense_weight = None     # set once processed: the fallback's weight
 
 
@@ -198,7 +232,7 @@ class GGUFEmbedding(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded table (idempotent)."""
-        if self.qtype is None and self.dense_weight is None:
+        if self.qtype is None and self.dense_weight is None and self.shard_weights is None:
             _pack_shards(self, (None,), self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,7 @@ _SIGNATURES = {
 _UNSUFFIXED = {
     "gguf_dequantize": ([_PTR, _PTR, _INT, _I64, _I64, _INT], None),
     "gguf_block_bytes": ([_INT], _INT),
+    "gguf_block_weights": ([_INT], _INT),
     "fp8_e4m3_encode": ([_PTR, _PTR, _I64], None),
     "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
     "float_to_fp16": ([_PTR, _PTR, _I64], None),

@@ -1,11 +1,12 @@
 """Linear layers on GGUF quantized blocks, on the CPU (``csrc/gguf_linear.cpp``).
 
 The weight stays in the GGUF file's bytes, ``qweight`` uint8 ``[N, row_bytes]``:
-one row per output feature, each ``K / 32`` blocks of 32 weights of one ggml type
-(Q4_0, Q4_1 or Q8_0; see the C++ source for the block layouts). A decode-sized
-product dequantizes each block in registers and multiplies it into up to four
-activation rows at once; a prefill-sized one dequantizes the matrix to float32 and
-runs torch's GEMM on it. Both give the values of dequantize-then-matmul up to the
+one row per output feature, each ``K / QB`` blocks of ``QB`` weights of one ggml
+type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 with ``QB = 32``; the K-quants Q4_K, Q6_K with
+super-blocks of ``QB = 256``; see the C++ source for the block layouts). A
+decode-sized product dequantizes each 32-weight chunk in registers and multiplies
+it into up to four activation rows at once; a prefill-sized one dequantizes the
+matrix to float32 and runs torch's GEMM on it. Both give the values of dequantize-then-matmul up to the
 order of float32 summation (the dequantized weights are bit-identical to
 ``gguf.quants.dequantize``'s).
 """
@@ -21,7 +22,11 @@ import torch.nn.functional as F
 GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
 }
 # Above this many activation rows a product dequantizes the weight and runs a GEMM.
 # The in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM but
@@ -49,7 +54,8 @@ def row_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one weight row of ``in_features`` weights of ggml type ``qtype``.
 
     Raises:
-        ValueError: a type not read natively, or ``in_features`` not a multiple of 32.
+        ValueError: a type not read natively, or ``in_features`` not a multiple of
+            its block's weights (32, or 256 for the K-quants).
     """
     if qtype not in GGUF_NATIVE_TYPES:
         raise ValueError(f"qtype: ggml type {qtype} has no native kernel "

@@ -1,11 +1,13 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights: torch reference against the gguf package, and
-the Triton dequant-GEMM against the reference.
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights: torch reference
+against the gguf package, and the Triton dequant-GEMM against the reference.
 
 Tolerances are per output element and scale with ``mag = |x| @ |W|.T``, the
 sum of the magnitudes of the products it adds up (float32):
 
-* float32: ``2e-5 * mag``, twice the worst-case rounding of a float32 sum of
-  K <= 160 products (``K * 2**-24``); the kernel and torch differ only in order.
+* float32: ``2e-5 * mag``, well above the rounding of a float32 sum of K <= 160
+  products (``K * 2**-24``) and at the worst case for the K-quants' K <= 1280
+  (reached only if every rounding went one way); the kernel and torch differ only
+  in order.
 * float16: ``1e-3 * mag``: the kernel rounds each dequantized weight to float16
   (``2**-11`` relative) and the result once more (``2**-11 * |out| <= 2**-11 * mag``).
 * bfloat16 (CUDA): ``8e-3 * mag``, the same two roundings at ``2**-8``.
@@ -17,15 +19,26 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
 from tandem.kernels.gguf_linear import gguf_block_config, gguf_linear
 from tandem.kernels.reference import (GGUF_BLOCK_SIZES, dequantize_gguf_reference,
                                       gguf_linear_reference)
 
-Q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
-Q4_1 = int(gguf.GGMLQuantizationType.Q4_1)
-Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
-QTYPES = [Q4_0, Q4_1, Q8_0]
-QTYPE_IDS = ["q4_0", "q4_1", "q8_0"]
+QT = gguf.GGMLQuantizationType
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)
+Q4_K, Q6_K = int(QT.Q4_K), int(QT.Q6_K)
+QTYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K]
+QTYPE_IDS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]
+KQUANTS = (Q4_K, Q6_K)
+# Byte ranges of each type's fp16 fields in a block (the rest are codes and scales).
+FP16_FIELDS = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q5_1: [0, 2], Q8_0: [0], Q4_K: [0, 2],
+               Q6_K: [208]}
+
+
+def _k(qtype: int, k: int) -> int:
+    """A test's row length for ``qtype``: K-quant rows are 8x longer (super-blocks
+    of 256 weights, against blocks of 32)."""
+    return 8 * k if qtype in KQUANTS else k
 
 TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -37,8 +50,13 @@ def _quantized(n: int, k: int, qtype: int, seed: int = 0) -> tuple[torch.Tensor,
     # Rows of different scale, one all-zero block (d = 0).
     w *= rng.uniform(0.01, 2.0, size=(n, 1)).astype(np.float32)
     w[0, :32] = 0.0
-    packed = quantize(w, gguf.GGMLQuantizationType(qtype))
-    return torch.from_numpy(packed), dequantize(packed, gguf.GGMLQuantizationType(qtype))
+    if qtype == Q4_K:
+        packed = quantize_q4_k(w)
+    elif qtype == Q6_K:
+        packed = quantize_q6_k(w)
+    else:
+        packed = quantize(w, QT(qtype))
+    return torch.from_numpy(packed), dequantize(packed, QT(qtype))
 
 
 def _assert_close(got: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
@@ -53,13 +71,15 @@ def _assert_close(got: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qty
 
 
 def test_block_sizes_match_gguf():
+    assert sorted(GGUF_BLOCK_SIZES) == sorted(QTYPES)
     for qtype in QTYPES:
-        assert GGUF_BLOCK_SIZES[qtype] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        assert GGUF_BLOCK_SIZES[qtype] == gguf.GGML_QUANT_SIZES[QT(qtype)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=QTYPE_IDS)
 @pytest.mark.parametrize("n,k", [(5, 32), (40, 96), (67, 160)])
 def test_reference_dequant_equals_gguf(qtype, n, k):
+    k = _k(qtype, k)
     qweight, want = _quantized(n, k, qtype)
     got = dequantize_gguf_reference(qweight, qtype, k)
     assert got.dtype == torch.float32
@@ -100,7 +120,32 @@ def _handmade(qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(rows, dtype=torch.uint8), torch.tensor(weights, dtype=torch.float32)
 
 
+def _random_blocks(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
+    """Rows of random bytes of ``qtype`` blocks, each fp16 field set to a finite value
+    (so every code, scale and bit pattern occurs)."""
+    weights, nbytes = GGUF_BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // weights, nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        vals = rng.uniform(-0.1, 0.1, raw.shape[:2]).astype(np.float16)
+        raw[..., at:at + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=QTYPE_IDS)
+def test_random_bytes_decode_as_gguf_reads_them(device, qtype):
+    """Every byte of a block random: the reference decodes what gguf-py decodes, bit
+    for bit, and the kernel multiplies exactly those weights (x = I: each output is
+    one product w * 1)."""
+    k = _k(qtype, 64)
+    qweight = _random_blocks(3, k, qtype, seed=qtype)
+    want = torch.from_numpy(np.asarray(dequantize(qweight.numpy(), QT(qtype))).reshape(3, k))
+    assert torch.equal(dequantize_gguf_reference(qweight, qtype, k), want)
+    got = gguf_linear(torch.eye(k, device=device), qweight.to(device), qtype, k)
+    assert torch.equal(got.cpu(), want.T)
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0], ids=["q4_0", "q4_1", "q8_0"])
 def test_handmade_blocks_decode_exactly(device, qtype):
     """Byte layout pinned by hand: scale bytes, nibble order, block and row order."""
     qweight, want = _handmade(qtype)
@@ -117,6 +162,7 @@ def test_handmade_blocks_decode_exactly(device, qtype):
 @pytest.mark.parametrize("qtype", QTYPES, ids=QTYPE_IDS)
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 67, 160), (17, 5, 32)])
 def test_gguf_linear_matches_reference(device, qtype, dtype, m, n, k):
+    k = _k(qtype, k)
     qweight, _ = _quantized(n, k, qtype, seed=m)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -127,12 +173,12 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m, n, k):
 @pytest.mark.parametrize("qtype", QTYPES, ids=QTYPE_IDS)
 def test_gguf_linear_strided_views_and_tiles(device, qtype):
     """Row-strided x / qweight / out views; K steps that do not divide K (5 blocks)."""
-    m, n, k = 18, 33, 160
+    m, n, k = 18, 33, _k(qtype, 160)
     big, _ = _quantized(2 * n, k, qtype, seed=7)
     qweight = big[::2]                                   # row stride 2 * row_bytes
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(m, k + 24, generator=gen)[:, 8:8 + k]
-    for block_k in (32, 128):
+    for block_k in (32, 128) + ((512,) if qtype in KQUANTS else ()):
         out_big = torch.full((m, n + 5), float("nan"), device=device)
         out = out_big[:, 2:2 + n]
         got = gguf_linear(x.to(device), qweight.to(device), qtype, k, out=out,
@@ -160,7 +206,8 @@ def _bad_cases():
     x = torch.zeros(2, 64)
     return [
         # (kwargs overriding the good call, field named in the error)
-        (dict(qtype=12), "qtype"),                               # Q4_K: not supported
+        (dict(qtype=13), "qtype"),                               # Q5_K: not supported
+        (dict(qtype=Q4_K), "in_features"),                       # 64: not whole super-blocks
         (dict(qtype="Q8_0"), "qtype"),
         (dict(in_features=48), "in_features"),
         (dict(in_features=0), "in_features"),

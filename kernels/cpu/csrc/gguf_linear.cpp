@@ -1,21 +1,34 @@
-// Linear layer y = x W^T with W kept in GGUF's quantized blocks (Q4_0, Q4_1, Q8_0),
-// for ../gguf_linear.py.
+// Linear layer y = x W^T with W kept in GGUF's quantized blocks, for ../gguf_linear.py:
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants Q4_K, Q6_K
+// (super-blocks of 256).
 //
-// The weight is GGUF's own bytes, one row per output feature: row n is K / 32
-// consecutive blocks of 32 weights (ggml's block_q4_0 / block_q4_1 / block_q8_0):
-//   Q4_0  18 bytes: fp16 d, 16 bytes qs     w_j = (q_j - 8) d
-//   Q4_1  20 bytes: fp16 d, fp16 m, 16 qs   w_j = q_j d + m
-//   Q8_0  34 bytes: fp16 d, 32 int8 qs      w_j = qs_j d
-// with the 4-bit q_j = qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for j >= 16.
+// The weight is GGUF's own bytes, one row per output feature: row n is K / QB
+// consecutive blocks of QB weights (ggml's block_q4_0 ... block_q6_K), little-endian:
+//   Q4_0  18 bytes: fp16 d, 16 qs                   w_j = (q_j - 8) d
+//   Q4_1  20 bytes: fp16 d, fp16 m, 16 qs           w_j = q_j d + m
+//   Q5_0  22 bytes: fp16 d, u32 qh, 16 qs           w_j = (q_j + 16 h_j - 16) d
+//   Q5_1  24 bytes: fp16 d, fp16 m, u32 qh, 16 qs   w_j = (q_j + 16 h_j) d + m
+//   Q8_0  34 bytes: fp16 d, 32 int8 qs              w_j = qs_j d
+// with the 4-bit q_j = qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for j >= 16, and
+// h_j bit j of qh;
+//   Q4_K 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_s and mins m_s
+//        of the 8 sub-blocks s of 32 weights, 128 qs: sub-blocks 2i, 2i + 1 are the
+//        low and high nibbles of qs[32 i .. 32 i + 31];  w = d sc_s q - dmin m_s
+//   Q6_K 210 bytes: 128 ql, 64 qh, 16 int8 scales of 16-weight sub-blocks, fp16 d:
+//        weight 128 h + 32 p + l has its low 4 bits in ql[64 h + 32 (p % 2) + l]
+//        (high nibble for p >= 2), its high 2 bits at bit 2p of qh[32 h + l];
+//        w = d sc_(w / 16) (q - 32).
+// Every kernel walks a row in chunks of 32 weights (a block, or one eighth of a
+// super-block), so the K-quants share the register tiles of the 32-weight types.
 //
 // Two entry points:
-// - tandem_gguf_linear_{f32,bf16}: the decode-sized product. Each block is
+// - tandem_gguf_linear_{f32,bf16}: the decode-sized product. Each chunk is
 //   dequantized in registers (4 x 8 float32 lanes, exactly the values llama.cpp's
-//   and gguf-py's dequantization give: q d is exact in float32 and q d + m is one
-//   fused rounding, as theirs) and multiplied straight into the accumulators of up
-//   to 4 activation rows at once, so the weight is read once per 4 rows, as
-//   0.56-1.06 bytes per weight instead of 2 (bfloat16) or 4 (float32). The work is
-//   split over output rows.
+//   and gguf-py's dequantization give: every product of a scale and a code is exact
+//   in float32, and q d + m is one rounding, as theirs) and multiplied straight into
+//   the accumulators of up to 4 activation rows at once, so the weight is read once
+//   per 4 rows, as 0.56-1.06 bytes per weight instead of 2 (bfloat16) or 4
+//   (float32). The work is split over output rows.
 // - tandem_gguf_dequantize: the whole matrix to float32, for prefill-sized
 //   products, where a blocked GEMM on the dequantized weight is faster than
 //   re-dequantizing per row tile (the dequantization is then O(N K) beside the
@@ -31,55 +44,200 @@
 namespace tandem_cpu {
 namespace {
 
-constexpr int64_t kQK = 32;  // weights per block
+constexpr int64_t kQK = 32;  // weights per chunk
 constexpr int kMT = 4;       // activation rows per register tile
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 inline int64_t block_bytes(int qtype) {
-    return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : qtype == kQ8_0 ? 34 : 0;
+    switch (qtype) {
+        case kQ4_0: return 18;
+        case kQ4_1: return 20;
+        case kQ5_0: return 22;
+        case kQ5_1: return 24;
+        case kQ8_0: return 34;
+        case kQ4_K: return 144;
+        case kQ6_K: return 210;
+        default: return 0;
+    }
 }
 
-// The 32 weights of one block, scalar.
-inline void dequantize_block(const uint8_t* b, int qtype, float* w) {
-    const float d = fp16_to_float(b);
-    if (qtype == kQ8_0) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-        for (int j = 0; j < kQK; ++j) w[j] = static_cast<float>(qs[j]) * d;
+inline int64_t block_weights(int qtype) { return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32; }
+
+// Bytes of one row of k weights (k a multiple of block_weights(qtype)).
+inline int64_t row_bytes(int qtype, int64_t k) { return k / block_weights(qtype) * block_bytes(qtype); }
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// Scale and min codes of Q4_K sub-block s (0..7) from the block's 12 scale bytes.
+inline void q4k_scale_min(const uint8_t* q, int s, int* sc, int* m) {
+    if (s < 4) {
+        *sc = q[s] & 63;
+        *m = q[s + 4] & 63;
+    } else {
+        *sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
+        *m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    }
+}
+
+// What one 32-weight chunk needs, whatever the type: 32 integer codes c_j (as
+// bytes), and w_j = c_j * scale_j + offset with scale_j = scale[j / 16] (two
+// half-chunk scales: Q6_K's sub-blocks are 16 weights) and one offset. For every
+// type the product c_j scale_j is exact in float32 and the sum one rounding.
+struct Chunk {
+    uint8_t codes[kQK];
+    float scale[2];
+    float offset;
+    bool signed_codes;   // Q8_0: the codes are int8
+};
+
+inline void decode_chunk(const uint8_t* row, int qtype, int64_t c, Chunk* ch) {
+    ch->signed_codes = false;
+    if (qtype == kQ4_K) {
+        const uint8_t* b = row + (c / 8) * 144;
+        const int s = static_cast<int>(c % 8);
+        int sc, m;
+        q4k_scale_min(b + 4, s, &sc, &m);
+        ch->scale[0] = ch->scale[1] = fp16_to_float(b) * static_cast<float>(sc);
+        ch->offset = -(fp16_to_float(b + 2) * static_cast<float>(m));
+        const uint8_t* qs = b + 16 + (s / 2) * 32;
+        const int shift = (s % 2) * 4;
+        for (int j = 0; j < kQK; ++j) ch->codes[j] = (qs[j] >> shift) & 0xF;
         return;
     }
-    const bool q41 = qtype == kQ4_1;
-    const float m = q41 ? fp16_to_float(b + 2) : -8.0f * d;
-    const uint8_t* qs = b + (q41 ? 4 : 2);
+    if (qtype == kQ6_K) {
+        const uint8_t* b = row + (c / 8) * 210;
+        const int h = static_cast<int>(c % 8) / 4, p = static_cast<int>(c % 8) % 4;
+        const uint8_t* ql = b + 64 * h + 32 * (p % 2);
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + 2 * p);
+        const float d = fp16_to_float(b + 208);
+        const int lshift = (p / 2) * 4, hshift = 2 * p;
+        // Stored as the signed q - 32 (exact), so the offset stays 0.
+        for (int j = 0; j < kQK; ++j)
+            ch->codes[j] = static_cast<uint8_t>(
+                static_cast<int8_t>((((ql[j] >> lshift) & 0xF) | (((qh[j] >> hshift) & 3) << 4)) - 32));
+        ch->signed_codes = true;
+        ch->scale[0] = d * static_cast<float>(sc[0]);
+        ch->scale[1] = d * static_cast<float>(sc[1]);
+        ch->offset = 0.0f;
+        return;
+    }
+    const uint8_t* b = row + c * block_bytes(qtype);
+    const float d = fp16_to_float(b);
+    ch->scale[0] = ch->scale[1] = d;
+    if (qtype == kQ8_0) {
+        std::memcpy(ch->codes, b + 2, kQK);
+        ch->signed_codes = true;
+        ch->offset = 0.0f;
+        return;
+    }
+    const bool has_min = qtype == kQ4_1 || qtype == kQ5_1;
+    const bool five = qtype == kQ5_0 || qtype == kQ5_1;
+    const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    const uint32_t qh = five ? load_u32(b + 2 + (has_min ? 2 : 0)) : 0u;
     for (int j = 0; j < 16; ++j) {
-        w[j] = std::fma(static_cast<float>(qs[j] & 0xF), d, m);
-        w[j + 16] = std::fma(static_cast<float>(qs[j] >> 4), d, m);
+        ch->codes[j] = static_cast<uint8_t>((qs[j] & 0xF) | (((qh >> j) & 1u) << 4));
+        ch->codes[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
+    }
+    // Q4_0 / Q5_0 subtract 8 / 16 from the code before scaling: (q - z) d, with
+    // q - z exact, is the one rounding of q d - z d when z d is exact (always: z a
+    // power of two), so the offset form gives the same float32.
+    ch->offset = has_min ? fp16_to_float(b + 2) : -static_cast<float>(five ? 16 : 8) * d;
+}
+
+// The 32 weights of chunk c of a row, scalar.
+inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, float* w) {
+    Chunk ch;
+    decode_chunk(row, qtype, c, &ch);
+    for (int j = 0; j < kQK; ++j) {
+        const float q = ch.signed_codes ? static_cast<float>(static_cast<int8_t>(ch.codes[j]))
+                                        : static_cast<float>(ch.codes[j]);
+        w[j] = std::fma(q, ch.scale[j / 16], ch.offset);
     }
 }
 
 #if TANDEM_GGUF_AVX2
-// The 32 weights of one block in four registers (weights 0-7, 8-15, 16-23, 24-31).
-inline void dequantize_block(const uint8_t* b, int qtype, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(fp16_to_float(b));
+// 32 codes (bytes) -> four registers of 8 float32: codes * scale (per half) + offset.
+inline void codes_to_weights(__m256i q, bool is_signed, __m256 s_lo, __m256 s_hi, __m256 off,
+                             __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+        const __m256i q32 = is_signed ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+        w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), i < 2 ? s_lo : s_hi, off);
+    }
+}
+
+// Byte j of the result: 0x10 if bit j of qh is set, else 0 (Q5's fifth bits).
+inline __m256i fifth_bits(uint32_t qh) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// The same in four registers (weights 0-7, 8-15, 16-23, 24-31).
+inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[4]) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
     if (qtype == kQ8_0) {
-        const uint8_t* qs = b + 2;
-        for (int i = 0; i < 4; ++i) {
-            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i));
-            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-        }
+        const uint8_t* b = row + c * 34;
+        const __m256 d = _mm256_set1_ps(fp16_to_float(b));
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        codes_to_weights(q, true, d, d, _mm256_setzero_ps(), w);
         return;
     }
-    const bool q41 = qtype == kQ4_1;
-    const __m256 m = q41 ? _mm256_set1_ps(fp16_to_float(b + 2))
-                         : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (q41 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask);                      // weights 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);   // weights 16..31
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(w[i], d, m);
+    if (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1) {
+        const bool has_min = qtype == kQ4_1 || qtype == kQ5_1;
+        const bool five = qtype == kQ5_0 || qtype == kQ5_1;
+        const uint8_t* b = row + c * block_bytes(qtype);
+        const float df = fp16_to_float(b);
+        const __m256 d = _mm256_set1_ps(df);
+        // Q4_0 / Q5_0: (q - z) d as q d - z d, the same float32 (see decode_chunk).
+        const __m256 off = _mm256_set1_ps(has_min ? fp16_to_float(b + 2)
+                                                  : -static_cast<float>(five ? 16 : 8) * df);
+        const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+        // Low nibbles are weights 0..15, high nibbles 16..31.
+        __m256i codes = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(q, 4), q), nib);
+        if (five) codes = _mm256_or_si256(codes, fifth_bits(load_u32(b + 2 + (has_min ? 2 : 0))));
+        codes_to_weights(codes, false, d, d, off, w);
+        return;
+    }
+    if (qtype == kQ4_K) {
+        // 32 nibbles of one 32-byte run, low or high half by the sub-block's parity.
+        const uint8_t* b = row + (c / 8) * 144;
+        const int s = static_cast<int>(c % 8);
+        int sc, mn;
+        q4k_scale_min(b + 4, s, &sc, &mn);
+        const __m256 d = _mm256_set1_ps(fp16_to_float(b) * static_cast<float>(sc));
+        const __m256 m = _mm256_set1_ps(-(fp16_to_float(b + 2) * static_cast<float>(mn)));
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (s / 2) * 32));
+        codes_to_weights(_mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((s % 2) * 4)), nib),
+                         false, d, d, m, w);
+        return;
+    }
+    // Q6_K: chunk c % 8 = 4 h + p; low 4 bits from ql, high 2 from qh, minus 32.
+    const uint8_t* b = row + (c / 8) * 210;
+    const int h = static_cast<int>(c % 8) / 4, p = static_cast<int>(c % 8) % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (p % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((p / 2) * 4)), nib);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)),
+                                        _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                      _mm256_set1_epi8(32));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + 2 * p);
+    const float d = fp16_to_float(b + 208);
+    codes_to_weights(q, true, _mm256_set1_ps(d * static_cast<float>(sc[0])),
+                     _mm256_set1_ps(d * static_cast<float>(sc[1])), _mm256_setzero_ps(), w);
 }
 
 inline float hsum(__m256 v) {
@@ -90,17 +248,16 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// acc[r] = sum_k x[r, k] w[k] for r < MT over one weight row of `blocks` blocks.
+// acc[r] = sum_k x[r, k] w[k] for r < MT over one weight row of `chunks` chunks.
 template <int MT>
-void row_tile(const float* x, int64_t xs, const uint8_t* row, int qtype, int64_t blocks,
+void row_tile(const float* x, int64_t xs, const uint8_t* row, int qtype, int64_t chunks,
               float* acc) {
-    const int64_t bb = block_bytes(qtype);
 #if TANDEM_GGUF_AVX2
     __m256 c[MT][2];
     for (int r = 0; r < MT; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
     __m256 w[4];
-    for (int64_t b = 0; b < blocks; ++b) {
-        dequantize_block(row + b * bb, qtype, w);
+    for (int64_t b = 0; b < chunks; ++b) {
+        dequantize_chunk(row, qtype, b, w);
         for (int r = 0; r < MT; ++r) {
             const float* xr = x + r * xs + b * kQK;
             c[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), c[r][0]);
@@ -113,8 +270,8 @@ void row_tile(const float* x, int64_t xs, const uint8_t* row, int qtype, int64_t
 #else
     float w[kQK];
     for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        dequantize_block(row + b * bb, qtype, w);
+    for (int64_t b = 0; b < chunks; ++b) {
+        dequantize_chunk(row, qtype, b, w);
         for (int r = 0; r < MT; ++r) {
             const float* xr = x + r * xs + b * kQK;
             float s = 0.0f;
@@ -128,20 +285,20 @@ void row_tile(const float* x, int64_t xs, const uint8_t* row, int qtype, int64_t
 template <typename T>
 void gguf_linear(T* out, int64_t out_stride, const float* x, int64_t xs, const uint8_t* qweight,
                  int qtype, int64_t m_len, int64_t n_len, int64_t k, int num_threads) {
-    const int64_t blocks = k / kQK, row_bytes = blocks * block_bytes(qtype);
+    const int64_t chunks = k / kQK, rb = row_bytes(qtype, k);
 #pragma omp parallel for schedule(static) \
     num_threads(threads_for(m_len * n_len * k, num_threads, 1 << 16))
     for (int64_t n = 0; n < n_len; ++n) {
-        const uint8_t* row = qweight + n * row_bytes;
+        const uint8_t* row = qweight + n * rb;
         float acc[kMT];
         for (int64_t m0 = 0; m0 < m_len; m0 += kMT) {
             const int64_t mt = std::min<int64_t>(kMT, m_len - m0);
             const float* xt = x + m0 * xs;
             switch (mt) {
-                case 1: row_tile<1>(xt, xs, row, qtype, blocks, acc); break;
-                case 2: row_tile<2>(xt, xs, row, qtype, blocks, acc); break;
-                case 3: row_tile<3>(xt, xs, row, qtype, blocks, acc); break;
-                default: row_tile<4>(xt, xs, row, qtype, blocks, acc); break;
+                case 1: row_tile<1>(xt, xs, row, qtype, chunks, acc); break;
+                case 2: row_tile<2>(xt, xs, row, qtype, chunks, acc); break;
+                case 3: row_tile<3>(xt, xs, row, qtype, chunks, acc); break;
+                default: row_tile<4>(xt, xs, row, qtype, chunks, acc); break;
             }
             for (int64_t r = 0; r < mt; ++r) out[(m0 + r) * out_stride + n] = from_float<T>(acc[r]);
         }
@@ -158,8 +315,11 @@ extern "C" {
 // Bytes of one GGUF block of `qtype` (0: a type these kernels do not read).
 int tandem_gguf_block_bytes(int qtype) { return static_cast<int>(block_bytes(qtype)); }
 
+// Weights of one GGUF block of `qtype` (32, or 256 for the K-quants).
+int tandem_gguf_block_weights(int qtype) { return static_cast<int>(block_weights(qtype)); }
+
 // out [M, N] (row stride out_stride) = x [M, K] (row stride x_stride) W^T, W the
-// GGUF blocks of `qtype`, [N][K / 32 blocks]; K a multiple of 32.
+// GGUF blocks of `qtype`, [N][K / QB blocks]; K a multiple of the block's QB weights.
 void tandem_gguf_linear_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride,
                             const uint8_t* qweight, int qtype, int64_t m, int64_t n, int64_t k,
                             int num_threads) {
@@ -176,19 +336,20 @@ void tandem_gguf_linear_bf16(bf16* out, int64_t out_stride, const bf16* x, int64
     gguf_linear<bf16>(out, out_stride, x32, k, qweight, qtype, m, n, k, num_threads);
 }
 
-// out [N, K] float32 = the weights of `qweight` ([N][K / 32 blocks] of `qtype`).
+// out [N, K] float32 = the weights of `qweight` ([N][K / QB blocks] of `qtype`).
 void tandem_gguf_dequantize(float* out, const uint8_t* qweight, int qtype, int64_t n, int64_t k,
                             int num_threads) {
-    const int64_t blocks = k / kQK, bb = block_bytes(qtype);
+    const int64_t chunks = k / kQK, rb = row_bytes(qtype, k);
 #pragma omp parallel for schedule(static) num_threads(threads_for(n * k, num_threads, 1 << 16))
-    for (int64_t i = 0; i < n * blocks; ++i) {
+    for (int64_t i = 0; i < n * chunks; ++i) {
         float* o = out + i * kQK;
+        const uint8_t* row = qweight + (i / chunks) * rb;
 #if TANDEM_GGUF_AVX2
         __m256 w[4];
-        dequantize_block(qweight + i * bb, qtype, w);
+        dequantize_chunk(row, qtype, i % chunks, w);
         for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + 8 * j, w[j]);
 #else
-        dequantize_block(qweight + i * bb, qtype, o);
+        dequantize_chunk(row, qtype, i % chunks, o);
 #endif
     }
 }
