@@ -15,7 +15,8 @@ Systems are entries of :data:`SYSTEMS`: a name -> a function from the run's
 :class:`Context` to the ``LLM(...)`` keyword arguments. Quantized checkpoints are
 made once with ``tandem quantize``'s code into ``--cache-dir`` (keyed by the
 model file, the method and its settings, and the calibration text) and reused.
-GGUF blocks served natively (the file's Q4_1, and the file requantized to Q8_0),
+GGUF blocks served natively (the file's Q4_1, and the file requantized to Q8_0,
+Q6_K, Q5_0, Q4_K_M, Q4_K, Q4_0; ``--gguf-file NAME=PATH`` adds any other GGUF file),
 AWQ (made once with the shipped calibration text), an FP8 and an int4 KV cache
 are entries too. Note on the KV entries: a prefill chunk over a quantized cache
 reads its own K/V back from the cache, so prompt log-probabilities see the
@@ -152,6 +153,22 @@ SYSTEMS: dict[str, tuple[str, Callable[[Context], dict]]] = {
     "gguf-q8_0": ("the file requantized to Q8_0, blocks kept packed, float32",
                   lambda ctx: {"model": ctx.requantized_gguf("Q8_0"), "dtype": "float32",
                                "quantization": "gguf"}),
+    "gguf-q6_k": ("the file requantized to Q6_K (576-wide rows: Q8_0), packed, float32",
+                  lambda ctx: {"model": ctx.requantized_gguf("Q6_K"), "dtype": "float32",
+                               "quantization": "gguf"}),
+    "gguf-q5_0": ("the file requantized to Q5_0, packed, float32",
+                  lambda ctx: {"model": ctx.requantized_gguf("Q5_0"), "dtype": "float32",
+                               "quantization": "gguf"}),
+    "gguf-q4_k_m": ("the file requantized to llama.cpp's Q4_K_M mix (576-wide rows: Q5_0 / "
+                    "Q8_0), packed, float32",
+                    lambda ctx: {"model": ctx.requantized_gguf("Q4_K_M"), "dtype": "float32",
+                                 "quantization": "gguf"}),
+    "gguf-q4_k": ("the file requantized to Q4_K (576-wide rows: Q5_0), packed, float32",
+                  lambda ctx: {"model": ctx.requantized_gguf("Q4_K"), "dtype": "float32",
+                               "quantization": "gguf"}),
+    "gguf-q4_0": ("the file requantized to Q4_0, packed, float32",
+                  lambda ctx: {"model": ctx.requantized_gguf("Q4_0"), "dtype": "float32",
+                               "quantization": "gguf"}),
     "dense-f32-fp8kv": ("dense float32 weights, fp8 e4m3 KV cache",
                         lambda ctx: {"model": ctx.model, "dtype": "float32",
                                      "kv_cache_dtype": "fp8_e4m3"}),
@@ -191,8 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-len", type=int, default=512)
     p.add_argument("--cache-dir", default=os.path.join(cache_dir() or "/tmp/tandem", "quantized"),
                    help="quantized checkpoints (made once, reused)")
+    p.add_argument("--gguf-file", action="append", default=[], metavar="NAME=PATH",
+                   help="also score this GGUF file, its blocks kept packed, float32, as "
+                        "system NAME (e.g. llama.cpp's own requantization of the model, "
+                        "benchmarks/llama_cpp_quantize.py)")
     p.add_argument("--out", default=None, help="JSON file to write")
     args = p.parse_args(argv)
+    for spec in args.gguf_file:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not os.path.isfile(path):
+            p.error(f"--gguf-file: expected NAME=PATH of an existing file, got {spec!r}")
+        SYSTEMS[name] = (f"{os.path.basename(path)}, blocks kept packed, float32",
+                         lambda ctx, path=path: {"model": path, "dtype": "float32",
+                                                 "quantization": "gguf"})
+        args.systems.append(name)
 
     ctx = Context(args.model, args.cache_dir)
     text_path = data_path("heldout.txt")

@@ -4,6 +4,8 @@ of every tensor, and serves the same greedy tokens natively and dense."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -186,6 +188,9 @@ def test_k_quant_targets_mix_and_fall_back_as_llama_cpp(tmp_path):
             want[t.name], lambda a: quantize(a, want[t.name]))(w)
         assert np.array_equal(out[t.name].data.reshape(-1), packed.reshape(-1)), t.name
     assert stats["file_type"] == int(LlamaFileType.MOSTLY_Q4_K_M)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(dst).st_mode & 0o777 == 0o666 & ~umask
     assert stats["kinds"]["projection"]["types_after"] == ["Q4_K", "Q5_0", "Q6_K"]
     # A plain Q4_K target: the wide rows in Q4_K, the narrow ones in Q5_0.
     stats = requantize_gguf(src, dst, "Q4_K")

@@ -284,6 +284,9 @@ def requantize_gguf(src: str | os.PathLike | GGUFReader, dst: str | os.PathLike,
                 raise AssertionError(f"{t.name}: {data.nbytes} bytes written, {nbytes} planned")
             writer.write_tensor_data(data)
         writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)       # mkstemp's file is 0600: a file as open() makes
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):
