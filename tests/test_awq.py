@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tandem.engine.model.linear import Linear
 from tandem.engine.model.weights import WeightLoadError, load_weights
 from tandem.engine.quantization import awq
 from tandem.engine.quantization.awq_linear import (AWQLinearMethod, dequantize_awq,
@@ -100,15 +101,38 @@ def test_fused_layer_loads_shards_at_their_column_offsets(dtype):
     assert torch.equal(layer.scales[:, 96:], packed[2]["scales"].float())
     layer.process_weights_after_loading()
     layer.process_weights_after_loading()                # idempotent
-    want = torch.cat([reference_dequantize(**p) for p in packed]).to(dtype)
+    want = torch.cat([reference_dequantize(**p) for p in packed])        # float32
     x = torch.randn(5, 128, generator=g).to(dtype)
-    if dtype == torch.float32:
-        assert torch.equal(layer.weight, want)
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, want))
-    else:       # the dense method's bfloat16 kernels, on the dequantized weight
-        torch.testing.assert_close(layer(x).float(), (x.float() @ want.float().t()),
-                                   atol=0.05, rtol=0.02)
+    # Kept packed (INT4_ZP blocks): exactly the dequantized weights, multiplied in
+    # float32 (one rounding of the result for bfloat16).
+    assert layer.int4_blocks is not None and not hasattr(layer, "weight")
+    assert torch.equal(layer.quant_method.dequantized_weight(layer), want)
+    ref = x.double() @ want.double().t()
+    scale = x.abs().double() @ want.abs().double().t()
+    y = layer(x)
+    assert y.dtype == dtype
+    rel = 0.0 if dtype == torch.float32 else 2 ** -8
+    assert ((y.double() - ref).abs() <= rel * ref.abs() + 2e-6 * scale).all()
     assert not hasattr(layer, "qweight")
+
+
+def test_groups_of_16_columns_are_served_dense_exactly():
+    """Groups that do not fill whole 32-column blocks cannot be INT4_ZP rows: the
+    layer is dequantized to a dense weight, bit for bit the reference."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 128, generator=g)
+    packed = awq.pack_awq_weight(w, 4, 16)
+    layer = Linear(128, 32, AWQLinearMethod(16), params_dtype=torch.float32)
+    for leaf in ("qzeros", "scales", "qweight"):
+        layer.load_weight(leaf, packed[leaf], None)
+    layer.process_weights_after_loading()
+    want = reference_dequantize(**packed)
+    assert layer.int4_blocks is None and torch.equal(layer.weight, want)
+    dense = Linear(128, 32, params_dtype=torch.float32)
+    dense.load_weight("weight", want, None)
+    dense.process_weights_after_loading()
+    x = torch.randn(3, 128, generator=g)
+    assert torch.equal(layer(x), dense(x))
 
 
 def test_misshapen_and_foreign_tensors_raise_weight_load_error():

@@ -273,10 +273,30 @@ def test_the_kernels_block_sizes_are_the_tables():
         assert _lib().tandem_gguf_block_bytes(int(other)) == 0
 
 
-def test_portable_tier_decodes_every_type_as_gguf(tmp_path):
-    """The loops a CPU without AVX2 runs (the kernels built for plain x86-64, without
-    F16C either): dequantization bit for bit gguf-py's, and the product the
-    dequantize-then-matmul one."""
+def int4_zp_weight(n: int, k: int, group: int, act_order: bool, seed: int = 0):
+    """``(blocks, perm, dense float32 [n, k])``: random GPTQ-style codes, zero points,
+    float16 scales and groups (permuted under act-order), packed as INT4_ZP rows."""
+    from tandem.engine.quantization.int4_packed import pack_int4_zp
+    from tandem.engine.quantization.packing import dequantize_codes
+
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    zeros = torch.randint(0, 16, (groups, n), generator=g)
+    scales = (torch.rand(groups, n, generator=g) * 0.05 + 1e-3).half()
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    dense = dequantize_codes(codes, zeros.float().index_select(0, g_idx).t(),
+                             scales.float().index_select(0, g_idx).t())
+    blocks, perm = pack_int4_zp(codes, zeros, scales, g_idx)
+    return blocks, perm, dense
+
+
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """gguf_linear.cpp built for plain x86-64 (no AVX2, no F16C): the loops a CPU
+    without AVX2 runs."""
     import ctypes
     import platform
     import subprocess
@@ -285,19 +305,31 @@ def test_portable_tier_decodes_every_type_as_gguf(tmp_path):
 
     if platform.machine() != "x86_64":
         pytest.skip("the portable build is checked on x86-64")
-    lib_path = tmp_path / "gguf_portable.so"
+    lib_path = tmp_path_factory.mktemp("portable") / "gguf_portable.so"
     subprocess.run([find_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-std=c++17",
                     "-shared", "-fPIC", str(CSRC / "gguf_linear.cpp"), "-o", str(lib_path)],
                    check=True, capture_output=True)
-    lib = ctypes.CDLL(str(lib_path))
-    for qtype in TYPES:
-        n, k = 9, _k(qtype, 96)
-        qweight, dense = quantized(n, k, qtype, seed=int(qtype))
+    return ctypes.CDLL(str(lib_path))
+
+
+def test_portable_tier_decodes_every_type_as_gguf(portable_lib):
+    """The portable loops: dequantization bit for bit gguf-py's (INT4_ZP: the dense
+    dequantization's), and the product the dequantize-then-matmul one."""
+    import ctypes
+
+    from tandem.kernels.cpu.gguf_linear import INT4_ZP
+
+    lib = portable_lib
+    cases = [(t, *quantized(9, _k(t, 96), t, seed=int(t))) for t in TYPES]
+    blocks, perm, dense = int4_zp_weight(9, 96, 32, act_order=False)
+    cases.append((INT4_ZP, blocks, dense))
+    for qtype, qweight, dense in cases:
+        n, k = dense.shape
         out = torch.empty(n, k)
         lib.tandem_gguf_dequantize(ctypes.c_void_p(out.data_ptr()),
                                    ctypes.c_void_p(qweight.data_ptr()), int(qtype),
                                    ctypes.c_int64(n), ctypes.c_int64(k), 1)
-        assert torch.equal(out, dense), qtype.name
+        assert torch.equal(out, dense), qtype
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
         y = torch.empty(3, n)
         lib.tandem_gguf_linear_f32(ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n),
@@ -306,4 +338,55 @@ def test_portable_tier_decodes_every_type_as_gguf(tmp_path):
                                    ctypes.c_int64(3), ctypes.c_int64(n), ctypes.c_int64(k), 1)
         ref = x.double() @ dense.double().T
         scale = x.abs().double() @ dense.abs().double().T
-        assert ((y.double() - ref).abs() <= 1e-6 * k / 160 * scale).all(), qtype.name
+        assert ((y.double() - ref).abs() <= 1e-6 * k / 160 * scale).all(), qtype
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+@pytest.mark.parametrize("m", [1, 5, MAX_FUSED_ROWS + 3])
+def test_int4_zp_rows_are_the_dense_weight(act_order, m):
+    """GPTQ / AWQ int4 rewritten as INT4_ZP blocks: dequantized back exactly (columns
+    in the checkpoint's order), and multiplied like the dense weight, float32 and
+    bfloat16, decode-sized and prefill-sized."""
+    from tandem.engine.quantization.int4_packed import dequantize_int4_zp, int4_zp_linear
+
+    n, k = 40, 256
+    blocks, perm, dense = int4_zp_weight(n, k, 64, act_order, seed=m)
+    assert blocks.shape == (n, k // 32 * 19) and blocks.dtype == torch.uint8
+    assert (perm is not None) == act_order
+    assert torch.equal(dequantize_int4_zp(blocks, perm, k), dense)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = x.double() @ dense.double().T
+    scale = x.abs().double() @ dense.abs().double().T
+    y = int4_zp_linear(x, blocks, perm, k)
+    assert y.shape == (m, n) and ((y.double() - ref).abs() <= 2e-6 * scale).all()
+    yb = int4_zp_linear(x.bfloat16(), blocks, perm, k)
+    refb = x.bfloat16().double() @ dense.double().T
+    assert yb.dtype == torch.bfloat16
+    assert ((yb.double() - refb).abs() <= 2 ** -8 * refb.abs() + 2e-6 * scale).all()
+    alone = torch.cat([int4_zp_linear(x[i:i + 1], blocks, perm, k) for i in range(m)])
+    assert torch.equal(int4_zp_linear(x, blocks, perm, k, batch_invariant=True), alone)
+
+
+def test_int4_zp_packing_refuses_what_it_cannot_hold():
+    from tandem.engine.quantization.int4_packed import pack_int4_zp
+
+    codes = torch.zeros(4, 64, dtype=torch.int32)
+    zeros = torch.zeros(2, 4, dtype=torch.int32)
+    scales = torch.full((2, 4), 0.5, dtype=torch.float16)
+    g_idx = torch.arange(64) // 32
+    pack_int4_zp(codes, zeros, scales, g_idx)                      # fine
+    _, perm = pack_int4_zp(codes, zeros, scales, torch.arange(64) % 4 // 2)   # interleaved
+    assert torch.equal(perm[:32] % 4 // 2, torch.zeros(32, dtype=torch.int64))
+    for kwargs, field in [
+        (dict(codes=torch.zeros(4, 48, dtype=torch.int32), g_idx=torch.arange(48) // 24),
+         "codes"),                                                 # not whole blocks
+        (dict(codes=codes + 16), "codes"),
+        (dict(zeros=zeros - 1), "zeros"),
+        (dict(scales=torch.full((2, 4), 0.1, dtype=torch.float32)), "scales"),   # not fp16
+        (dict(g_idx=torch.arange(64) // 16, zeros=torch.zeros(4, 4, dtype=torch.int32),
+              scales=torch.full((4, 4), 0.5, dtype=torch.float16)), "g_idx"),   # groups of 16
+        (dict(zeros=zeros[:1]), "codes"),                          # shapes do not fit
+    ]:
+        args = dict(codes=codes, zeros=zeros, scales=scales, g_idx=g_idx) | kwargs
+        with pytest.raises(ValueError, match=f"^{field}"):
+            pack_int4_zp(**args)

@@ -25,6 +25,7 @@ negative, and every bit still means what the layout says.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +33,10 @@ from torch import nn
 
 from tandem.engine.model.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 from tandem.engine.model.weights import WeightLoadError, copy_checked
+from tandem.engine.quantization.int4_packed import (dequantize_int4_zp, int4_zp_linear,
+                                                    pack_int4_zp, packed_int4_supported)
+
+logger = logging.getLogger(__name__)
 
 PACK_FACTOR = 8                                  # 4-bit values per int32
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # nibble i <- column AWQ_PACK_ORDER[i]
@@ -117,13 +122,15 @@ class AWQLinearMethod(LinearMethodBase):
     the packed columns ``offset_i / 8 ..`` of ``qweight`` and ``qzeros``, so every
     sub-matrix width must be a multiple of 8.
 
-    :meth:`process_weights_after_loading` dequantizes to a dense ``weight``
-    ``[N, K]`` in the model's dtype (``scales``' dtype before loading; the product
-    ``(q - z) * s`` is formed in float32) and drops the packed tensors; from there
-    on the layer is the dense method's (:class:`UnquantizedLinearMethod`: ``F.linear``,
-    or its packed CPU kernels for bfloat16 and batch invariance). A kernel that
-    multiplies by the packed int4 weights directly is future work: today AWQ saves
-    disk and load time, not memory or compute.
+    :meth:`process_weights_after_loading` rewrites the layer into INT4_ZP blocks
+    (``layer.int4_blocks`` uint8 ``[N, K / 32 * 19]``, read by the compiled GGUF
+    kernels: :mod:`~tandem.engine.quantization.int4_packed`) on the CPU; elsewhere,
+    or for groups that are not a multiple of 32 columns, it dequantizes to a dense
+    ``weight`` ``[N, K]`` in the model's dtype (``scales``' dtype before loading; the
+    product ``(q - z) * s`` is formed in float32), and from there on the layer is the
+    dense method's (:class:`UnquantizedLinearMethod`: ``F.linear``, or its packed CPU
+    kernels for bfloat16 and batch invariance). It drops the checkpoint's tensors
+    either way.
 
     Args:
         group_size: ``g``, the input channels sharing one scale and zero point.
@@ -236,15 +243,53 @@ class AWQLinearMethod(LinearMethodBase):
 
     # -- after loading -----------------------------------------------------------------------
     def process_weights_after_loading(self, layer: Linear) -> None:
+        """Rewrite the layer into INT4_ZP blocks kept packed (on the CPU with the
+        compiled kernels, groups of a multiple of 32 columns, float16 scales:
+        :mod:`~tandem.engine.quantization.int4_packed`, 4.75 bits per weight, exactly
+        the weights ``(q - z) * s``); otherwise dequantize once to a dense ``weight``
+        in the model's dtype for the dense method's kernels. The checkpoint's
+        tensors are dropped either way (idempotent)."""
         if not hasattr(layer, "qweight"):
             return
+        layer.int4_blocks = None
+        if packed_int4_supported(layer.qweight.device, layer.in_features):
+            k = layer.in_features
+            g_idx = torch.arange(k, device=layer.qweight.device) // (k // layer.scales.shape[0])
+            try:
+                blocks, _ = pack_int4_zp(unpack_int4(layer.qweight.data).t(),
+                                         unpack_int4(layer.qzeros.data), layer.scales.data,
+                                         g_idx)
+            except ValueError as exc:       # e.g. groups of 16, or bfloat16 scales
+                logger.debug("AWQ layer kept dense: %s", exc)
+            else:
+                del layer.qweight, layer.qzeros, layer.scales
+                layer.int4_blocks = nn.Parameter(blocks, requires_grad=False)
+                return
         weight = dequantize_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data,
                                 layer.awq_dtype or layer.scales.dtype)
         del layer.qweight, layer.qzeros, layer.scales
         layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         self._dense.process_weights_after_loading(layer)
 
+    @staticmethod
+    def dequantized_weight(layer: Linear) -> torch.Tensor:
+        """The processed layer's weight ``[N, K]``: float32 from its blocks when packed,
+        else its dense weight (the model's dtype).
+
+        Raises:
+            RuntimeError: the layer was not processed yet, or its dense weight was
+                re-laid out for a kernel (bfloat16 panels).
+        """
+        if getattr(layer, "int4_blocks", None) is not None:
+            return dequantize_int4_zp(layer.int4_blocks, None, layer.in_features)
+        if hasattr(layer, "weight"):
+            return layer.weight
+        raise RuntimeError("awq: the layer holds no weight to read back")
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "qweight"):
             raise RuntimeError("awq: process_weights_after_loading() was not run on this layer")
+        if layer.int4_blocks is not None:
+            return int4_zp_linear(x, layer.int4_blocks, None, layer.in_features,
+                                  getattr(layer, "batch_invariant", False))
         return self._dense.apply(layer, x)

@@ -6,6 +6,7 @@ and chosen by :mod:`tandem.engine.quantization.checkpoint` for a checkpoint whos
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -13,10 +14,15 @@ from torch import nn
 
 from tandem.engine.model.linear import LinearMethodBase, UnquantizedLinearMethod
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.engine.quantization.packing import dequantize_packed, num_groups, pack_factor
+from tandem.engine.quantization.int4_packed import (dequantize_int4_zp, int4_zp_linear,
+                                                    pack_int4_zp, packed_int4_supported)
+from tandem.engine.quantization.packing import (dequantize_packed, num_groups, pack_factor,
+                                                unpack_qweight, unpack_zeros)
 
 if TYPE_CHECKING:
     from tandem.engine.model.linear import Linear
+
+logger = logging.getLogger(__name__)
 
 _DENSE = UnquantizedLinearMethod()
 _PACKED = ("qweight", "qzeros", "scales", "g_idx")
@@ -42,14 +48,22 @@ class GPTQLinearMethod(LinearMethodBase):
     ``g_idx`` runs along ``K``, which the sub-matrices share: they must all carry
     the same one.
 
-    After loading, the weight is dequantized once
-    (``W[n, k] = (code - zero[g_idx[k], n]) * scale[g_idx[k], n]``, exact in float32)
-    to a dense ``weight`` ``[N, K]`` in the model's dtype, and the matmul is the
-    dense method's (:class:`~tandem.engine.model.linear.UnquantizedLinearMethod`:
-    ``F.linear``, or its packed bfloat16 / batch-invariant CPU kernels), so a GPTQ
-    layer computes exactly what a dense layer with the dequantized weight does.
-    This saves no memory or bandwidth at run time: packed int4 matmul kernels are
-    future work. The packed tensors stay on the layer.
+    After loading, a 4-bit layer on the CPU (with the compiled kernels, ``K`` a
+    multiple of 32 and every group a multiple of 32 columns) is rewritten into rows of
+    INT4_ZP blocks (:mod:`~tandem.engine.quantization.int4_packed`: 4.75 bits per
+    weight, ``layer.int4_blocks`` uint8 ``[N, K / 32 * 19]`` and, under act-order,
+    ``layer.int4_perm`` int64 ``[K]``), and the checkpoint's ``qweight``, ``qzeros``
+    and ``scales`` are dropped (``g_idx`` stays). The matmul reads the blocks with
+    the GGUF kernels, on weights exactly
+    ``W[n, k] = (code - zero[g_idx[k], n]) * scale[g_idx[k], n]``; only the float32
+    summation order differs from a dense layer holding that weight.
+
+    Any other layer (2 or 8 bits, CUDA, no compiled kernels) is dequantized once to a
+    dense ``weight`` ``[N, K]`` in the model's dtype, and the matmul is the dense
+    method's (:class:`~tandem.engine.model.linear.UnquantizedLinearMethod`:
+    ``F.linear``, or its packed bfloat16 / batch-invariant CPU kernels), so it
+    computes exactly what a dense layer with the dequantized weight does; its
+    packed tensors stay on the layer.
 
     Args:
         bits: 2, 4 or 8.
@@ -115,6 +129,8 @@ class GPTQLinearMethod(LinearMethodBase):
         layer.register_buffer("dtype_probe", torch.empty(0, dtype=params_dtype), persistent=False)
         layer.g_idx_shards = set()
         layer.gptq_dequantized = False
+        layer.register_parameter("int4_blocks", None)         # set if packed at load
+        layer.register_buffer("int4_perm", None, persistent=False)
         layer.packed_weight = None
         layer.invariant_weight = None
 
@@ -159,6 +175,8 @@ class GPTQLinearMethod(LinearMethodBase):
         Raises:
             WeightLoadError: a ``g_idx`` entry outside ``[0, G)``.
         """
+        if layer.int4_blocks is not None:
+            return dequantize_int4_zp(layer.int4_blocks, layer.int4_perm, layer.in_features)
         groups = layer.scales.shape[0]
         g_idx = layer.g_idx
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
@@ -168,20 +186,42 @@ class GPTQLinearMethod(LinearMethodBase):
                                  g_idx, self.bits, self.zero_offset)
 
     def process_weights_after_loading(self, layer):
-        """Dequantize once to ``layer.weight`` (the model's dtype) and let the dense
-        method prepare it for its kernel (idempotent).
+        """Pack a 4-bit layer into INT4_ZP blocks, or else dequantize once to
+        ``layer.weight`` (the model's dtype) and let the dense method prepare it for
+        its kernel (see the class docstring; idempotent).
 
         Raises:
             WeightLoadError: a ``g_idx`` entry outside ``[0, G)``.
             ValueError: ``batch_invariant`` off the CPU (the dense method's check).
         """
-        if layer.gptq_dequantized:
+        if layer.gptq_dequantized or layer.int4_blocks is not None:
             return
+        groups = layer.scales.shape[0]
+        g_idx = layer.g_idx
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise WeightLoadError(f"g_idx: values must lie in [0, {groups}), got "
+                                  f"[{int(g_idx.min())}, {int(g_idx.max())}]")
+        if self.bits == 4 and packed_int4_supported(layer.qweight.device, layer.in_features):
+            try:
+                blocks, perm = pack_int4_zp(
+                    unpack_qweight(layer.qweight, self.bits),
+                    unpack_zeros(layer.qzeros, self.bits, self.zero_offset),
+                    layer.scales.view(torch.float16), g_idx)
+            except ValueError as exc:       # e.g. groups of 16 columns: served dense
+                logger.debug("GPTQ layer kept dense: %s", exc)
+            else:
+                layer.int4_blocks = nn.Parameter(blocks, requires_grad=False)
+                layer.int4_perm = perm
+                del layer.qweight, layer.qzeros, layer.scales
+                return
         weight = self.dequantized_weight(layer).to(layer.dtype_probe.dtype)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.gptq_dequantized = True
         _DENSE.process_weights_after_loading(layer)
 
     def apply(self, layer, x):
+        if layer.int4_blocks is not None:
+            return int4_zp_linear(x, layer.int4_blocks, layer.int4_perm, layer.in_features,
+                                  getattr(layer, "batch_invariant", False))
         return _DENSE.apply(layer, x)
 

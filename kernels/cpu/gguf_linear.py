@@ -28,6 +28,14 @@ GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     14: ("Q6_K", 256, 210),
 }
+#: Tandem's own block for int4 weights with group scales and zero points (GPTQ, AWQ;
+#: not a ggml type): 32 weights, fp16 scale ``s``, uint8 zero point ``z``, 16 bytes of
+#: codes as Q4_0's (weights 0..15 in the low nibbles), ``w_j = (q_j - z) * s``,
+#: exact in float32. See :mod:`tandem.engine.quantization.int4_packed`.
+INT4_ZP = 1001
+#: Every block type the kernels read: the GGUF ones and :data:`INT4_ZP`.
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {**GGUF_NATIVE_TYPES,
+                                                  INT4_ZP: ("INT4_ZP", 32, 19)}
 # Above this many activation rows a product dequantizes the weight and runs a GEMM.
 # The in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM but
 # re-dequantizes each block once per 4 rows (``benchmarks/quantization.py --kernels``
@@ -57,10 +65,10 @@ def row_bytes(qtype: int, in_features: int) -> int:
         ValueError: a type not read natively, or ``in_features`` not a multiple of
             its block's weights (32, or 256 for the K-quants).
     """
-    if qtype not in GGUF_NATIVE_TYPES:
-        raise ValueError(f"qtype: ggml type {qtype} has no native kernel "
-                         f"(native: {', '.join(v[0] for v in GGUF_NATIVE_TYPES.values())})")
-    _, block, nbytes = GGUF_NATIVE_TYPES[qtype]
+    if qtype not in PACKED_TYPES:
+        raise ValueError(f"qtype: type {qtype} has no native kernel "
+                         f"(native: {', '.join(v[0] for v in PACKED_TYPES.values())})")
+    _, block, nbytes = PACKED_TYPES[qtype]
     if in_features % block:
         raise ValueError(f"in_features: {in_features} is not a multiple of the "
                          f"{block}-weight block")
@@ -75,7 +83,7 @@ def _check_qweight(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         raise ValueError("qweight: must be contiguous")
     if qweight.shape[1] != row_bytes(qtype, in_features):
         raise ValueError(f"qweight: rows of {qweight.shape[1]} bytes do not hold "
-                         f"{in_features} {GGUF_NATIVE_TYPES[qtype][0]} weights "
+                         f"{in_features} {PACKED_TYPES[qtype][0]} weights "
                          f"({row_bytes(qtype, in_features)} bytes)")
 
 
@@ -100,7 +108,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
     Args:
         x: ``[M, K]`` float32 or bfloat16 on the CPU, the last dim contiguous.
         qweight: uint8 ``[N, row_bytes(qtype, K)]``, contiguous.
-        qtype: ggml type id, a key of :data:`GGUF_NATIVE_TYPES`.
+        qtype: a key of :data:`PACKED_TYPES` (a ggml type id, or :data:`INT4_ZP`).
         in_features: ``K``.
         fused_only: always the in-register kernel, whatever ``M``. Its row ``m`` of the
             result does not depend on ``M`` or the other rows (each element one float32

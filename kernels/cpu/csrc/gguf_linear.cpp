@@ -18,6 +18,9 @@
 //        weight 128 h + 32 p + l has its low 4 bits in ql[64 h + 32 (p % 2) + l]
 //        (high nibble for p >= 2), its high 2 bits at bit 2p of qh[32 h + l];
 //        w = d sc_(w / 16) (q - 32).
+// and Tandem's own block for GPTQ / AWQ int4 weights (type id 1001, not a ggml type):
+//   INT4_ZP 19 bytes: fp16 s, u8 zero z, 16 qs (nibbles as Q4_0)   w_j = (q_j - z) s
+// ((q_j - z) s is exact in float32: a 5-bit integer times an fp16).
 // Every kernel walks a row in chunks of 32 weights (a block, or one eighth of a
 // super-block), so the K-quants share the register tiles of the 32-weight types.
 //
@@ -46,7 +49,8 @@ namespace {
 
 constexpr int64_t kQK = 32;  // weights per chunk
 constexpr int kMT = 4;       // activation rows per register tile
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14,
+              kInt4Zp = 1001 };
 
 inline int64_t block_bytes(int qtype) {
     switch (qtype) {
@@ -57,6 +61,7 @@ inline int64_t block_bytes(int qtype) {
         case kQ8_0: return 34;
         case kQ4_K: return 144;
         case kQ6_K: return 210;
+        case kInt4Zp: return 19;
         default: return 0;
     }
 }
@@ -129,6 +134,14 @@ inline void decode_chunk(const uint8_t* row, int qtype, int64_t c, Chunk* ch) {
     const uint8_t* b = row + c * block_bytes(qtype);
     const float d = fp16_to_float(b);
     ch->scale[0] = ch->scale[1] = d;
+    if (qtype == kInt4Zp) {
+        for (int j = 0; j < 16; ++j) {
+            ch->codes[j] = b[3 + j] & 0xF;
+            ch->codes[j + 16] = b[3 + j] >> 4;
+        }
+        ch->offset = -(static_cast<float>(b[2]) * d);   // exact: a 4-bit integer times an fp16
+        return;
+    }
     if (qtype == kQ8_0) {
         std::memcpy(ch->codes, b + 2, kQK);
         ch->signed_codes = true;
@@ -193,16 +206,18 @@ inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[
         codes_to_weights(q, true, d, d, _mm256_setzero_ps(), w);
         return;
     }
-    if (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1) {
+    if (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
+        qtype == kInt4Zp) {
         const bool has_min = qtype == kQ4_1 || qtype == kQ5_1;
         const bool five = qtype == kQ5_0 || qtype == kQ5_1;
+        const bool zp = qtype == kInt4Zp;
         const uint8_t* b = row + c * block_bytes(qtype);
         const float df = fp16_to_float(b);
         const __m256 d = _mm256_set1_ps(df);
-        // Q4_0 / Q5_0: (q - z) d as q d - z d, the same float32 (see decode_chunk).
-        const __m256 off = _mm256_set1_ps(has_min ? fp16_to_float(b + 2)
-                                                  : -static_cast<float>(five ? 16 : 8) * df);
-        const uint8_t* qs = b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+        // Q4_0 / Q5_0 / INT4_ZP: (q - z) d as q d - z d, the same float32 (see decode_chunk).
+        const float zero = zp ? static_cast<float>(b[2]) : static_cast<float>(five ? 16 : 8);
+        const __m256 off = _mm256_set1_ps(has_min ? fp16_to_float(b + 2) : -(zero * df));
+        const uint8_t* qs = zp ? b + 3 : b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
         // Low nibbles are weights 0..15, high nibbles 16..31.
         __m256i codes = _mm256_and_si256(
@@ -315,7 +330,7 @@ extern "C" {
 // Bytes of one GGUF block of `qtype` (0: a type these kernels do not read).
 int tandem_gguf_block_bytes(int qtype) { return static_cast<int>(block_bytes(qtype)); }
 
-// Weights of one GGUF block of `qtype` (32, or 256 for the K-quants).
+// Weights of one block of `qtype` (32, or 256 for the K-quants).
 int tandem_gguf_block_weights(int qtype) { return static_cast<int>(block_weights(qtype)); }
 
 // out [M, N] (row stride out_stride) = x [M, K] (row stride x_stride) W^T, W the
