@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also score this GGUF file, its blocks kept packed, float32, as "
                         "system NAME (e.g. llama.cpp's own requantization of the model, "
                         "benchmarks/llama_cpp_quantize.py)")
+    p.add_argument("--segments-out", default=None,
+                   help="also write the scored token segments here (JSON), for "
+                        "benchmarks/llama_cpp_perplexity.py")
     p.add_argument("--out", default=None, help="JSON file to write")
     args = p.parse_args(argv)
     for spec in args.gguf_file:
@@ -237,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         if segments is None:
             segments = [s.tolist() for s in calibration_segments(llm.tokenizer, text,
                                                                  args.segment_len)]
+            if args.segments_out:
+                with open(args.segments_out, "w") as f:
+                    json.dump({"text": "engine/quantization/data/heldout.txt",
+                               "segment_len": args.segment_len, "segments": segments}, f)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, nll, n = perplexity(llm, segments)

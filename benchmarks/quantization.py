@@ -9,6 +9,8 @@ SmolLM2-135M-Instruct GGUF unless ``--model``):
 - ``gguf-q8_0``, ``gguf-q6_k``, ``gguf-q4_k_m``: the same on a Q8_0, Q6_K or Q4_K_M
   file of the model (``--q8-model``, ``--q6k-model``, ``--q4km-model``, e.g. made with
   ``tandem quantize --method q8_0`` / ``q6_k`` / ``q4_k_m``);
+- ``awq``, ``gptq``: an AWQ / GPTQ int4 checkpoint of the model (``--awq-model``,
+  ``--gptq-model``, from ``tandem quantize``), kept packed on the CPU;
 - extra formats are entries of :data:`FORMATS` (name -> model, LLM kwargs).
 
 For each: the bytes of the weights held in memory (every distinct tensor a module
@@ -62,6 +64,7 @@ FORMATS: dict[str, tuple[str | None, dict]] = {
                                "kv_cache_dtype": "int4"}),
     "bf16-int4kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "int4"}),
     "awq": ("--awq-model", {"dtype": "float32", "quantization": "awq"}),
+    "gptq": ("--gptq-model", {"dtype": "float32"}),
 }
 
 
@@ -206,6 +209,7 @@ def main() -> None:
     ap.add_argument("--q6k-model", default=None, help="a Q6_K GGUF of the same model")
     ap.add_argument("--q4km-model", default=None, help="a Q4_K_M GGUF of the same model")
     ap.add_argument("--awq-model", default=None, help="an AWQ checkpoint of the same model")
+    ap.add_argument("--gptq-model", default=None, help="a GPTQ checkpoint of the same model")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=256)
