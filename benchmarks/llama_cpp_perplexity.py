@@ -10,7 +10,7 @@ in float64, and ``ppl = exp(-mean)``, as perplexity.py computes it.
 
     /work/lcpp-venv/bin/python benchmarks/llama_cpp_perplexity.py MODEL.gguf SEGMENTS.json
 
-Prints one JSON object.
+Prints one JSON object, on one line.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     print(json.dumps({"system": "llama.cpp", "llama_cpp_python": llama_cpp.__version__,
                       "model": args.model, "file_type": llm.metadata.get("general.file_type"),
                       "ppl": math.exp(nll / n), "nll": nll / n, "scored_tokens": n,
-                      "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
+                      "seconds": round(time.perf_counter() - t0, 2)}))
 
 
 if __name__ == "__main__":

@@ -90,12 +90,13 @@ class Context:
 
     def requantized_gguf(self, qtype: str) -> str:
         """The default GGUF file rewritten in block type ``qtype`` (made if absent)."""
-        from tandem.engine.quantization.gguf_writer import requantize_gguf
+        from tandem.engine.quantization.gguf_writer import REQUANTIZE_VERSION, requantize_gguf
 
         files = resolve_model(self.model)
         st = os.stat(files.path)
         key = hashlib.sha256("|".join([os.path.realpath(files.path), str(st.st_size),
-                                       str(st.st_mtime_ns), qtype]).encode()).hexdigest()[:12]
+                                       str(st.st_mtime_ns), qtype,
+                                       str(REQUANTIZE_VERSION)]).encode()).hexdigest()[:12]
         path = os.path.join(self.cache_dir, f"{files.name}-{qtype}-{key}.gguf")
         if not os.path.isfile(path):
             os.makedirs(self.cache_dir, exist_ok=True)

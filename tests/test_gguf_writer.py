@@ -13,7 +13,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
 from tandem.engine.quantization.gguf_writer import (field_value, requantize_gguf,
-                                                    tensor_kind)
+                                                    target_type, tensor_kind)
 from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
 
 
@@ -85,6 +85,11 @@ def expected_tensor(t, qtype: QT, keep_embedding: bool = False) -> tuple[QT, np.
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     if kind == "norm":
         return QT.F32, w
+    if t.name == "output.weight" and qtype in (QT.Q4_0, QT.Q4_1) and not keep_embedding:
+        # llama.cpp's rule: the output matrix in Q6_K, here Q8_0 (64-wide rows are
+        # not whole super-blocks), as the source stores it: copied.
+        assert t.tensor_type == QT.Q8_0
+        return QT.Q8_0, t.data
     if kind == "other" or (kind == "embedding" and keep_embedding) or t.tensor_type == qtype:
         return t.tensor_type, t.data
     return qtype, quantize(w, qtype)
@@ -196,8 +201,23 @@ def test_k_quant_targets_mix_and_fall_back_as_llama_cpp(tmp_path):
     stats = requantize_gguf(src, dst, "Q4_K")
     out = {t.name: t.tensor_type for t in GGUFReader(dst).tensors}
     assert out["blk.1.ffn_down.weight"] == out["blk.1.attn_v.weight"] == QT.Q4_K
-    assert out["blk.0.attn_q.weight"] == out["output.weight"] == QT.Q5_0
+    assert out["blk.0.attn_q.weight"] == out["token_embd.weight"] == QT.Q5_0
+    assert out["output.weight"] == QT.Q8_0           # Q6_K's fallback, as llama.cpp
     assert stats["file_type"] == int(LlamaFileType.MOSTLY_Q4_K_S)
+
+
+def test_the_output_matrix_and_fallbacks_follow_llama_quantize():
+    """Below 8 bits the output matrix (the token embedding when tied) is Q6_K, which
+    576-wide rows cannot hold: Q8_0 then; K-quants fall back per row length."""
+    assert target_type("token_embd.weight", "Q5_0", 30, False, 576) == "Q8_0"
+    assert target_type("token_embd.weight", "Q5_0", 30, True, 576) == "Q5_0"
+    assert target_type("output.weight", "Q4_0", 30, True, 512) == "Q6_K"
+    assert target_type("output.weight", "Q8_0", 30, True, 512) == "Q8_0"
+    assert target_type("output.weight", "F16", 30, True, 512) == "F16"
+    assert target_type("blk.3.ffn_down.weight", "Q4_K", 30, True, 1536) == "Q4_K"
+    assert target_type("blk.3.ffn_up.weight", "Q4_K", 30, True, 576) == "Q5_0"
+    assert target_type("blk.0.attn_v.weight", "Q4_K_M", 30, False, 576) == "Q8_0"
+    assert target_type("blk.3.attn_v.weight", "Q4_K_M", 30, False, 576) == "Q5_0"
 
 
 @pytest.fixture(scope="module")

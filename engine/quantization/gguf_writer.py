@@ -19,6 +19,10 @@ one with ``gguf.GGUFWriter``:
   add rounding);
 - 1-D tensors (the norms) are written as F32; other tensors are copied as stored.
 
+As ``llama-quantize`` does, the output matrix (``output.weight``, or the token
+embedding when the output is tied to it) is written in Q6_K for every target below
+8 bits (:func:`target_type`), since the logits are the most sensitive product.
+
 K-quant rows must hold whole 256-weight super-blocks. A tensor whose rows do not
 (SmolLM2-135M's hidden size is 576) takes llama.cpp's fallback type instead
 (:data:`KQUANT_FALLBACK`: Q4_K -> Q5_0, Q6_K -> Q8_0), as ``llama-quantize`` does.
@@ -48,6 +52,13 @@ REQUANTIZE_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q4_K", "Q4_K_M", "Q4_0", "Q4_1", "F
 
 #: ggml type name -> the type llama.cpp uses for rows that are not whole super-blocks.
 KQUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+
+#: Bumped whenever the same source and target give different bytes (caches of
+#: requantized files key on it): 2 = the output matrix in Q6_K below 8 bits.
+REQUANTIZE_VERSION = 2
+
+# Targets whose output matrix llama.cpp keeps in Q6_K (all below 8 bits).
+_LOW_BIT = ("Q6_K", "Q5_0", "Q4_K", "Q4_K_M", "Q4_0", "Q4_1")
 
 #: GGUF tensor-name stems of the projection matrices (``blk.{i}.<stem>.weight``).
 PROJECTION_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -144,6 +155,27 @@ def field_value(field) -> tuple[Any, Any, Any]:
     return [field.parts[i][0].item() for i in field.data], vtype, etype
 
 
+def target_type(name: str, target: str, num_layers: int, has_output: bool,
+                row_len: int) -> str:
+    """The ggml type name requantizing matrix ``name`` to ``target`` gives it.
+
+    ``Q4_K_M``: :func:`q4_k_m_type`. Other targets below 8 bits: Q6_K for the output
+    matrix (``output.weight``, or ``token_embd.weight`` when the file has no output
+    matrix), the target otherwise. Then a K-quant whose rows (``row_len`` weights)
+    are not whole 256-weight super-blocks takes :data:`KQUANT_FALLBACK`'s type.
+    """
+    if target == "Q4_K_M":
+        out = q4_k_m_type(name, num_layers, has_output)
+    elif target in _LOW_BIT and (name == "output.weight"
+                                 or (name == "token_embd.weight" and not has_output)):
+        out = "Q6_K"
+    else:
+        out = target
+    if out in KQUANT_FALLBACK and row_len % QT_K_BLOCK:
+        out = KQUANT_FALLBACK[out]
+    return out
+
+
 def _plan(reader, target: str, keep_embedding: bool
           ) -> list[tuple[Any, str, Any, tuple[int, ...], int]]:
     """Per source tensor: ``(tensor, kind, out_type, numpy shape, out_nbytes)``.
@@ -164,11 +196,8 @@ def _plan(reader, target: str, keep_embedding: bool
         if kind == "norm":
             out_type = QT.F32
         elif kind == "projection" or (kind == "embedding" and not keep_embedding):
-            name = (q4_k_m_type(t.name, num_layers, "output.weight" in names)
-                    if target == "Q4_K_M" else target)
-            if name in KQUANT_FALLBACK and shape[-1] % QT_K_BLOCK:
-                name = KQUANT_FALLBACK[name]
-            out_type = QT[name]
+            out_type = QT[target_type(t.name, target, num_layers, "output.weight" in names,
+                                      shape[-1])]
         else:
             out_type = t.tensor_type
         if out_type == t.tensor_type:
