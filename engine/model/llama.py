@@ -118,11 +118,13 @@ class LlamaForCausalLM(nn.Module):
 
             self.model.embed_tokens = GGUFEmbedding(cfg.vocab_size, cfg.hidden_size)
         else:
-            # ``_weight``: no random init, which on the meta device would run torch's
-            # Python reference of normal_ and import torch._dynamo (1.5 s per process).
-            self.model.embed_tokens = nn.Embedding(
-                cfg.vocab_size, cfg.hidden_size,
-                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            # nn.Embedding's random init, but not on the meta device (where load_model
+            # builds the model), on which normal_ runs torch's Python reference and
+            # imports torch._dynamo: 1.5 s in every worker process.
+            table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+            if not table.is_meta:
+                nn.init.normal_(table)
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, linear_method)
                                           for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
