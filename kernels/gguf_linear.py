@@ -12,6 +12,8 @@ of :mod:`tandem.kernels.reference`):
     Q8_0 (type 8)   34 bytes  fp16 d, 32 int8 qs             w_j = qs[j] * d
     Q4_K (type 12) 144 bytes per 256 weights (8 sub-blocks of 32, 6-bit scales and mins)
     Q6_K (type 14) 210 bytes per 256 weights (16 sub-blocks of 16, int8 scales)
+    INT4_ZP (1001)  19 bytes  fp16 s, u8 zero z, 16 qs       w_j = (q_j - z) * s
+                              (Tandem's block for GPTQ / AWQ int4, not a ggml type)
 
 with ``q_j`` the low nibble of ``qs[j]`` for ``j < 16`` and the high nibble of
 ``qs[j - 16]`` for ``j >= 16``, ``h_j`` bit ``j`` of ``qh``.
@@ -58,8 +60,9 @@ import triton.language as tl
 
 from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
                                     check_last_dim_contiguous, check_shape, dot_options)
-from tandem.kernels.reference import (GGUF_BLOCK_SIZES, check_gguf_weight,
-                                      dequantize_gguf_reference, gguf_linear_reference)
+from tandem.kernels.reference import (GGUF_BLOCK_SIZES, INT4_ZP, PACKED_BLOCK_SIZES,
+                                      check_gguf_weight, dequantize_gguf_reference,
+                                      gguf_linear_reference)
 
 __all__ = ["gguf_linear", "gguf_linear_reference", "dequantize_gguf_reference",
            "gguf_block_config", "GGUF_BLOCK_SIZES"]
@@ -145,6 +148,13 @@ def _gguf_linear_kernel(
             if QTYPE == 2:
                 w_lo = (lo - 8.0) * d
                 w_hi = (hi - 8.0) * d
+            elif QTYPE == 1001:
+                # INT4_ZP: the block's zero point, byte 2, broadcast like its scale.
+                z = tl.load(s_ptr + 2, mask=s_mask, other=0).to(tl.float32)
+                z = tl.reshape(tl.broadcast_to(z[:, None, :], (NBLK, GROUP, BLOCK_N)),
+                               (NBLK * GROUP, BLOCK_N))
+                w_lo = (lo - z) * d
+                w_hi = (hi - z) * d
             elif QTYPE == 6:
                 w_lo = (lo - 16.0) * d
                 w_hi = (hi - 16.0) * d
@@ -291,7 +301,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
         qweight: ``[N, K / QB * bytes_per_block]`` uint8 GGUF blocks, on x's device;
             any row stride, innermost stride 1.
         qtype: ggml type id (``gguf.GGMLQuantizationType``): 2 (Q4_0), 3 (Q4_1),
-            6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K).
+            6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 14 (Q6_K), or 1001 (INT4_ZP).
         in_features: ``K``, a multiple of the block's ``QB`` weights (32; 256 for
             the K-quants).
         out: optional ``[M, N]`` output in x's dtype (may be a view of a larger tensor).
@@ -334,7 +344,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
     if m == 0 or n == 0:
         return out
 
-    block_bytes = GGUF_BLOCK_SIZES[qtype][1]
+    block_bytes = PACKED_BLOCK_SIZES[qtype][1]
     precision, upcast = dot_options(x.dtype, x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     if qtype in _KQUANTS:
@@ -348,11 +358,12 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
         return out
     has_min = qtype in (_Q4_1, _Q5_1)
     five = qtype in (_Q5_0, _Q5_1)
+    qs_offset = 3 if qtype == INT4_ZP else 2 + 2 * has_min + 4 * five
     _gguf_linear_kernel[grid](
         out, x, qweight, m, n, in_features // _WEIGHTS_PER_BLOCK,
         x.stride(0), qweight.stride(0), out.stride(0),
         QTYPE=qtype, BLOCK_BYTES=block_bytes,
-        QS_OFFSET=2 + 2 * has_min + 4 * five, QH_OFFSET=2 + 2 * has_min,
+        QS_OFFSET=qs_offset, QH_OFFSET=2 + 2 * has_min,
         GROUP=32 if qtype == _Q8_0 else 16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=precision, UPCAST=upcast,

@@ -338,7 +338,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 #         weight 128h + 32p + l: low 4 bits in ql[64h + 32(p % 2) + l] (high nibble
 #         for p >= 2), high 2 bits at bit 2p of qh[32h + l].
 #
-# (ggml's block_q4_0 ... block_q6_K; llama.cpp PR #1684 for the K-quants.)
+# (ggml's block_q4_0 ... block_q6_K; llama.cpp PR #1684 for the K-quants.) And
+# Tandem's own block for GPTQ / AWQ int4 weights (not a ggml type, see
+# engine/quantization/int4_packed.py):
+#
+#     INT4_ZP 32 w   19 bytes  fp16 s, u8 zero z, 16 qs       w_j = (q_j - z) * s
 
 # ggml type id (``gguf.GGMLQuantizationType``) -> (weights per block, bytes per block).
 GGUF_BLOCK_SIZES: dict[int, tuple[int, int]] = {
@@ -350,7 +354,11 @@ GGUF_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     12: (256, 144),  # Q4_K
     14: (256, 210),  # Q6_K
 }
-GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+INT4_ZP = 1001
+#: Every block type the kernels read: the ggml ones and :data:`INT4_ZP`.
+PACKED_BLOCK_SIZES: dict[int, tuple[int, int]] = {**GGUF_BLOCK_SIZES, INT4_ZP: (32, 19)}
+GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K",
+                   INT4_ZP: "INT4_ZP"}
 _GGUF_Q4_0, _GGUF_Q4_1, _GGUF_Q5_0, _GGUF_Q5_1, _GGUF_Q8_0 = 2, 3, 6, 7, 8
 _GGUF_Q4_K, _GGUF_Q6_K = 12, 14
 
@@ -359,16 +367,16 @@ def check_gguf_weight(qweight: torch.Tensor, qtype: int, in_features: int) -> tu
     """Validate a packed GGUF weight; returns ``(N, row_bytes)``.
 
     Raises:
-        ValueError: ``qtype`` not a key of :data:`GGUF_BLOCK_SIZES`, ``in_features``
+        ValueError: ``qtype`` not a key of :data:`PACKED_BLOCK_SIZES`, ``in_features``
             not a positive multiple of the block's weights (32, or 256 for the
             K-quants), ``qweight`` not a 2-D uint8 tensor of ``in_features /
             weights_per_block * bytes_per_block`` columns.
     """
-    if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in GGUF_BLOCK_SIZES:
+    if isinstance(qtype, bool) or not isinstance(qtype, int) or qtype not in PACKED_BLOCK_SIZES:
         raise ValueError(f"qtype: {qtype!r} not supported, expected one of "
-                         f"{sorted(GGUF_BLOCK_SIZES)} "
-                         f"({', '.join(GGUF_TYPE_NAMES[t] for t in sorted(GGUF_BLOCK_SIZES))})")
-    block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
+                         f"{sorted(PACKED_BLOCK_SIZES)} "
+                         f"({', '.join(GGUF_TYPE_NAMES[t] for t in sorted(PACKED_BLOCK_SIZES))})")
+    block_weights, block_bytes = PACKED_BLOCK_SIZES[qtype]
     if isinstance(in_features, bool) or not isinstance(in_features, int) \
             or in_features <= 0 or in_features % block_weights:
         raise ValueError(f"in_features: {in_features!r} is not a positive multiple of "
@@ -427,14 +435,15 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: int,
                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpack a GGUF weight of a type in :data:`GGUF_BLOCK_SIZES` (pure torch, any device).
+    """Unpack a weight of a type in :data:`PACKED_BLOCK_SIZES` (pure torch, any device).
 
     Computed in float32 with the operations of ``gguf.quants.dequantize`` (so the
-    float32 result equals it bit for bit), then cast to ``dtype``.
+    float32 result equals it bit for bit; INT4_ZP: ``(q - z) * s``, exact), then cast
+    to ``dtype``.
 
     Args:
         qweight: ``[N, row_bytes]`` uint8, GGUF blocks (layout above).
-        qtype: ggml type id, a key of :data:`GGUF_BLOCK_SIZES`.
+        qtype: a key of :data:`PACKED_BLOCK_SIZES` (a ggml type id, or :data:`INT4_ZP`).
         in_features: ``K``, weights per row, a multiple of the block's weights.
         dtype: dtype of the result.
 
@@ -445,8 +454,14 @@ def dequantize_gguf_reference(qweight: torch.Tensor, qtype: int, in_features: in
         ValueError: see :func:`check_gguf_weight`.
     """
     n, _ = check_gguf_weight(qweight, qtype, in_features)
-    block_weights, block_bytes = GGUF_BLOCK_SIZES[qtype]
+    block_weights, block_bytes = PACKED_BLOCK_SIZES[qtype]
     blocks = qweight.reshape(n, in_features // block_weights, block_bytes)
+    if qtype == INT4_ZP:
+        s = _fp16_from_bytes(blocks[..., 0], blocks[..., 1])[..., None]
+        z = blocks[..., 2:3].to(torch.float32)
+        qs = blocks[..., 3:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.float32)
+        return ((q - z) * s).reshape(n, in_features).to(dtype)
     if qtype == _GGUF_Q4_K:
         return _dequantize_q4_k(blocks).reshape(n, in_features).to(dtype)
     if qtype == _GGUF_Q6_K:

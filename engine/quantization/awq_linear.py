@@ -123,8 +123,8 @@ class AWQLinearMethod(LinearMethodBase):
     sub-matrix width must be a multiple of 8.
 
     :meth:`process_weights_after_loading` rewrites the layer into INT4_ZP blocks
-    (``layer.int4_blocks`` uint8 ``[N, K / 32 * 19]``, read by the compiled GGUF
-    kernels: :mod:`~tandem.engine.quantization.int4_packed`) on the CPU; elsewhere,
+    (``layer.int4_blocks`` uint8 ``[N, K / 32 * 19]``, read by the GGUF kernels:
+    :mod:`~tandem.engine.quantization.int4_packed`) on the CPU and CUDA; elsewhere,
     or for groups that are not a multiple of 32 columns, it dequantizes to a dense
     ``weight`` ``[N, K]`` in the model's dtype (``scales``' dtype before loading; the
     product ``(q - z) * s`` is formed in float32), and from there on the layer is the
@@ -244,7 +244,7 @@ class AWQLinearMethod(LinearMethodBase):
     # -- after loading -----------------------------------------------------------------------
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Rewrite the layer into INT4_ZP blocks kept packed (on the CPU with the
-        compiled kernels, groups of a multiple of 32 columns, float16 scales:
+        compiled kernels or on CUDA, groups of a multiple of 32 columns, float16 scales:
         :mod:`~tandem.engine.quantization.int4_packed`, 4.75 bits per weight, exactly
         the weights ``(q - z) * s``); otherwise dequantize once to a dense ``weight``
         in the model's dtype for the dense method's kernels. The checkpoint's
@@ -252,7 +252,8 @@ class AWQLinearMethod(LinearMethodBase):
         if not hasattr(layer, "qweight"):
             return
         layer.int4_blocks = None
-        if packed_int4_supported(layer.qweight.device, layer.in_features):
+        if packed_int4_supported(layer.qweight.device, layer.in_features,
+                                 getattr(layer, "batch_invariant", False)):
             k = layer.in_features
             g_idx = torch.arange(k, device=layer.qweight.device) // (k // layer.scales.shape[0])
             try:

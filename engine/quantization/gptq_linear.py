@@ -48,8 +48,9 @@ class GPTQLinearMethod(LinearMethodBase):
     ``g_idx`` runs along ``K``, which the sub-matrices share: they must all carry
     the same one.
 
-    After loading, a 4-bit layer on the CPU (with the compiled kernels, ``K`` a
-    multiple of 32 and every group a multiple of 32 columns) is rewritten into rows of
+    After loading, a 4-bit layer on the CPU (with the compiled kernels) or on CUDA
+    (the Triton kernel; not with ``batch_invariant``), ``K`` a multiple of 32 and
+    every group a multiple of 32 columns, is rewritten into rows of
     INT4_ZP blocks (:mod:`~tandem.engine.quantization.int4_packed`: 4.75 bits per
     weight, ``layer.int4_blocks`` uint8 ``[N, K / 32 * 19]`` and, under act-order,
     ``layer.int4_perm`` int64 ``[K]``), and the checkpoint's ``qweight``, ``qzeros``
@@ -58,7 +59,7 @@ class GPTQLinearMethod(LinearMethodBase):
     ``W[n, k] = (code - zero[g_idx[k], n]) * scale[g_idx[k], n]``; only the float32
     summation order differs from a dense layer holding that weight.
 
-    Any other layer (2 or 8 bits, CUDA, no compiled kernels) is dequantized once to a
+    Any other layer (2 or 8 bits, no kernel for the device) is dequantized once to a
     dense ``weight`` ``[N, K]`` in the model's dtype, and the matmul is the dense
     method's (:class:`~tandem.engine.model.linear.UnquantizedLinearMethod`:
     ``F.linear``, or its packed bfloat16 / batch-invariant CPU kernels), so it
@@ -201,7 +202,9 @@ class GPTQLinearMethod(LinearMethodBase):
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
             raise WeightLoadError(f"g_idx: values must lie in [0, {groups}), got "
                                   f"[{int(g_idx.min())}, {int(g_idx.max())}]")
-        if self.bits == 4 and packed_int4_supported(layer.qweight.device, layer.in_features):
+        invariant = getattr(layer, "batch_invariant", False)
+        if self.bits == 4 and packed_int4_supported(layer.qweight.device, layer.in_features,
+                                                    invariant):
             try:
                 blocks, perm = pack_int4_zp(
                     unpack_qweight(layer.qweight, self.bits),

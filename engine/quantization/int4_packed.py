@@ -4,8 +4,9 @@ A GPTQ or AWQ checkpoint stores ``W[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n]`
 with 4-bit codes ``q``, 4-bit zero points ``z`` and float16 scales ``s`` per group
 ``g(k)`` of input columns (``g_idx``; groups of consecutive columns, or any
 assignment under GPTQ's act-order). At load, :func:`pack_int4_zp` rewrites a
-layer into rows of :data:`~tandem.kernels.cpu.gguf_linear.INT4_ZP` blocks, which the
-compiled GGUF kernels read (``kernels/cpu/csrc/gguf_linear.cpp``): per output row
+layer into rows of :data:`~tandem.kernels.reference.INT4_ZP` blocks, which the GGUF
+kernels read (on the CPU the compiled ``kernels/cpu/csrc/gguf_linear.cpp``, on CUDA
+the Triton ``kernels/gguf_linear.py``): per output row
 ``n``, each 32 input columns are one block of 19 bytes,
 
     fp16 s, uint8 z, 16 bytes of codes (columns 0..15 in the low nibbles,
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.cpu.gguf_linear import (INT4_ZP, gguf_dequantize, gguf_kernels_available,
-                                            gguf_linear)
+from tandem.kernels.cpu.gguf_linear import gguf_dequantize, gguf_kernels_available, gguf_linear
+from tandem.kernels.reference import INT4_ZP, dequantize_gguf_reference
 
 BLOCK = 32          # weights per INT4_ZP block
 BLOCK_BYTES = 19
@@ -36,10 +37,16 @@ __all__ = ["INT4_ZP", "pack_int4_zp", "dequantize_int4_zp", "int4_zp_linear",
            "packed_int4_supported"]
 
 
-def packed_int4_supported(device: torch.device, in_features: int) -> bool:
-    """Whether a layer of ``in_features`` inputs on ``device`` can be served packed
-    (the CPU with the compiled kernels, whole 32-column blocks)."""
-    return device.type == "cpu" and in_features % BLOCK == 0 and gguf_kernels_available()
+def packed_int4_supported(device: torch.device, in_features: int,
+                          batch_invariant: bool = False) -> bool:
+    """Whether a layer of ``in_features`` inputs on ``device`` can be served packed:
+    whole 32-column blocks, and the CPU with the compiled kernels, or CUDA (the
+    Triton kernel; not batch-invariant, so not with ``batch_invariant``)."""
+    if in_features % BLOCK:
+        return False
+    if device.type == "cuda":
+        return not batch_invariant
+    return device.type == "cpu" and gguf_kernels_available()
 
 
 def pack_int4_zp(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -99,7 +106,10 @@ def dequantize_int4_zp(blocks: torch.Tensor, perm: torch.Tensor | None,
                        in_features: int) -> torch.Tensor:
     """The dense float32 weight ``[N, in_features]`` of packed rows, columns back in
     the checkpoint's order (the inverse of :func:`pack_int4_zp`, exactly)."""
-    w = gguf_dequantize(blocks, INT4_ZP, in_features)
+    if blocks.device.type == "cpu":
+        w = gguf_dequantize(blocks, INT4_ZP, in_features)
+    else:
+        w = dequantize_gguf_reference(blocks, INT4_ZP, in_features)
     if perm is None:
         return w
     out = torch.empty_like(w)
@@ -112,8 +122,9 @@ def int4_zp_linear(x: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor | N
     """``x @ W.T`` for packed rows ``blocks`` (``[M, K]`` -> ``[M, N]``, x's dtype).
 
     Args:
-        x: ``[..., K]`` on the CPU, any float dtype (float32 and bfloat16 run as they
-            are; others through float32).
+        x: ``[..., K]`` on blocks' device (CPU: float32 and bfloat16 run as they are,
+            other dtypes through float32; CUDA: the Triton kernel, float32 / float16 /
+            bfloat16).
         batch_invariant: always the in-register kernel, whose row ``m`` does not
             depend on the other rows.
     """
@@ -121,6 +132,11 @@ def int4_zp_linear(x: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor | N
     x2 = x.reshape(-1, in_features)
     if perm is not None:
         x2 = x2.index_select(1, perm)
+    if x2.device.type == "cuda":
+        from tandem.kernels.gguf_linear import gguf_linear as triton_gguf_linear
+
+        return triton_gguf_linear(x2.contiguous(), blocks, INT4_ZP,
+                                  in_features).reshape(*lead, blocks.shape[0])
     if x2.dtype not in (torch.float32, torch.bfloat16):
         y = gguf_linear(x2.float(), blocks, INT4_ZP, in_features,
                         fused_only=batch_invariant).to(x.dtype)

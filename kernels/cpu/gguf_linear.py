@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.reference import INT4_ZP
+
 # ggml type id -> (name, weights per block, bytes per block) of the types read natively.
 GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
@@ -28,11 +30,11 @@ GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     14: ("Q6_K", 256, 210),
 }
-#: Tandem's own block for int4 weights with group scales and zero points (GPTQ, AWQ;
-#: not a ggml type): 32 weights, fp16 scale ``s``, uint8 zero point ``z``, 16 bytes of
-#: codes as Q4_0's (weights 0..15 in the low nibbles), ``w_j = (q_j - z) * s``,
-#: exact in float32. See :mod:`tandem.engine.quantization.int4_packed`.
-INT4_ZP = 1001
+# INT4_ZP (1001, kernels/reference.py): Tandem's own block for int4 weights with
+# group scales and zero points (GPTQ, AWQ; not a ggml type): 32 weights, fp16 scale
+# ``s``, uint8 zero point ``z``, 16 bytes of codes as Q4_0's (weights 0..15 in the
+# low nibbles), ``w_j = (q_j - z) * s``, exact in float32. See
+# :mod:`tandem.engine.quantization.int4_packed`.
 #: Every block type the kernels read: the GGUF ones and :data:`INT4_ZP`.
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {**GGUF_NATIVE_TYPES,
                                                   INT4_ZP: ("INT4_ZP", 32, 19)}
