@@ -457,7 +457,11 @@ def _cmd_quantize(args) -> int:
         from tandem.engine.model.model_files import resolve_model
         from tandem.engine.quantization.gguf_writer import requantize_gguf
 
-        src = resolve_model(args.model)
+        try:
+            src = resolve_model(args.model)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if src.format != "gguf":
             print(f"error: --method {args.method} rewrites a .gguf file; {src.path} is not one",
                   file=sys.stderr)
@@ -519,7 +523,9 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a dense Hugging Face checkpoint dir "
                         "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--output", required=True,
-                   help="checkpoint directory to write (must not exist or be empty)")
+                   help="gptq, rtn, awq: the checkpoint directory to write (must not exist "
+                        "or be empty); GGUF methods: the .gguf file to write (replaced if it "
+                        "exists)")
     p.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
     p.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale/zero group (-1: one group per row)")
