@@ -18,26 +18,20 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.reference import INT4_ZP
+from tandem.kernels.reference import (GGUF_BLOCK_SIZES, GGUF_TYPE_NAMES, INT4_ZP,
+                                      PACKED_BLOCK_SIZES)
 
-# ggml type id -> (name, weights per block, bytes per block) of the types read natively.
+# type id -> (name, weights per block, bytes per block): the tables of
+# kernels/reference.py (the ggml types, and INT4_ZP, 1001: Tandem's own block for
+# GPTQ / AWQ int4 weights, fp16 scale ``s``, uint8 zero point ``z``, 16 bytes of
+# codes as Q4_0's, ``w_j = (q_j - z) * s``; see
+# :mod:`tandem.engine.quantization.int4_packed`).
+#: The GGUF (ggml) types read natively.
 GGUF_NATIVE_TYPES: dict[int, tuple[str, int, int]] = {
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144),
-    14: ("Q6_K", 256, 210),
-}
-# INT4_ZP (1001, kernels/reference.py): Tandem's own block for int4 weights with
-# group scales and zero points (GPTQ, AWQ; not a ggml type): 32 weights, fp16 scale
-# ``s``, uint8 zero point ``z``, 16 bytes of codes as Q4_0's (weights 0..15 in the
-# low nibbles), ``w_j = (q_j - z) * s``, exact in float32. See
-# :mod:`tandem.engine.quantization.int4_packed`.
+    t: (GGUF_TYPE_NAMES[t], *size) for t, size in GGUF_BLOCK_SIZES.items()}
 #: Every block type the kernels read: the GGUF ones and :data:`INT4_ZP`.
-PACKED_TYPES: dict[int, tuple[str, int, int]] = {**GGUF_NATIVE_TYPES,
-                                                  INT4_ZP: ("INT4_ZP", 32, 19)}
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {
+    t: (GGUF_TYPE_NAMES[t], *size) for t, size in PACKED_BLOCK_SIZES.items()}
 # Above this many activation rows a product dequantizes the weight and runs a GEMM.
 # The in-register path reads 0.6-1.1 bytes per weight against 4 for the GEMM but
 # re-dequantizes each block once per 4 rows (``benchmarks/quantization.py --kernels``

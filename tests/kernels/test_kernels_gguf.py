@@ -274,22 +274,13 @@ def test_int4_zp_rows_through_the_kernel(device, act_order, dtype):
     """GPTQ / AWQ int4 as INT4_ZP rows (engine/quantization/int4_packed.py): the
     reference decodes exactly the dense dequantization's weights, and the kernel (and
     int4_zp_linear, which gathers act-order columns) multiplies them."""
-    from tandem.engine.quantization.int4_packed import (dequantize_int4_zp, int4_zp_linear,
-                                                        pack_int4_zp)
-    from tandem.engine.quantization.packing import dequantize_codes
+    from tandem.engine.quantization.int4_packed import dequantize_int4_zp, int4_zp_linear
     from tandem.kernels.reference import INT4_ZP
+    from tests.test_gguf_native import int4_zp_weight
 
-    n, k, group = 40, 160, 32
+    n, k = 40, 160
+    blocks, perm, dense = int4_zp_weight(n, k, 32, act_order, seed=5)
     g = torch.Generator().manual_seed(5)
-    codes = torch.randint(0, 16, (n, k), generator=g)
-    zeros = torch.randint(0, 16, (k // group, n), generator=g)
-    scales = (torch.rand(k // group, n, generator=g) * 0.1 + 1e-3).half()
-    g_idx = torch.arange(k) // group
-    if act_order:
-        g_idx = g_idx[torch.randperm(k, generator=g)]
-    dense = dequantize_codes(codes, zeros.float().index_select(0, g_idx).t(),
-                             scales.float().index_select(0, g_idx).t())
-    blocks, perm = pack_int4_zp(codes, zeros, scales, g_idx)
     sorted_dense = dense if perm is None else dense[:, perm]
     assert torch.equal(dequantize_gguf_reference(blocks, INT4_ZP, k), sorted_dense)
     assert torch.equal(dequantize_int4_zp(blocks.to(device), perm, k).cpu(), dense)
