@@ -159,6 +159,19 @@ SYSTEMS: dict[str, tuple[str, Callable[[Context], dict]]] = {
                            ("Q5_0", "Q5_0"),
                            ("Q4_K_M", "llama.cpp's Q4_K_M mix (576-wide rows: Q5_0 / Q8_0)"),
                            ("Q4_K", "Q4_K (576-wide rows: Q5_0)"), ("Q4_0", "Q4_0")]},
+    # Int8 activation blocks are used by decode-sized products; batch_invariant runs
+    # every product, prompt tokens too, through that kernel, so that prompt
+    # log-probabilities see them (the -bi entry is the same path with float
+    # activations).
+    "gguf-q4_1-bi": ("Q4_1 blocks kept packed, float activations, every product through "
+                     "the decode kernel (batch_invariant), float32",
+                     lambda ctx: {"model": ctx.model, "dtype": "float32", "quantization": "gguf",
+                                  "batch_invariant": True}),
+    "gguf-q4_1-int8act": ("Q4_1 blocks kept packed, int8 activation blocks in every product "
+                          "(activation_quantization=int8, batch_invariant), float32",
+                          lambda ctx: {"model": ctx.model, "dtype": "float32",
+                                       "quantization": "gguf", "batch_invariant": True,
+                                       "activation_quantization": "int8"}),
     "dense-f32-fp8kv": ("dense float32 weights, fp8 e4m3 KV cache",
                         lambda ctx: {"model": ctx.model, "dtype": "float32",
                                      "kv_cache_dtype": "fp8_e4m3"}),

@@ -11,6 +11,8 @@ SmolLM2-135M-Instruct GGUF unless ``--model``):
   ``tandem quantize --method q8_0`` / ``q6_k`` / ``q4_k_m``);
 - ``awq``, ``gptq``: an AWQ / GPTQ int4 checkpoint of the model (``--awq-model``,
   ``--gptq-model``, from ``tandem quantize``), kept packed on the CPU;
+- ``*-int8act``: the same with ``activation_quantization="int8"`` (decode-sized
+  products multiply int8 activation blocks, llama.cpp's CPU numerics);
 - extra formats are entries of :data:`FORMATS` (name -> model, LLM kwargs).
 
 For each: the bytes of the weights held in memory (every distinct tensor a module
@@ -28,8 +30,8 @@ files, through benchmarks/llama_cpp_peer.py in the venv of ``--llama-cpp-python`
 
 ``--kernels`` times one projection of the model's shapes per type and activation
 rows M (gate-up, ``[3072, 576]``; down_proj ``[576, 1536]`` for the K-quants): the GGUF
-in-register kernel, dequantize + GEMM, and the dense float32 / bfloat16 paths the
-unquantized method runs, to place ``kernels.cpu.gguf_linear.MAX_FUSED_ROWS``.
+in-register kernel (float32, bfloat16 and int8 activations), dequantize + GEMM, and
+the dense float32 / bfloat16 paths the unquantized method runs, to place ``kernels.cpu.gguf_linear.MAX_FUSED_ROWS``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ FORMATS: dict[str, tuple[str | None, dict]] = {
     "bf16-int4kv": (None, {"dtype": "bfloat16", "kv_cache_dtype": "int4"}),
     "awq": ("--awq-model", {"dtype": "float32", "quantization": "awq"}),
     "gptq": ("--gptq-model", {"dtype": "float32"}),
+    # int8 activation blocks in decode-sized products (activation_quantization=int8).
+    "gguf-f32-int8act": (None, {"dtype": "float32", "quantization": "gguf",
+                                "activation_quantization": "int8"}),
+    "gguf-q6_k-int8act": ("--q6k-model", {"dtype": "float32", "quantization": "gguf",
+                                          "activation_quantization": "int8"}),
+    "gguf-q4_k_m-int8act": ("--q4km-model", {"dtype": "float32", "quantization": "gguf",
+                                              "activation_quantization": "int8"}),
+    "gptq-int8act": ("--gptq-model", {"dtype": "float32", "activation_quantization": "int8"}),
 }
 
 
@@ -180,6 +190,9 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), iters=30) -> dict:
                     lambda: F.linear(x, gguf_dequantize(qw, int(qtype), k))),
                 "gguf_fused_bf16_us": best_us(lambda: gguf_linear(xb, qw, int(qtype), k,
                                                                    fused_only=True)),
+                "gguf_fused_int8_us": best_us(lambda: gguf_linear(x, qw, int(qtype), k,
+                                                                   fused_only=True,
+                                                                   activations="int8")),
                 "dense_f32_us": best_us(lambda: F.linear(x, dense)),
                 "dense_bf16_invariant_us": best_us(lambda: invariant_linear(xb, bf16_panels, n)),
             }

@@ -309,6 +309,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_num_blocks: must be >= 1, got {self.draft_num_blocks}")
 
 
+#: ``EngineConfig.activation_quantization`` values.
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; built once at the edge (CLI, gRPC, tests).
@@ -338,6 +342,13 @@ class EngineConfig:
             (see docs/batch_invariance.md).
         speculative: speculative decoding (:class:`SpeculativeConfig`); None: off.
             Only decode steps speculate: a prefill worker ignores it.
+        activation_quantization: ``none``: quantized linear layers multiply the
+            activations as they are (the values of dequantize-then-matmul); ``int8``
+            (CPU): decode-sized products quantize each 32-value chunk of the
+            activations to int8 and multiply in integers (AVX-512 VNNI / AVX2), as
+            llama.cpp's CPU backend does. Needs weights kept in quantized blocks
+            (``quantization`` gguf, or a GPTQ / AWQ checkpoint); see
+            docs/quantization.md.
     """
 
     model: str | None = None
@@ -349,6 +360,7 @@ class EngineConfig:
     num_threads: int | None = None
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None
+    activation_quantization: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -365,6 +377,13 @@ class EngineConfig:
         if self.quantization not in LINEAR_METHODS:
             raise ValueError(f"quantization: unknown {self.quantization!r}, "
                              f"expected one of {', '.join(LINEAR_METHODS)}")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization: expected one of "
+                             f"{', '.join(ACTIVATION_QUANTIZATIONS)}, got "
+                             f"{self.activation_quantization!r}")
+        if self.activation_quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(f"activation_quantization: {self.activation_quantization!r} runs on "
+                             f"the CPU only, not {self.device!r}")
         if self.batch_invariant:
             if not self.device.startswith("cpu"):
                 raise ValueError(f"batch_invariant: runs on the CPU only, not {self.device!r}")

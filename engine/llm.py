@@ -34,6 +34,8 @@ class LLM:
             ``none`` (dense in ``dtype``; a quantized checkpoint directory, GPTQ or AWQ,
             is loaded with the method its config.json names), ``gguf`` (a GGUF file's
             blocks kept packed), ``gptq``, ``awq``.
+        activation_quantization: ``none`` or ``int8``
+            (``EngineConfig.activation_quantization``).
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
@@ -60,6 +62,7 @@ class LLM:
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto",
+                 activation_quantization: str = "none",
                  weights_from: "LLM | None" = None):
         if isinstance(speculative_config, dict):
             unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
@@ -71,6 +74,7 @@ class LLM:
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
+            activation_quantization=activation_quantization,
             batch_invariant=batch_invariant, speculative=speculative_config,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -504,3 +504,56 @@ def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x: expected shape [M, {in_features}], got {tuple(x.shape)}")
     return (x.float() @ w.T).to(x.dtype)
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    """Int8 activation blocks of 32 values (llama.cpp's Q8_0, the scale in float32).
+
+    Per 32-value chunk: ``d = max |x| / 127``, codes ``round_half_even(x * (1 / d))``
+    (zero where ``d`` is 0), each step one float32 operation.
+
+    Args:
+        x: ``[M, K]``, ``K`` a multiple of 32 (computed in float32).
+
+    Returns:
+        ``(codes int8 [M, K], d float32 [M, K / 32], d * sum(codes) float32 [M, K / 32])``.
+
+    Raises:
+        ValueError: ``x`` not ``[M, K]`` with ``K`` a multiple of 32.
+    """
+    if x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"x: expected [M, K] with K a multiple of 32, got {tuple(x.shape)}")
+    m, k = x.shape
+    chunks = x.float().reshape(m, k // 32, 32)
+    d = chunks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    codes = torch.round(chunks * inv[..., None]).clamp(-127, 127)
+    dsum = d * codes.sum(dim=-1)
+    return codes.to(torch.int8).reshape(m, k), d, dsum
+
+
+def gguf_linear_int8_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+                               in_features: int) -> torch.Tensor:
+    """``x~ @ W.T`` with ``x~`` the int8 activation blocks of ``x``
+    (:func:`quantize_activations_reference`) and ``W`` the dequantized weight,
+    accumulated in float64: what the CPU kernel's ``activations="int8"`` computes,
+    up to its float32 rounding.
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16.
+        qweight, qtype, in_features: as :func:`dequantize_gguf_reference`.
+
+    Returns:
+        ``[M, N]`` in x's dtype.
+
+    Raises:
+        ValueError: as :func:`gguf_linear_reference`.
+    """
+    w = dequantize_gguf_reference(qweight, qtype, in_features)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x: expected shape [M, {in_features}], got {tuple(x.shape)}")
+    codes, d, _ = quantize_activations_reference(x)
+    m = x.shape[0]
+    xq = (codes.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, in_features)
+    return (xq @ w.double().T).to(x.dtype)

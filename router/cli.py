@@ -44,6 +44,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint directory, e.g. from `tandem quantize`, is detected from its "
                         "config.json), gguf (a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept packed, "
                         "read by the quantized kernels), gptq, awq; see docs/quantization.md")
+    p.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
+                   help="CPU, with weights in quantized blocks (--quantization gguf, or a GPTQ "
+                        "/ AWQ checkpoint): int8 quantizes decode-sized activations per 32 "
+                        "values and multiplies in integers (AVX-512 VNNI / AVX2), as llama.cpp "
+                        "does; none (default) keeps them as they are")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: compute every token the same way whatever else is batched, so "
                         "seeded and greedy outputs do not depend on batch composition, "
@@ -98,6 +103,7 @@ def _engine_config(args):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, quantization=args.quantization,
+        activation_quantization=args.activation_quantization,
         batch_invariant=args.batch_invariant, speculative=speculative,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
@@ -407,6 +413,7 @@ def _cmd_generate(args) -> int:
               enable_chunked_prefill=not args.no_chunked_prefill, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, quantization=args.quantization,
+              activation_quantization=args.activation_quantization,
               batch_invariant=args.batch_invariant,
               speculative_config=_engine_config(args).speculative)
     params = _sampling_params(args)

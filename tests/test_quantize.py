@@ -382,3 +382,36 @@ def test_calibration_and_heldout_texts_ship_with_the_package():
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "tandem.engine.quantization" in setup["packages"]
     assert setup["package-data"]["tandem.engine.quantization"] == ["data/*.txt"]
+
+
+def test_gptq_checkpoint_with_int8_activations(rtn_checkpoint, monkeypatch):
+    """``activation_quantization="int8"`` on a GPTQ checkpoint: every packed layer's
+    decode-sized product multiplies the INT4_ZP blocks by int8 activation blocks, as
+    the torch reference computes it on the same activations (act-order gathers come
+    first: the reference sees the gathered columns)."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.model.linear import Linear
+    from tandem.engine.quantization import int4_packed
+    from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.kernels.reference import gguf_linear_int8_reference
+
+    llm = LLM(rtn_checkpoint, num_blocks=16, dtype="float32", activation_quantization="int8")
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    packed = [m for m in layers if getattr(m, "int4_blocks", None) is not None]
+    assert len(packed) == 4 * llm.engine.model_config.num_layers
+    assert all(m.int8_activations for m in packed)
+    assert not llm.engine.model.lm_head.int8_activations       # the checkpoint's dense head
+    kernel, calls = int4_packed.gguf_linear, []
+
+    def checked(x, blocks, qtype, in_features, fused_only=False, activations="float"):
+        y = kernel(x, blocks, qtype, in_features, fused_only, activations)
+        if activations == "int8" and len(x) <= 16:
+            ref = gguf_linear_int8_reference(x, blocks, qtype, in_features)
+            calls.append(float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+        return y
+
+    monkeypatch.setattr(int4_packed, "gguf_linear", checked)
+    prompt = llm.tokenizer.encode("The history of the printing press")
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert len(calls) >= 3 * len(packed) and max(calls) < 1e-5

@@ -89,6 +89,12 @@ class LinearMethodBase(ABC):
         the tensors as loaded.
         """
 
+    def supports_int8_activations(self, layer: Linear) -> bool:
+        """Whether :meth:`apply` can quantize the activations to int8 blocks for
+        ``layer`` once processed (its weight kept in blocks the CPU kernel of
+        :func:`tandem.kernels.cpu.gguf_linear.gguf_linear` reads). Default: no."""
+        return False
+
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x W^T``: ``[T, in_features]`` -> ``[T, out_features]``, in ``x``'s dtype."""
@@ -190,6 +196,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.batch_invariant = False
+        self.int8_activations = False
         self.quant_method.create_weights(self, in_features, self.output_sizes,
                                          params_dtype or torch.get_default_dtype())
 
@@ -218,10 +225,12 @@ class Linear(nn.Module):
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
                 f"quant_method={self.quant_method.name}"
                 + (", packed" if getattr(self, "packed_weight", None) is not None else "")
-                + (", batch-invariant" if self.batch_invariant else ""))
+                + (", batch-invariant" if self.batch_invariant else "")
+                + (", int8 activations" if self.int8_activations else ""))
 
 
-def process_weights_after_loading(model: nn.Module, batch_invariant: bool = False) -> None:
+def process_weights_after_loading(model: nn.Module, batch_invariant: bool = False,
+                                  activation_quantization: str = "none") -> None:
     """Run every :class:`Linear` layer's post-loading step, and that of any other
     module with a ``process_weights_after_loading()`` (a quantized embedding)
     (idempotent).
@@ -229,15 +238,29 @@ def process_weights_after_loading(model: nn.Module, batch_invariant: bool = Fals
     Args:
         batch_invariant: give every layer a batch-invariant kernel
             (``EngineConfig.batch_invariant``).
+        activation_quantization: ``int8``: every layer whose method keeps its weight
+            in blocks the int8-activation kernel reads
+            (:meth:`LinearMethodBase.supports_int8_activations`) multiplies int8
+            activation blocks (``EngineConfig.activation_quantization``).
 
     Raises:
-        ValueError: ``batch_invariant`` where a layer's method or device has no such kernel.
+        ValueError: ``batch_invariant`` where a layer's method or device has no such
+            kernel; ``activation_quantization`` ``int8`` where no layer can.
     """
+    int8_layers = 0
     for module in model.modules():
         if isinstance(module, Linear):
             if batch_invariant:
                 module.batch_invariant = True
             module.process_weights_after_loading()
+            if activation_quantization == "int8" and \
+                    module.quant_method.supports_int8_activations(module):
+                module.int8_activations = True
+                int8_layers += 1
         elif module is not model and callable(getattr(module, "process_weights_after_loading",
                                                       None)):
             module.process_weights_after_loading()
+    if activation_quantization == "int8" and not int8_layers:
+        raise ValueError("activation_quantization: 'int8' needs linear layers kept in "
+                         "quantized blocks on the CPU (quantization gguf, or a GPTQ / AWQ "
+                         "checkpoint); this model has none")

@@ -277,7 +277,8 @@ def gguf_checkpoint(files, native: bool = False
 
 
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-               batch_invariant: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+               batch_invariant: bool = False,
+               activation_quantization: str = "none") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The module is created on the ``meta`` device (no random init), materialised on
@@ -292,13 +293,15 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
             a checkpoint with a ``quantization_config`` (GPTQ) brings its own method
             when this is ``none`` (:func:`~tandem.engine.quantization.checkpoint.linear_method_for`).
         batch_invariant: batch-invariant linear kernels (``EngineConfig.batch_invariant``).
+        activation_quantization: ``EngineConfig.activation_quantization``.
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
 
     Raises:
         ValueError: unknown ``quantization``, or one the checkpoint is not quantized
-            with; ``batch_invariant`` off the CPU.
+            with; ``batch_invariant`` off the CPU; ``activation_quantization`` int8
+            for a model without quantized blocks.
         WeightLoadError: the checkpoint does not match the architecture.
     """
     from tandem.engine.model import weights
@@ -323,7 +326,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     weights.load_weights(model, tensors)
     if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
         model.model.embed_tokens.share_with(model.lm_head)
-    process_weights_after_loading(model, batch_invariant)
+    process_weights_after_loading(model, batch_invariant, activation_quantization)
     model.init_rope(device)
     model.eval()
     return model, cfg

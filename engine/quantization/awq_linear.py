@@ -287,10 +287,15 @@ class AWQLinearMethod(LinearMethodBase):
             return layer.weight
         raise RuntimeError("awq: the layer holds no weight to read back")
 
+    def supports_int8_activations(self, layer: Linear) -> bool:
+        blocks = getattr(layer, "int4_blocks", None)
+        return blocks is not None and blocks.device.type == "cpu"
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "qweight"):
             raise RuntimeError("awq: process_weights_after_loading() was not run on this layer")
         if layer.int4_blocks is not None:
             return int4_zp_linear(x, layer.int4_blocks, None, layer.in_features,
-                                  getattr(layer, "batch_invariant", False))
+                                  getattr(layer, "batch_invariant", False),
+                                  layer.int8_activations)
         return self._dense.apply(layer, x)

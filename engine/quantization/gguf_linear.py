@@ -98,25 +98,34 @@ class GGUFLinearMethod(LinearMethodBase):
             return
         _pack_shards(layer, layer.shard_ids, layer.in_features)
 
+    def supports_int8_activations(self, layer):
+        return layer.dense_weight is None and layer.qweight.device.type == "cpu"
+
     def apply(self, layer, x):
         if layer.dense_weight is not None:
             return F.linear(x, layer.dense_weight)
         if layer.shard_weights is not None:
-            return torch.cat([_matmul(x, q, t, layer.in_features, layer.batch_invariant)
+            return torch.cat([_matmul(x, q, t, layer.in_features, layer.batch_invariant,
+                                      layer.int8_activations)
                               for q, t in layer.shard_weights], dim=-1)
-        return _matmul(x, layer.qweight, layer.qtype, layer.in_features, layer.batch_invariant)
+        return _matmul(x, layer.qweight, layer.qtype, layer.in_features, layer.batch_invariant,
+                       layer.int8_activations)
 
 
 def _matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
-            batch_invariant: bool) -> torch.Tensor:
-    """``x @ W.T`` for one native-typed ``qweight`` on x's device."""
+            batch_invariant: bool, int8_activations: bool = False) -> torch.Tensor:
+    """``x @ W.T`` for one native-typed ``qweight`` on x's device (CPU: int8 activation
+    blocks for decode-sized products with ``int8_activations``)."""
     if x.device.type == "cuda":
         from tandem.kernels.gguf_linear import gguf_linear as triton_gguf_linear
 
         return triton_gguf_linear(x, qweight, qtype, in_features)
+    activations = "int8" if int8_activations else "float"
     if x.dtype not in (torch.float32, torch.bfloat16):
-        return gguf_linear(x.float(), qweight, qtype, in_features).to(x.dtype)
-    return gguf_linear(x, qweight, qtype, in_features, fused_only=batch_invariant)
+        return gguf_linear(x.float(), qweight, qtype, in_features,
+                           activations=activations).to(x.dtype)
+    return gguf_linear(x, qweight, qtype, in_features, fused_only=batch_invariant,
+                       activations=activations)
 
 
 def _pack_shards(layer: nn.Module, ids, in_features: int) -> None:

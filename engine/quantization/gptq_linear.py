@@ -222,9 +222,14 @@ class GPTQLinearMethod(LinearMethodBase):
         layer.gptq_dequantized = True
         _DENSE.process_weights_after_loading(layer)
 
+    def supports_int8_activations(self, layer):
+        blocks = getattr(layer, "int4_blocks", None)
+        return blocks is not None and blocks.device.type == "cpu"
+
     def apply(self, layer, x):
         if layer.int4_blocks is not None:
             return int4_zp_linear(x, layer.int4_blocks, layer.int4_perm, layer.in_features,
-                                  getattr(layer, "batch_invariant", False))
+                                  getattr(layer, "batch_invariant", False),
+                                  layer.int8_activations)
         return _DENSE.apply(layer, x)
 

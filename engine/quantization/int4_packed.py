@@ -118,7 +118,8 @@ def dequantize_int4_zp(blocks: torch.Tensor, perm: torch.Tensor | None,
 
 
 def int4_zp_linear(x: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor | None,
-                   in_features: int, batch_invariant: bool = False) -> torch.Tensor:
+                   in_features: int, batch_invariant: bool = False,
+                   int8_activations: bool = False) -> torch.Tensor:
     """``x @ W.T`` for packed rows ``blocks`` (``[M, K]`` -> ``[M, N]``, x's dtype).
 
     Args:
@@ -127,6 +128,8 @@ def int4_zp_linear(x: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor | N
             bfloat16).
         batch_invariant: always the in-register kernel, whose row ``m`` does not
             depend on the other rows.
+        int8_activations: CPU: int8 activation blocks for decode-sized products
+            (``activations="int8"`` of :func:`~tandem.kernels.cpu.gguf_linear.gguf_linear`).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -137,9 +140,11 @@ def int4_zp_linear(x: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor | N
 
         return triton_gguf_linear(x2.contiguous(), blocks, INT4_ZP,
                                   in_features).reshape(*lead, blocks.shape[0])
+    activations = "int8" if int8_activations else "float"
     if x2.dtype not in (torch.float32, torch.bfloat16):
-        y = gguf_linear(x2.float(), blocks, INT4_ZP, in_features,
-                        fused_only=batch_invariant).to(x.dtype)
+        y = gguf_linear(x2.float(), blocks, INT4_ZP, in_features, fused_only=batch_invariant,
+                        activations=activations).to(x.dtype)
     else:
-        y = gguf_linear(x2, blocks, INT4_ZP, in_features, fused_only=batch_invariant)
+        y = gguf_linear(x2, blocks, INT4_ZP, in_features, fused_only=batch_invariant,
+                        activations=activations)
     return y.reshape(*lead, blocks.shape[0])

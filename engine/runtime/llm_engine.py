@@ -55,18 +55,20 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
         if weights_from is not None:
-            if (weights_from.model_files, weights_from.config.dtype, weights_from.device,
-                    weights_from.config.quantization, weights_from.config.batch_invariant) != \
+            wc = weights_from.config
+            if (weights_from.model_files, wc.dtype, weights_from.device, wc.quantization,
+                    wc.batch_invariant, wc.activation_quantization) != \
                     (self.model_files, config.dtype, self.device, config.quantization,
-                     config.batch_invariant):
-                raise ValueError("weights_from: model, dtype, device, quantization and "
-                                 "batch_invariant must match")
+                     config.batch_invariant, config.activation_quantization):
+                raise ValueError("weights_from: model, dtype, device, quantization, "
+                                 "batch_invariant and activation_quantization must match")
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
         else:
             self.model, self.model_config = load_model(self.model_files, config.torch_dtype,
                                                        self.device, config.quantization,
-                                                       config.batch_invariant)
+                                                       config.batch_invariant,
+                                                       config.activation_quantization)
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
         kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, config.torch_dtype)

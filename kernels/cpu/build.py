@@ -118,6 +118,8 @@ _SIGNATURES = {
     "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "linear": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
     "gguf_linear": [_PTR, _I64, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _INT],
+    # int8 activation blocks (x quantized per 32 values), same arguments.
+    "gguf_linear_q8": [_PTR, _I64, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _INT],
     # fp8 (e4m3) KV cache: the suffix names the query / K-V input dtype.
     "decode_attention_fp8": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                              _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT],
@@ -135,6 +137,8 @@ _UNSUFFIXED = {
     "gguf_dequantize": ([_PTR, _PTR, _INT, _I64, _I64, _INT], None),
     "gguf_block_bytes": ([_INT], _INT),
     "gguf_block_weights": ([_INT], _INT),
+    "gguf_int8_dot_tier": ([], _INT),
+    "gguf_quantize_activations_f32": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT], None),
     "fp8_e4m3_encode": ([_PTR, _PTR, _I64], None),
     "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
     "float_to_fp16": ([_PTR, _PTR, _I64], None),

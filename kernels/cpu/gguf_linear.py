@@ -6,9 +6,12 @@ type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 with ``QB = 32``; the K-quants Q4_K, Q6_K wit
 super-blocks of ``QB = 256``; see the C++ source for the block layouts). A
 decode-sized product dequantizes each 32-weight chunk in registers and multiplies
 it into up to four activation rows at once; a prefill-sized one dequantizes the
-matrix to float32 and runs torch's GEMM on it. Both give the values of dequantize-then-matmul up to the
-order of float32 summation (the dequantized weights are bit-identical to
-``gguf.quants.dequantize``'s).
+matrix to float32 and runs torch's GEMM on it. Both give the values of
+dequantize-then-matmul up to the order of float32 summation (the dequantized weights
+are bit-identical to ``gguf.quants.dequantize``'s). With ``activations="int8"`` a
+decode-sized product first quantizes the activations to int8 blocks of 32 values
+(:func:`quantize_activations`) and multiplies in integers, as llama.cpp's CPU backend
+does (AVX-512 VNNI ``vpdpbusd`` or AVX2 ``vpmaddubsw``: :func:`int8_dot_tier`).
 """
 
 from __future__ import annotations
@@ -97,8 +100,46 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torc
     return out
 
 
+def int8_dot_tier() -> int:
+    """The integer dot product of the int8-activation kernels on this build: 2 AVX-512
+    VNNI (or AVX-VNNI) ``vpdpbusd``, 1 AVX2 ``vpmaddubsw``, 0 portable loops."""
+    return int(_lib().tandem_gguf_int8_dot_tier())
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 activation blocks the ``activations="int8"`` product multiplies with.
+
+    Each 32-value chunk of a row gets one scale ``d = max |x| / 127`` and codes
+    ``a = round_half_even(x * (1 / d))`` in ``[-127, 127]`` (zero where ``d`` is 0):
+    llama.cpp's Q8_0 activation blocks, the scale kept in float32.
+
+    Args:
+        x: float32 ``[M, K]`` on the CPU, ``K`` a multiple of 32.
+
+    Returns:
+        ``(codes int8 [M, K], d float32 [M, K / 32], d * sum(codes) float32 [M, K / 32])``.
+
+    Raises:
+        ValueError: dtype, device or shape.
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] % 32:
+        raise ValueError(f"x: expected a [M, K] float32 CPU tensor with K a multiple of 32, "
+                         f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32)
+    dsum = torch.empty(m, k // 32)
+    if q.numel():
+        _lib().tandem_gguf_quantize_activations_f32(x.data_ptr(), x.stride(0), m, k, q.data_ptr(),
+                                                    d.data_ptr(), dsum.data_ptr(),
+                                                    torch.get_num_threads())
+    return q, d, dsum
+
+
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
-                fused_only: bool = False) -> torch.Tensor:
+                fused_only: bool = False, activations: str = "float") -> torch.Tensor:
     """``x W^T`` for ``W`` in GGUF blocks: ``[M, K]`` -> ``[M, N]`` in ``x``'s dtype.
 
     Args:
@@ -109,6 +150,14 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
         fused_only: always the in-register kernel, whatever ``M``. Its row ``m`` of the
             result does not depend on ``M`` or the other rows (each element one float32
             sum in a fixed order), so this is the batch-invariant path.
+        activations: ``"float"``: the activations as given (the products of
+            dequantize-then-matmul, up to float32 summation order); ``"int8"``: where
+            the in-register kernel runs (``M <= MAX_FUSED_ROWS``, or ``fused_only``),
+            each 32-value chunk of ``x`` is quantized to int8 first
+            (:func:`quantize_activations`) and multiplied in integers
+            (:func:`int8_dot_tier`), llama.cpp's CPU numerics; prefill-sized
+            products keep the float GEMM, which is faster there. Each row's result
+            is independent of the others either way.
 
     Raises:
         ValueError: dtype, device or shape mismatch.
@@ -118,7 +167,19 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
             or x.shape[1] != in_features:
         raise ValueError(f"x: expected a [M, {in_features}] float32/bfloat16 CPU tensor, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    if activations not in ("float", "int8"):
+        raise ValueError(f"activations: expected 'float' or 'int8', got {activations!r}")
     m, n = x.shape[0], qweight.shape[0]
+    if activations == "int8" and (m <= MAX_FUSED_ROWS or fused_only):
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = x.new_empty(m, n)
+        if m and n:
+            fn = (_lib().tandem_gguf_linear_q8_f32 if x.dtype == torch.float32
+                  else _lib().tandem_gguf_linear_q8_bf16)
+            fn(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), qweight.data_ptr(),
+               qtype, m, n, in_features, torch.get_num_threads())
+        return out
     if m > MAX_FUSED_ROWS and not fused_only:
         w = gguf_dequantize(qweight, qtype, in_features)
         return F.linear(x.float(), w).to(x.dtype)

@@ -24,7 +24,7 @@
 // Every kernel walks a row in chunks of 32 weights (a block, or one eighth of a
 // super-block), so the K-quants share the register tiles of the 32-weight types.
 //
-// Two entry points:
+// Three entry points:
 // - tandem_gguf_linear_{f32,bf16}: the decode-sized product. Each chunk is
 //   dequantized in registers (4 x 8 float32 lanes, exactly the values llama.cpp's
 //   and gguf-py's dequantization give: every product of a scale and a code is exact
@@ -36,7 +36,13 @@
 //   products, where a blocked GEMM on the dequantized weight is faster than
 //   re-dequantizing per row tile (the dequantization is then O(N K) beside the
 //   GEMM's O(M N K)).
-// Two tiers: AVX2 + FMA (+ F16C), and portable loops.
+// - tandem_gguf_linear_q8_{f32,bf16}: the decode-sized product on int8 activation
+//   blocks (each 32 values of x quantized to int8 with a float32 scale, as
+//   llama.cpp's CPU backend does): the integer dot of a weight chunk's codes with
+//   the activation codes (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), scaled once per
+//   chunk; see "int8 activations" below.
+// Two tiers: AVX2 + FMA (+ F16C; + AVX-512 VNNI for the int8 dot where the CPU has
+// it), and portable loops.
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -196,15 +202,20 @@ inline __m256i fifth_bits(uint32_t qh) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// The same in four registers (weights 0-7, 8-15, 16-23, 24-31).
-inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[4]) {
+// The codes of chunk c of a row in one register, with what turns them into weights:
+// w_j = q_j * (j < 16 ? s_lo : s_hi) + off, q_j a byte, int8 when is_signed.
+struct ChunkCodes {
+    __m256i q;
+    bool is_signed;
+    float s_lo, s_hi, off;
+};
+
+inline ChunkCodes chunk_codes(const uint8_t* row, int qtype, int64_t c) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     if (qtype == kQ8_0) {
         const uint8_t* b = row + c * 34;
-        const __m256 d = _mm256_set1_ps(fp16_to_float(b));
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        codes_to_weights(q, true, d, d, _mm256_setzero_ps(), w);
-        return;
+        const float d = fp16_to_float(b);
+        return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), true, d, d, 0.0f};
     }
     if (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
         qtype == kInt4Zp) {
@@ -212,19 +223,16 @@ inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[
         const bool five = qtype == kQ5_0 || qtype == kQ5_1;
         const bool zp = qtype == kInt4Zp;
         const uint8_t* b = row + c * block_bytes(qtype);
-        const float df = fp16_to_float(b);
-        const __m256 d = _mm256_set1_ps(df);
+        const float d = fp16_to_float(b);
         // Q4_0 / Q5_0 / INT4_ZP: (q - z) d as q d - z d, the same float32 (see decode_chunk).
         const float zero = zp ? static_cast<float>(b[2]) : static_cast<float>(five ? 16 : 8);
-        const __m256 off = _mm256_set1_ps(has_min ? fp16_to_float(b + 2) : -(zero * df));
+        const float off = has_min ? fp16_to_float(b + 2) : -(zero * d);
         const uint8_t* qs = zp ? b + 3 : b + 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
         // Low nibbles are weights 0..15, high nibbles 16..31.
-        __m256i codes = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(q, 4), q), nib);
+        __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), nib);
         if (five) codes = _mm256_or_si256(codes, fifth_bits(load_u32(b + 2 + (has_min ? 2 : 0))));
-        codes_to_weights(codes, false, d, d, off, w);
-        return;
+        return {codes, false, d, d, off};
     }
     if (qtype == kQ4_K) {
         // 32 nibbles of one 32-byte run, low or high half by the sub-block's parity.
@@ -232,12 +240,10 @@ inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[
         const int s = static_cast<int>(c % 8);
         int sc, mn;
         q4k_scale_min(b + 4, s, &sc, &mn);
-        const __m256 d = _mm256_set1_ps(fp16_to_float(b) * static_cast<float>(sc));
-        const __m256 m = _mm256_set1_ps(-(fp16_to_float(b + 2) * static_cast<float>(mn)));
+        const float d = fp16_to_float(b) * static_cast<float>(sc);
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (s / 2) * 32));
-        codes_to_weights(_mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((s % 2) * 4)), nib),
-                         false, d, d, m, w);
-        return;
+        return {_mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((s % 2) * 4)), nib), false,
+                d, d, -(fp16_to_float(b + 2) * static_cast<float>(mn))};
     }
     // Q6_K: chunk c % 8 = 4 h + p; low 4 bits from ql, high 2 from qh, minus 32.
     const uint8_t* b = row + (c / 8) * 210;
@@ -251,8 +257,14 @@ inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[
                                       _mm256_set1_epi8(32));
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + 2 * p);
     const float d = fp16_to_float(b + 208);
-    codes_to_weights(q, true, _mm256_set1_ps(d * static_cast<float>(sc[0])),
-                     _mm256_set1_ps(d * static_cast<float>(sc[1])), _mm256_setzero_ps(), w);
+    return {q, true, d * static_cast<float>(sc[0]), d * static_cast<float>(sc[1]), 0.0f};
+}
+
+// The same as weights, in four registers (weights 0-7, 8-15, 16-23, 24-31).
+inline void dequantize_chunk(const uint8_t* row, int qtype, int64_t c, __m256 w[4]) {
+    const ChunkCodes cc = chunk_codes(row, qtype, c);
+    codes_to_weights(cc.q, cc.is_signed, _mm256_set1_ps(cc.s_lo), _mm256_set1_ps(cc.s_hi),
+                     _mm256_set1_ps(cc.off), w);
 }
 
 inline float hsum(__m256 v) {
@@ -320,6 +332,138 @@ void gguf_linear(T* out, int64_t out_stride, const float* x, int64_t xs, const u
     }
 }
 
+// ---- int8 activations (llama.cpp's vec_dot with Q8_0 activation blocks) ----
+// Each 32-value chunk of an activation row becomes int8 codes a_j with one float32
+// scale d = max_j |x_j| / 127: a_j = round_half_even(x_j * (1 / d)) in [-127, 127]
+// (all zero when d is 0), and dsum = d * sum_j a_j. A weight chunk's contribution is
+// then integer arithmetic, as llama.cpp's CPU backend computes it:
+//   sum_j w_j x~_j = d (s_lo sum_{j<16} q_j a_j + s_hi sum_{j>=16} q_j a_j) + off dsum
+// with x~_j = d a_j. The integer dot is AVX-512 VNNI's vpdpbusd (u8 x s8, four
+// products per int32 lane) or AVX2's maddubs + madd; signed codes (Q8_0, Q6_K) go in
+// as |q| with the sign moved onto a (vpsignb). No sum overflows: |q| <= 128, |a| <= 127.
+template <typename T>
+void quantize_activations(const T* x, int64_t xs, int64_t m, int64_t k, int8_t* q, float* d,
+                          float* dsum, int num_threads) {
+    const int64_t chunks = k / kQK;
+#pragma omp parallel for schedule(static) num_threads(threads_for(m * k, num_threads, 1 << 15))
+    for (int64_t i = 0; i < m * chunks; ++i) {
+        const T* xr = x + (i / chunks) * xs + (i % chunks) * kQK;
+        float v[kQK], amax = 0.0f;
+        for (int j = 0; j < kQK; ++j) {
+            v[j] = to_float(xr[j]);
+            amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int8_t* qi = q + i * kQK;
+        int sum = 0;
+        for (int j = 0; j < kQK; ++j) {
+            const int a = static_cast<int>(std::nearbyint(v[j] * inv));
+            qi[j] = static_cast<int8_t>(std::min(127, std::max(-127, a)));
+            sum += qi[j];
+        }
+        d[i] = scale;
+        dsum[i] = scale * static_cast<float>(sum);
+    }
+}
+
+#if TANDEM_GGUF_AVX2
+// Eight int32 lanes, lane i = sum of the four products u_j s_j, j = 4i .. 4i + 3.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// acc[r] = sum_k x~[r, k] w[k] for r < MT over one weight row; qx [MT][chunks * 32]
+// int8, d / dsum [MT][chunks].
+template <int MT>
+void row_tile_q8(const int8_t* qx, const float* d, const float* dsum, const uint8_t* row,
+                 int qtype, int64_t chunks, float* acc) {
+    const int64_t kx = chunks * kQK;
+    float off[MT];
+    for (int r = 0; r < MT; ++r) off[r] = 0.0f;
+#if TANDEM_GGUF_AVX2
+    __m256 c[MT];
+    for (int r = 0; r < MT; ++r) c[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < chunks; ++b) {
+        const ChunkCodes cc = chunk_codes(row, qtype, b);
+        const __m256i u = cc.is_signed ? _mm256_sign_epi8(cc.q, cc.q) : cc.q;
+        const __m256 ws = _mm256_set_m128(_mm_set1_ps(cc.s_hi), _mm_set1_ps(cc.s_lo));
+        for (int r = 0; r < MT; ++r) {
+            __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * kx + b * kQK));
+            if (cc.is_signed) a = _mm256_sign_epi8(a, cc.q);
+            const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(u, a)), ws);
+            c[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[r * chunks + b]), c[r]);
+            off[r] = std::fma(cc.off, dsum[r * chunks + b], off[r]);
+        }
+    }
+    for (int r = 0; r < MT; ++r) acc[r] = hsum(c[r]) + off[r];
+#else
+    for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
+    Chunk ch;
+    for (int64_t b = 0; b < chunks; ++b) {
+        decode_chunk(row, qtype, b, &ch);
+        for (int r = 0; r < MT; ++r) {
+            const int8_t* a = qx + r * kx + b * kQK;
+            int32_t s[2] = {0, 0};
+            for (int j = 0; j < kQK; ++j) {
+                const int q = ch.signed_codes ? static_cast<int8_t>(ch.codes[j]) : ch.codes[j];
+                s[j / 16] += q * a[j];
+            }
+            const float p = static_cast<float>(s[0]) * ch.scale[0] +
+                            static_cast<float>(s[1]) * ch.scale[1];
+            acc[r] = std::fma(p, d[r * chunks + b], acc[r]);
+            off[r] = std::fma(ch.offset, dsum[r * chunks + b], off[r]);
+        }
+    }
+    for (int r = 0; r < MT; ++r) acc[r] += off[r];
+#endif
+}
+
+constexpr int kMT8 = 8;   // activation rows per int8 tile (the codes are 1 byte per value)
+
+template <typename T>
+void gguf_linear_q8(T* out, int64_t out_stride, const T* x, int64_t xs, const uint8_t* qweight,
+                    int qtype, int64_t m_len, int64_t n_len, int64_t k, int num_threads) {
+    const int64_t chunks = k / kQK, rb = row_bytes(qtype, k);
+    thread_local std::vector<int8_t> qbuf;
+    thread_local std::vector<float> dbuf;
+    if (qbuf.size() < static_cast<size_t>(m_len * k)) qbuf.resize(m_len * k);
+    if (dbuf.size() < static_cast<size_t>(2 * m_len * chunks)) dbuf.resize(2 * m_len * chunks);
+    int8_t* qx = qbuf.data();
+    float* d = dbuf.data();
+    float* dsum = d + m_len * chunks;
+    quantize_activations(x, xs, m_len, k, qx, d, dsum, num_threads);
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(m_len * n_len * k, num_threads, 1 << 16))
+    for (int64_t n = 0; n < n_len; ++n) {
+        const uint8_t* row = qweight + n * rb;
+        float acc[kMT8];
+        for (int64_t m0 = 0; m0 < m_len; m0 += kMT8) {
+            const int64_t mt = std::min<int64_t>(kMT8, m_len - m0);
+            const int8_t* qt = qx + m0 * k;
+            const float* dt = d + m0 * chunks;
+            const float* st = dsum + m0 * chunks;
+            switch (mt) {
+                case 1: row_tile_q8<1>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 2: row_tile_q8<2>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 3: row_tile_q8<3>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 4: row_tile_q8<4>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 5: row_tile_q8<5>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 6: row_tile_q8<6>(qt, dt, st, row, qtype, chunks, acc); break;
+                case 7: row_tile_q8<7>(qt, dt, st, row, qtype, chunks, acc); break;
+                default: row_tile_q8<8>(qt, dt, st, row, qtype, chunks, acc); break;
+            }
+            for (int64_t r = 0; r < mt; ++r) out[(m0 + r) * out_stride + n] = from_float<T>(acc[r]);
+        }
+    }
+}
+
 }  // namespace
 }  // namespace tandem_cpu
 
@@ -349,6 +493,40 @@ void tandem_gguf_linear_bf16(bf16* out, int64_t out_stride, const bf16* x, int64
     for (int64_t r = 0; r < m; ++r)
         for (int64_t i = 0; i < k; ++i) x32[r * k + i] = to_float(x[r * x_stride + i]);
     gguf_linear<bf16>(out, out_stride, x32, k, qweight, qtype, m, n, k, num_threads);
+}
+
+// The integer dot product the int8-activation kernels use: 2 AVX-512 VNNI (or AVX-VNNI),
+// 1 AVX2 maddubs, 0 portable loops.
+int tandem_gguf_int8_dot_tier() {
+#if TANDEM_GGUF_AVX2 && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+    return 2;
+#elif TANDEM_GGUF_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x [M, K] float32 (row stride x_stride) -> int8 codes q [M, K], scales d [M, K / 32]
+// and d * sum(codes) dsum [M, K / 32]: the activation blocks of the _q8 products.
+void tandem_gguf_quantize_activations_f32(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                                          int8_t* q, float* d, float* dsum, int num_threads) {
+    quantize_activations(x, x_stride, m, k, q, d, dsum, num_threads);
+}
+
+// out [M, N] = x~ W^T with x~ the int8 activation blocks of x (see above); arguments
+// as tandem_gguf_linear_f32's.
+void tandem_gguf_linear_q8_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride,
+                               const uint8_t* qweight, int qtype, int64_t m, int64_t n, int64_t k,
+                               int num_threads) {
+    gguf_linear_q8<float>(out, out_stride, x, x_stride, qweight, qtype, m, n, k, num_threads);
+}
+
+// The same for bfloat16 activations and output.
+void tandem_gguf_linear_q8_bf16(bf16* out, int64_t out_stride, const bf16* x, int64_t x_stride,
+                                const uint8_t* qweight, int qtype, int64_t m, int64_t n, int64_t k,
+                                int num_threads) {
+    gguf_linear_q8<bf16>(out, out_stride, x, x_stride, qweight, qtype, m, n, k, num_threads);
 }
 
 // out [N, K] float32 = the weights of `qweight` ([N][K / QB blocks] of `qtype`).
