@@ -398,12 +398,6 @@ class EngineConfig:
         if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
             raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
                              "can complete a block, which is then quantized per channel with it)")
-        if self.cache.kv_cache_dtype == "int4" and (
-                self.attention_backend == "triton"
-                or (self.attention_backend == "auto" and not self.device.startswith("cpu"))):
-            raise ValueError("kv_cache_dtype 'int4': not supported by the triton attention "
-                             "backend yet (use attention_backend torch or cpu, or "
-                             "kv_cache_dtype fp8_e4m3 or auto)")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

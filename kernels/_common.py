@@ -101,3 +101,49 @@ def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str | None, b
     precision = "ieee" if dtype == torch.float32 else None
     upcast = dtype == torch.bfloat16 and device.type == "cpu"
     return precision, upcast
+
+
+def check_int4_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int,
+                  num_seqs: int, store: torch.Tensor | None,
+                  entries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Check an int4 KV cache (``uint8 [NB, BS, Hkv, R]`` rows of
+    :mod:`tandem.kernels.int4_kv`) and its open-block K store; return ``(store,
+    entries, group)``: the store (a one-entry placeholder when None), the sequences'
+    entries ``[B]`` int64 (all -1 when None) and the per-token group size ``G``.
+
+    Raises:
+        ValueError: rows of the wrong width, caches of two shapes, a store of the
+            wrong shape or strides, entries of the wrong shape, dtype or device, or
+            only one of the two given.
+    """
+    from tandem.kernels.int4_kv import int4_kv_group_size, int4_kv_row_bytes
+
+    nb, bs, hkv, row = key_cache.shape
+    check_shape("value_cache", value_cache, (nb, bs, hkv, row))
+    check_dtype("value_cache", value_cache, (torch.uint8,))
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_last_dim_contiguous(name, t)
+    try:
+        want = int4_kv_row_bytes(head_dim, bs)
+    except ValueError as exc:
+        raise ValueError(f"key_cache: {exc}") from exc
+    if row != want:
+        raise ValueError(f"key_cache: int4 rows of {head_dim} channels in blocks of {bs} "
+                         f"tokens are {want} bytes, got {row}")
+    if (store is None) != (entries is None):
+        raise ValueError("k_scale/v_scale: an int4 cache takes both the open-block K store "
+                         "and the sequences' entries, or neither")
+    device = key_cache.device
+    if store is None:
+        store = torch.zeros(1, bs, hkv, head_dim, device=device)
+        entries = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
+    if store.dim() != 4 or tuple(store.shape[1:]) != (bs, hkv, head_dim):
+        raise ValueError(f"k_scale: the open-block K store must be [S, {bs}, {hkv}, "
+                         f"{head_dim}], got {tuple(store.shape)}")
+    check_last_dim_contiguous("k_scale", store)
+    check_shape("v_scale", entries, (num_seqs,))
+    check_dtype("v_scale", entries, (torch.int64,))
+    for name, t in (("k_scale", store), ("v_scale", entries)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, the cache on {device}")
+    return store, entries, int4_kv_group_size(head_dim)

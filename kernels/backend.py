@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels import int4_kv
 from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 from tandem.kernels.paged_decode_attention import paged_decode_attention
@@ -35,18 +36,26 @@ class TritonAttentionBackend(AttentionBackend):
         the cache for the rest. Shapes as in :meth:`AttentionBackend.attention`.
 
         An fp8 cache (``kv_cache_dtype fp8_e4m3``) is written and read by the same
-        kernels with the per-head ``k_scale``/``v_scale`` ``[Hkv]``.
+        kernels with the per-head ``k_scale``/``v_scale`` ``[Hkv]``. An int4 cache
+        (``uint8`` rows, :mod:`tandem.kernels.int4_kv`) is written by
+        :func:`~tandem.kernels.int4_kv.reshape_and_cache_int4` with the step's plan
+        (``k_scale`` is the layer's open-block K store) and read by the attention
+        kernels directly, the open last blocks' K from the store.
 
         Raises:
-            ValueError: an int4 cache (``uint8`` rows, which the Triton kernels do not
-                read yet), or an fp8 cache without scales.
+            ValueError: an fp8 cache without scales; an int4 cache without the
+                step's write plan or the store.
         """
         if key_cache.dtype == torch.uint8:
-            raise ValueError("KV cache of packed int4 rows: not supported by the triton "
-                             "attention backend yet (use kv_cache_dtype fp8_e4m3 or auto, "
-                             "or the torch/cpu backend)")
-        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
-                          k_scale, v_scale)
+            if meta.int4_plan is None or k_scale is None:
+                raise ValueError("int4 KV cache: needs the step's write plan (meta.int4_plan) "
+                                 "and the layer's open-block K store (k_scale)")
+            int4_kv.reshape_and_cache_int4(key, value, key_cache, value_cache, meta.slot_mapping,
+                                           k_scale, meta.int4_plan)
+            v_scale = meta.int4_plan.seq_open_entries.to(key_cache.device)
+        else:
+            reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                              k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decodes
         if nd:
@@ -54,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                 scale, max(meta.seq_lens_cpu[:nd]), out=out[:nd], k_scale=k_scale,
-                v_scale=v_scale)
+                v_scale=v_scale[:nd] if key_cache.dtype == torch.uint8 else v_scale)
         if nd < meta.num_seqs:
             qsl = meta.query_start_loc_cpu[nd:]
             first = qsl[0]
@@ -64,7 +73,8 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(
                 query[first:], key_cache, value_cache, meta.block_tables[nd:],
                 query_start_loc, meta.seq_lens[nd:], max_query_len, scale, out=out[first:],
-                k_scale=k_scale, v_scale=v_scale)
+                k_scale=k_scale,
+                v_scale=v_scale[nd:] if key_cache.dtype == torch.uint8 else v_scale)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -32,6 +32,11 @@ make the token -> block split a shift); any GQA ratio with ``Hq % Hkv == 0``;
 at most ``_MAX_SPLITS`` context splits. Every token's K/V, the query token's
 included, must already be in the cache (see :mod:`.reshape_and_cache`).
 
+Int4 KV cache (KIVI): each K/V tile is decoded in registers from the packed rows
+(:mod:`tandem.kernels.int4_kv_tiles`: per-channel K in full blocks, per-token
+elsewhere, a sequence's open last block's K from the open-block store), rounded to
+the query's dtype as :func:`tandem.kernels.int4_kv.dequantize_int4_blocks` does.
+
 FP8 KV cache: each K/V tile is dequantized in registers as it is loaded,
 ``scale[h] * stored`` in float32 then rounded to the query's dtype (exact: the
 scales are powers of two and e4m3 keeps 4 significant bits), which is what
@@ -47,9 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
+from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype, check_int4_kv,
                                     check_kv_cache_scales, check_last_dim_contiguous,
                                     check_shape, dot_options, next_pow2)
+from tandem.kernels.int4_kv_tiles import load_int4_key_tile, load_int4_value_tile
 from tandem.kernels.reference import paged_decode_attention_ref
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits"]
@@ -74,11 +80,14 @@ def _paged_decode_kernel(
     bt_stride_b,
     o_stride_b, o_stride_h, o_stride_s,
     ml_stride_b, ml_stride_h,
+    s_stride_e, s_stride_t, s_stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, INT4: tl.constexpr, INT4_GROUP: tl.constexpr,
 ):
+    # INT4: k_scale_ptr is the open-block K store [S, BS, Hkv, D] (strides s_stride_*),
+    # v_scale_ptr the sequences' store entries [B] int64 (-1: none).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,6 +111,8 @@ def _paged_decode_kernel(
     if FP8:
         k_descale = tl.load(k_scale_ptr + kv_head)
         v_descale = tl.load(v_scale_ptr + kv_head)
+    if INT4:
+        entry = tl.load(v_scale_ptr + seq)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -115,8 +126,19 @@ def _paged_decode_kernel(
         in_block = offs_n % BLOCK_SIZE
         kv_mask_t = mask_n[None, :] & mask_d[:, None]
         # K tile loaded transposed, [BLOCK_D, BLOCK_N], ready for q @ k.
-        k = tl.load(k_cache_ptr + block_ids[None, :] * k_stride_b + in_block[None, :] * k_stride_t
-                    + kv_head * k_stride_h + offs_d[:, None], mask=kv_mask_t, other=0.0)
+        if INT4:
+            # Decoded in registers, rounded to the model dtype as the reference does.
+            k = load_int4_key_tile(
+                k_cache_ptr, block_ids, in_block, offs_n, offs_d, mask_n, mask_d, kv_head,
+                seq_len, k_stride_b, k_stride_t, k_stride_h, k_scale_ptr, entry,
+                s_stride_e, s_stride_t, s_stride_h, HEAD_DIM, BLOCK_SIZE, INT4_GROUP,
+            )
+            if not UPCAST:      # (UPCAST: bfloat16 under the interpreter, whose rounding
+                k = k.to(q_ptr.dtype.element_ty)    # to bfloat16 is wrong; kept float32)
+        else:
+            k = tl.load(k_cache_ptr + block_ids[None, :] * k_stride_b
+                        + in_block[None, :] * k_stride_t + kv_head * k_stride_h
+                        + offs_d[:, None], mask=kv_mask_t, other=0.0)
         if FP8:
             k = (k.to(tl.float32) * k_descale).to(q.dtype)
         elif UPCAST:
@@ -128,9 +150,17 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block_ids[:, None] * v_stride_b + in_block[:, None] * v_stride_t
-                    + kv_head * v_stride_h + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if INT4:
+            v = load_int4_value_tile(
+                v_cache_ptr, block_ids, in_block, mask_n, offs_d, mask_d, kv_head,
+                v_stride_b, v_stride_t, v_stride_h, HEAD_DIM, INT4_GROUP,
+            )
+            if not UPCAST:
+                v = v.to(q_ptr.dtype.element_ty)
+        else:
+            v = tl.load(v_cache_ptr + block_ids[:, None] * v_stride_b
+                        + in_block[:, None] * v_stride_t + kv_head * v_stride_h
+                        + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if FP8:
             v = (v.to(tl.float32) * v_descale).to(q.dtype)
         elif UPCAST:
@@ -231,7 +261,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     Args:
         query: ``[B, Hq, D]``; any outer strides, innermost stride 1.
         key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype or
-            ``torch.float8_e4m3fn``.
+            ``torch.float8_e4m3fn``; or int4 rows ``uint8 [NB, BS, Hkv, R]``
+            (:mod:`tandem.kernels.int4_kv`).
         block_tables: ``[B, max_blocks]`` int32.
         seq_lens: ``[B]`` int32 context lengths (tokens, each >= 1).
         scale: softmax scale.
@@ -243,14 +274,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         block_n: context tokens per tile (power of two >= 16); None picks from
             the head dim and dtype.
         out: optional ``[B, Hq, D]`` output (may be a view of a larger tensor).
-        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; None otherwise.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; for an int4
+            cache the open-block K store ``[S, BS, Hkv, D]`` and the sequences'
+            entries ``[B]`` int64 (-1: the last block is full), or None (no store);
+            None otherwise.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype, accumulated in float32.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, strides or options; an fp8 cache
-            without scales, or scales for a cache in the model dtype.
+            without scales, or scales for a cache in the model dtype; an int4
+            cache with rows of the wrong width or a store of the wrong shape.
     """
     b, hq, d = query.shape
     if key_cache.dim() != 4:
@@ -258,10 +293,16 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     nb, bs, hkv, _ = key_cache.shape
     check_device(query, key_cache, value_cache, block_tables, seq_lens)
     check_dtype("query", query, FLOAT_DTYPES)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_shape(name, t, (nb, bs, hkv, d))
-        check_last_dim_contiguous(name, t)
-    fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
+    int4 = key_cache.dtype == torch.uint8
+    if int4:
+        store, entries, int4_group = check_int4_kv(key_cache, value_cache, d, b, k_scale,
+                                                   v_scale)
+        fp8 = False
+    else:
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            check_shape(name, t, (nb, bs, hkv, d))
+            check_last_dim_contiguous(name, t)
+        fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
     check_last_dim_contiguous("query", query)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -300,18 +341,22 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     precision, upcast = dot_options(query.dtype, query.device)
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_G=max(16, next_pow2(group)),
                   BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision, UPCAST=upcast,
-                  FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  FP8=fp8, INT4=int4, INT4_GROUP=int4_group if int4 else 1,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k_strides = key_cache.stride()[:3]
     v_strides = value_cache.stride()[:3]
     grid = (b, hkv, num_splits)
-    scales = (k_scale, v_scale) if fp8 else (query, query)     # never read without FP8
+    if int4:
+        scales, s_strides = (store, entries), store.stride()[:3]
+    else:       # never read without FP8
+        scales, s_strides = (k_scale, v_scale) if fp8 else (query, query), (0, 0, 0)
     if num_splits == 1:
         _paged_decode_kernel[grid](
             out, out, out, query, key_cache, value_cache, block_tables, seq_lens, *scales,
             # One range covering any seq_len, so an understated max_seq_len loses nothing.
             scale * _LOG2E, _WHOLE_CONTEXT,
             query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, 0, 0,
+            out.stride(0), out.stride(1), 0, 0, 0, *s_strides,
             SPLIT=False, **common)
         return out
 
@@ -322,7 +367,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         part, m, l, query, key_cache, value_cache, block_tables, seq_lens, *scales,
         scale * _LOG2E, tokens_per_split,
         query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), *s_strides,
         SPLIT=True, **common)
     _merge_splits_kernel[(b, hq)](
         out, part, m, l, num_splits,

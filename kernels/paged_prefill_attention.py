@@ -37,6 +37,12 @@ Limits: ``D <= 256`` (padded to a power of two >= 16 and masked); any cache
 block size (compile-time constant); ``G <= 128``; ``q_len <= seq_len`` for
 every sequence.
 
+Int4 KV cache (KIVI): K/V tiles are decoded in registers from the packed rows
+(:mod:`tandem.kernels.int4_kv_tiles`; a sequence's open last block's K from the
+open-block store), rounded to the query's dtype as
+:func:`tandem.kernels.int4_kv.dequantize_int4_blocks` does; the chunk's own tokens
+are read back like the prefix.
+
 FP8 KV cache: K/V tiles are dequantized in registers as they are loaded
 (``scale[h] * stored`` in float32, rounded to the query's dtype, as
 :func:`tandem.kernels.reference.dequantize_fp8_e4m3_ref`); the chunk's own
@@ -50,9 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
+from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype, check_int4_kv,
                                     check_kv_cache_scales, check_last_dim_contiguous,
                                     check_shape, dot_options, next_pow2)
+from tandem.kernels.int4_kv_tiles import load_int4_key_tile, load_int4_value_tile
 from tandem.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
@@ -68,8 +75,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
                  k_stride_b, k_stride_t, k_stride_h,
                  v_stride_b, v_stride_t, v_stride_h,
                  qk_scale, offs_d, mask_d, k_descale, v_descale,
+                 q_ptr, store_ptr, entry, s_stride_e, s_stride_t, s_stride_h,
+                 HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                 INT4: tl.constexpr, INT4_GROUP: tl.constexpr):
     # One online-softmax step of the [BLOCK_M] query rows over keys
     # start_n .. start_n + BLOCK_N. Unmasked tiles lie wholly inside the context
     # and wholly at or below the diagonal of every row.
@@ -84,7 +94,17 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
               + kv_head * k_stride_h + offs_d[:, None])
     v_ptrs = (v_cache_ptr + block_ids[:, None] * v_stride_b + in_block[:, None] * v_stride_t
               + kv_head * v_stride_h + offs_d[None, :])
-    if MASKED:
+    if INT4:
+        # Decoded in registers (see int4_kv_tiles), rounded to the model dtype.
+        in_seq = offs_n < seq_len
+        k = load_int4_key_tile(
+            k_cache_ptr, block_ids, in_block, offs_n, offs_d, in_seq, mask_d, kv_head,
+            seq_len, k_stride_b, k_stride_t, k_stride_h, store_ptr, entry,
+            s_stride_e, s_stride_t, s_stride_h, HEAD_DIM, BLOCK_SIZE, INT4_GROUP,
+        )
+        if not UPCAST:      # (UPCAST: bfloat16 under the interpreter, whose rounding
+            k = k.to(q_ptr.dtype.element_ty)    # to bfloat16 is wrong; kept float32)
+    elif MASKED:
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
@@ -102,7 +122,14 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if INT4:
+        v = load_int4_value_tile(
+            v_cache_ptr, block_ids, in_block, in_seq, offs_d, mask_d, kv_head,
+            v_stride_b, v_stride_t, v_stride_h, HEAD_DIM, INT4_GROUP,
+        )
+        if not UPCAST:
+            v = v.to(q_ptr.dtype.element_ty)
+    elif MASKED:
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
@@ -123,11 +150,14 @@ def _paged_prefill_kernel(
     v_stride_b, v_stride_t, v_stride_h,
     bt_stride_b,
     o_stride_t, o_stride_h,
+    s_stride_e, s_stride_t, s_stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, INT4: tl.constexpr, INT4_GROUP: tl.constexpr,
 ):
+    # INT4: k_scale_ptr is the open-block K store [S, BS, Hkv, D] (strides s_stride_*),
+    # v_scale_ptr the sequences' store entries [B] int64 (-1: none).
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -159,6 +189,10 @@ def _paged_prefill_kernel(
     else:
         k_descale = 1.0
         v_descale = 1.0
+    if INT4:
+        entry = tl.load(v_scale_ptr + seq)
+    else:
+        entry = -1
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -172,7 +206,8 @@ def _paged_prefill_kernel(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
             k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_t, k_stride_h,
             v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d, k_descale, v_descale,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST, FP8)
+            q_ptr, k_scale_ptr, entry, s_stride_e, s_stride_t, s_stride_h, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST, FP8, INT4, INT4_GROUP)
     # Diagonal tiles, up to the last row's position (clipped at seq_len by the mask).
     causal_end = tl.minimum(seq_len, prefix + first_tok + BLOCK_Q)
     for start_n in range(full_end, causal_end, BLOCK_N):
@@ -180,7 +215,8 @@ def _paged_prefill_kernel(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, table, kv_head,
             k_cache_ptr, v_cache_ptr, k_stride_b, k_stride_t, k_stride_h,
             v_stride_b, v_stride_t, v_stride_h, qk_scale, offs_d, mask_d, k_descale, v_descale,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST, FP8)
+            q_ptr, k_scale_ptr, entry, s_stride_e, s_stride_t, s_stride_h, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST, FP8, INT4, INT4_GROUP)
 
     acc = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :],
@@ -221,7 +257,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     Args:
         query: ``[T, Hq, D]``; any outer strides, innermost stride 1.
         key_cache, value_cache: ``[NB, BS, Hkv, D]``, query's dtype or
-            ``torch.float8_e4m3fn``.
+            ``torch.float8_e4m3fn``; or int4 rows ``uint8 [NB, BS, Hkv, R]``
+            (:mod:`tandem.kernels.int4_kv`).
         block_tables: ``[B, max_blocks]`` int32.
         query_start_loc: ``[B + 1]`` int32 cumulative query lengths (tokens),
             ``query_start_loc[B] == T``.
@@ -233,14 +270,17 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
             >= 16; block_n: keys per tile, a power of two >= 16. None picks
             per device.
         out: optional ``[T, Hq, D]`` output (may be a view of a larger tensor).
-        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; None otherwise.
+        k_scale, v_scale: ``[Hkv]`` float32 scales of an fp8 cache; for an int4
+            cache the open-block K store ``[S, BS, Hkv, D]`` and the sequences'
+            entries ``[B]`` int64 (-1: none), or None; None otherwise.
 
     Returns:
         ``[T, Hq, D]`` in the query's dtype, accumulated in float32.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, strides or options; an fp8 cache
-            without scales, or scales for a cache in the model dtype.
+            without scales, or scales for a cache in the model dtype; an int4
+            cache with rows of the wrong width or a store of the wrong shape.
     """
     t, hq, d = query.shape
     if key_cache.dim() != 4:
@@ -250,10 +290,16 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     check_device(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     check_dtype("query", query, FLOAT_DTYPES)
     check_last_dim_contiguous("query", query)
-    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_shape(name, x, (nb, bs, hkv, d))
-        check_last_dim_contiguous(name, x)
-    fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
+    int4 = key_cache.dtype == torch.uint8
+    if int4:
+        store, entries, int4_group = check_int4_kv(key_cache, value_cache, d, b, k_scale,
+                                                   v_scale)
+        fp8 = False
+    else:
+        for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+            check_shape(name, x, (nb, bs, hkv, d))
+            check_last_dim_contiguous(name, x)
+        fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -287,14 +333,18 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     block_q = block_m // group
     precision, upcast = dot_options(query.dtype, query.device)
     grid = (triton.cdiv(max_query_len, block_q), b, hkv)
+    if int4:
+        scales, s_strides = (store, entries), store.stride()[:3]
+    else:       # never read without FP8
+        scales, s_strides = (k_scale, v_scale) if fp8 else (query, query), (0, 0, 0)
     _paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        k_scale if fp8 else query, v_scale if fp8 else query,     # never read without FP8
-        scale * _LOG2E,
+        *scales, scale * _LOG2E,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), *s_strides,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n, DOT_PRECISION=precision,
-        UPCAST=upcast, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        UPCAST=upcast, FP8=fp8, INT4=int4, INT4_GROUP=int4_group if int4 else 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -397,8 +397,7 @@ def test_prefill_chunk_after_cached_context_reads_the_int4_cache():
 
 def test_config_refuses_int4_where_it_cannot_run():
     int4 = CacheConfig(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'.*triton"):
-        EngineConfig(attention_backend="triton", cache=int4)
+    EngineConfig(attention_backend="triton", cache=int4)     # the Triton kernels read it
     with pytest.raises(ValueError, match="batch_invariant.*kv_cache_dtype"):
         EngineConfig(dtype="float32", batch_invariant=True, cache=int4)
     with pytest.raises(ValueError, match="speculative.*int4"):

@@ -4,7 +4,7 @@ torch references: the write is bit-exact, attention within the dtype's tolerance
 import pytest
 import torch
 
-from tandem.kernels.attention_backend import TorchAttentionBackend
+from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
 from tandem.kernels.backend import TritonAttentionBackend
 from tandem.kernels.paged_decode_attention import paged_decode_attention
 from tandem.kernels.paged_prefill_attention import paged_prefill_attention
@@ -180,5 +180,7 @@ def test_fp8_arguments_are_checked(device):
     with pytest.raises(ValueError, match="k_scale: required"):
         reshape_and_cache(q, q, cache, cache, torch.zeros(1, dtype=torch.int64, device=device))
     int4 = torch.zeros(2, 4, 2, 24, dtype=torch.uint8, device=device)
-    with pytest.raises(ValueError, match="int4"):
-        TritonAttentionBackend().attention(q, q, q, int4, int4, None, 0.25)
+    meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64, device=device), tables, lens,
+                             [0, 1], [1], 1, 1)          # no int4_plan
+    with pytest.raises(ValueError, match="int4_plan"):
+        TritonAttentionBackend().attention(q, q, q, int4, int4, meta, 0.25)
