@@ -18,7 +18,8 @@ SmolLM2-135M-Instruct GGUF unless ``--model``):
 For each: the bytes of the weights held in memory (every distinct tensor a module
 holds: parameters, buffers and the packed copies linear methods keep), the KV bytes
 per token, the engine's KV blocks and the largest number of concurrent sequences
-of ``--seq-len`` tokens when weights + KV share a ``--memory-budget-mib`` budget,
+of ``--seq-len`` tokens when weights + KV share a ``--memory-budget-mib`` budget
+(an int4 cache's open-block K store, one block of exact K per sequence, counted),
 single-stream prefill and decode speed (``--single-prompts`` prompts one at a time,
 greedy: prefill = time to the first token, decode = the other ``--output-len - 1``) and
 offline throughput (``--num-prompts`` prompts at once, greedy, EOS ignored). ``--peers llama.cpp`` adds llama.cpp on the same GGUF
@@ -112,7 +113,17 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
     budget = args.memory_budget_mib << 20
     kv_budget = max(0, budget - w_bytes)
     blocks_per_seq = -(-args.seq_len // engine.config.cache.block_size)
+    # An int4 cache also keeps one open block's exact K per running sequence (the
+    # open-block K store), out of the same budget.
+    store_entry = 0
+    if engine.kv_cache.open_keys is not None:
+        from tandem.engine.runtime.model_runner import KVCache
+
+        store_entry = KVCache.open_entry_bytes(engine.model_config,
+                                               engine.config.cache.block_size,
+                                               engine.config.torch_dtype)
     num_blocks = kv_budget // bytes_per_block
+    max_seqs = kv_budget // (blocks_per_seq * bytes_per_block + store_entry)
     del probe, engine
 
     llm = LLM(model=model, max_num_seqs=args.max_num_seqs,
@@ -140,7 +151,8 @@ def run_format(name: str, model: str | None, kwargs: dict, prompts, args) -> dic
         "model": model or "default", "llm_kwargs": kwargs,
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_bytes_per_token,
         "kv_blocks_in_budget": int(num_blocks),
-        "max_concurrent_seqs": int(num_blocks // blocks_per_seq),
+        "max_concurrent_seqs": int(max_seqs),
+        "open_store_bytes_per_seq": store_entry,
         "prefill_tok_s": sum(map(len, single)) / prefill_s,
         "decode_tok_s": len(single) * (args.output_len - 1) / decode_s,
         "offline_output_tok_s": n / dt, "offline_seconds": dt,

@@ -173,7 +173,9 @@ class CacheConfig:
     Attributes:
         block_size: tokens per block.
         num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_bytes``.
-        kv_cache_memory_bytes: memory for K and V of all layers when num_blocks is None.
+        kv_cache_memory_bytes: memory for K and V of all layers when num_blocks is None
+            (with ``int4``, the open-block K store for ``max_num_seqs`` sequences
+            included).
         enable_prefix_caching: reuse full blocks across requests by block hash.
         swap_space_bytes: host memory for the blocks of swapped-out requests
             (pinned when the device is CUDA), when ``num_host_blocks`` is None.

@@ -32,6 +32,9 @@ U8 = torch.uint8
 F32_BLOCK = 30 * 2 * 16 * 3 * 64 * 4
 INT4_BLOCK = 30 * 2 * 16 * 3 * 48          # ... 48-byte rows (32 of nibbles, 16 of fp16 pairs)
 MEM = 40 * F32_BLOCK
+# One entry of the open-block K store: 30 layers x 16 tokens x 3 heads x 64 float32.
+STORE_ENTRY = 30 * 16 * 3 * 64 * 4
+INT4_SEQS = 8                               # the int4 engine's max_num_seqs: its store entries
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Water boils at a temperature of", "Once upon a time, in a small village,"]
@@ -419,18 +422,28 @@ def auto_llm(f32_weights):
 @pytest.fixture(scope="module")
 def int4_llm(f32_weights):
     return LLM(dtype="float32", kv_cache_memory_bytes=MEM, kv_cache_dtype="int4",
-               num_host_blocks=0, weights_from=f32_weights)
+               num_host_blocks=0, max_num_seqs=INT4_SEQS, weights_from=f32_weights)
 
 
 def test_int4_cache_holds_5_3_times_the_float32_blocks(auto_llm, int4_llm):
+    """Blocks of 48-byte rows, 5.3x the float32 blocks per byte; the open-block K
+    store for max_num_seqs sequences comes out of the same budget."""
     cfg = int4_llm.engine.model_config
     assert KVCache.bytes_per_block(cfg, 16, U8) == INT4_BLOCK
+    assert KVCache.open_entry_bytes(cfg, 16, torch.float32) == STORE_ENTRY
     assert auto_llm.engine.kv_cache.num_blocks == 40
-    assert int4_llm.engine.kv_cache.num_blocks == MEM // INT4_BLOCK == 213
+    blocks = (MEM - INT4_SEQS * STORE_ENTRY) // INT4_BLOCK
+    assert int4_llm.engine.kv_cache.num_blocks == blocks == 192
     kv = int4_llm.engine.kv_cache
-    assert kv.tensor.shape == (30, 2, 213, 16, 3, 48) and kv.tensor.dtype == U8
+    assert kv.tensor.shape == (30, 2, 192, 16, 3, 48) and kv.tensor.dtype == U8
     assert kv.scales is None                        # every row or block has its own
-    assert kv.open_keys.dtype == torch.float32 and kv.open_keys.shape[2:] == (16, 3, 64)
+    assert kv.open_keys.dtype == torch.float32
+    assert kv.open_keys.shape == (30, INT4_SEQS, 16, 3, 64)
+    held = kv.tensor.numel() + kv.open_keys.numel() * 4
+    assert MEM - INT4_BLOCK < held <= MEM
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes.*open-block K store"):
+        LLM(dtype="float32", kv_cache_memory_bytes=INT4_SEQS * STORE_ENTRY,
+            kv_cache_dtype="int4", max_num_seqs=INT4_SEQS, weights_from=auto_llm)
 
 
 def test_the_store_and_the_blocks_hold_the_models_keys(auto_llm, int4_llm):
@@ -550,11 +563,13 @@ def test_every_exit_path_frees_blocks_and_store_entries(int4_llm):
     assert len(again.outputs[0].token_ids) == GREEDY.max_tokens
 
 
-def test_more_open_blocks_than_the_first_store_holds(int4_llm):
-    """n = 9 samples of a prompt ending inside a block fork 9 open blocks (copy-on-write)
-    into a fresh engine's 8-entry store: it grows, and everything is freed after."""
+def test_more_open_blocks_than_the_reserved_store_holds(int4_llm):
+    """The engine reserves one store entry per sequence (max_num_seqs 8, counted in
+    its KV budget); n = 9 samples of a prompt ending inside a block fork open blocks
+    by copy-on-write while the shared one is still held, more than 8 at once: the
+    store grows, and everything is freed after."""
     llm = LLM(dtype="float32", num_blocks=64, kv_cache_dtype="int4", num_host_blocks=0,
-              weights_from=int4_llm)
+              max_num_seqs=8, weights_from=int4_llm)
     assert llm.engine.kv_cache.open_keys.shape[1] == 8
     prompt = llm.tokenizer.encode(LONG)
     out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, n=9, max_tokens=12,

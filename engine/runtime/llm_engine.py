@@ -81,7 +81,21 @@ class LLMEngine:
                     self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
                     config.torch_dtype, self.device)
         bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size, kv_dtype)
-        num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory_bytes // bytes_per_block)
+        open_entries = store_bytes = 0
+        if kv_dtype == torch.uint8:
+            # int4: the open-block K store (one entry per running sequence's open
+            # last block) comes out of the same budget.
+            open_entries = config.scheduler.max_num_seqs
+            store_bytes = open_entries * KVCache.open_entry_bytes(
+                self.model_config, cc.block_size, config.torch_dtype)
+        if store_bytes and cc.num_blocks is None and \
+                cc.kv_cache_memory_bytes < store_bytes + bytes_per_block:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {cc.kv_cache_memory_bytes} bytes do not hold the int4 "
+                f"open-block K store ({store_bytes} bytes for max_num_seqs {open_entries}) "
+                f"and one block ({bytes_per_block} bytes)")
+        num_blocks = cc.num_blocks or max(
+            1, (cc.kv_cache_memory_bytes - store_bytes) // bytes_per_block)
         if config.scheduler.preemption_mode == "recompute":
             num_host_blocks = 0     # never swaps: no host memory to hold
         elif cc.num_host_blocks is not None:
@@ -89,7 +103,8 @@ class LLMEngine:
         else:
             num_host_blocks = cc.swap_space_bytes // bytes_per_block
         self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, kv_dtype,
-                                self.device, num_host_blocks, kv_scales, config.torch_dtype)
+                                self.device, num_host_blocks, kv_scales, config.torch_dtype,
+                                open_entries or None)
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                num_host_blocks, enable_kv_events)
         if self.kv_cache.open_keys is not None:      # int4: entries follow their blocks

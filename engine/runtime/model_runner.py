@@ -82,7 +82,11 @@ class KVCache:
     their blocks through copy-on-write and swap (:meth:`copy_blocks`,
     :meth:`swap_out`, :meth:`swap_in`), are dropped when a block is released or
     handed to a new owner (:meth:`blocks_released`, :meth:`blocks_allocated`, wired
-    to the block pool), and ``S`` grows (doubling) as more blocks are open at once.
+    to the block pool). ``S`` starts at ``open_entries`` (the engine passes
+    ``max_num_seqs``, one open last block per running sequence, and counts those
+    bytes in its KV budget, :meth:`open_entry_bytes`) and grows (doubling) if more
+    blocks are open at once: forked samples copying a shared open block while it
+    is still held.
 
     Args:
         dtype: storage dtype (the model dtype, ``torch.float8_e4m3fn``, or
@@ -91,6 +95,7 @@ class KVCache:
         scales: ``[L, 2, Hkv]`` float32, required for (and only for) an fp8 cache.
         model_dtype: the model's dtype, required for an int4 cache (its open-block
             K store).
+        open_entries: int4: the store's first number of entries (None: 8).
 
     Raises:
         ValueError: an fp8 dtype without scales (or of another shape), scales for
@@ -102,7 +107,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_host_blocks: int = 0,
-                 scales: torch.Tensor | None = None, model_dtype: torch.dtype | None = None):
+                 scales: torch.Tensor | None = None, model_dtype: torch.dtype | None = None,
+                 open_entries: int | None = None):
         if (dtype == torch.float8_e4m3fn) != (scales is not None):
             raise ValueError("scales: required for a float8_e4m3fn KV cache, and only for one")
         if scales is not None:
@@ -119,11 +125,12 @@ class KVCache:
         if dtype == torch.uint8:
             if model_dtype is None:
                 raise ValueError("model_dtype: required for an int4 KV cache")
-            self.open_keys = torch.zeros(cfg.num_layers, self._INITIAL_OPEN_ENTRIES, block_size,
+            entries = max(1, open_entries or self._INITIAL_OPEN_ENTRIES)
+            self.open_keys = torch.zeros(cfg.num_layers, entries, block_size,
                                          cfg.num_kv_heads, cfg.head_dim, dtype=model_dtype,
                                          device=device)
             self._entry_of: dict[int, int] = {}                 # block id -> entry
-            self._free_entries = list(range(self._INITIAL_OPEN_ENTRIES - 1, -1, -1))
+            self._free_entries = list(range(entries - 1, -1, -1))
             self._host_open: dict[int, torch.Tensor] = {}       # host block -> [L, BS, Hkv, D]
             self._released: set[int] = set()
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
@@ -158,6 +165,13 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return (cfg.num_layers * 2 * block_size * cfg.num_kv_heads
                 * KVCache.row_width(cfg, dtype, block_size) * elem)
+
+    @staticmethod
+    def open_entry_bytes(cfg: ModelConfig, block_size: int, model_dtype: torch.dtype) -> int:
+        """Bytes of one entry of an int4 cache's open-block K store, all layers: the
+        exact K of one block (``block_size`` tokens) in ``model_dtype``."""
+        elem = torch.empty((), dtype=model_dtype).element_size()
+        return cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     # -- int4: the open-block K store -------------------------------------------------------
 
