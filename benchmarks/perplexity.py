@@ -172,6 +172,17 @@ SYSTEMS: dict[str, tuple[str, Callable[[Context], dict]]] = {
                           lambda ctx: {"model": ctx.model, "dtype": "float32",
                                        "quantization": "gguf", "batch_invariant": True,
                                        "activation_quantization": "int8"}),
+    "gguf-q4_k_m-int8act": ("the file requantized to llama.cpp's Q4_K_M mix, int8 activation "
+                            "blocks in every product (batch_invariant), float32",
+                            lambda ctx: {"model": ctx.requantized_gguf("Q4_K_M"),
+                                         "dtype": "float32", "quantization": "gguf",
+                                         "batch_invariant": True,
+                                         "activation_quantization": "int8"}),
+    "gptq-int4-g128-act-int8act": ("GPTQ int4, group 128, act-order, int8 activation blocks "
+                                   "in every product (batch_invariant), float32",
+                                   lambda ctx: {"model": ctx.quantized("gptq", desc_act=True),
+                                                "dtype": "float32", "batch_invariant": True,
+                                                "activation_quantization": "int8"}),
     "dense-f32-fp8kv": ("dense float32 weights, fp8 e4m3 KV cache",
                         lambda ctx: {"model": ctx.model, "dtype": "float32",
                                      "kv_cache_dtype": "fp8_e4m3"}),

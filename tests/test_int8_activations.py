@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType as QT
 
 from tandem.engine.model.linear import Linear
 from tandem.engine.sampling.sampling_params import SamplingParams
-from tandem.kernels.cpu.gguf_linear import (INT4_ZP, MAX_FUSED_ROWS, gguf_kernels_available,
-                                            gguf_linear, int8_dot_tier, quantize_activations)
+from tandem.kernels.cpu.gguf_linear import (INT4_ZP, MAX_FUSED_ROWS, MAX_INT8_ROWS,
+                                            gguf_kernels_available, gguf_linear, int8_dot_tier,
+                                            quantize_activations)
 from tandem.kernels.reference import (dequantize_gguf_reference, gguf_linear_int8_reference,
                                       quantize_activations_reference)
 from tests.test_gguf_native import TYPES, _k, int4_zp_weight, quantized
@@ -63,7 +64,7 @@ ALL_TYPES = [*TYPES, INT4_ZP]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: getattr(t, "name", "INT4_ZP"))
-@pytest.mark.parametrize("m", [1, 4, 7, MAX_FUSED_ROWS])
+@pytest.mark.parametrize("m", [1, 4, 7, MAX_FUSED_ROWS + 1, MAX_INT8_ROWS])
 def test_int8_product_matches_its_reference(qtype, m):
     n, k = 37, _k(qtype, 256) if qtype != INT4_ZP else 256
     qweight, dense = _case(qtype, n, k, seed=m)
@@ -98,7 +99,7 @@ def test_int8_rows_do_not_depend_on_the_batch(qtype):
     batch (the batch-invariant path with ``fused_only``, any ``M``)."""
     n, k = 24, _k(qtype, 128) if qtype != INT4_ZP else 128
     qweight, _ = _case(qtype, n, k, seed=5)
-    x = torch.randn(2 * MAX_FUSED_ROWS + 5, k, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2 * MAX_INT8_ROWS + 5, k, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([gguf_linear(x[i:i + 1], qweight, int(qtype), k, activations="int8")
                        for i in range(len(x))])
     for rows in (3, 9, len(x)):
@@ -109,7 +110,7 @@ def test_int8_rows_do_not_depend_on_the_batch(qtype):
 
 def test_prefill_sized_products_keep_the_float_gemm():
     qweight, _ = quantized(40, 128, QT.Q4_1)
-    x = torch.randn(MAX_FUSED_ROWS + 1, 128, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(MAX_INT8_ROWS + 1, 128, generator=torch.Generator().manual_seed(0))
     assert torch.equal(gguf_linear(x, qweight, int(QT.Q4_1), 128, activations="int8"),
                        gguf_linear(x, qweight, int(QT.Q4_1), 128))
     with pytest.raises(ValueError, match="activations"):
@@ -183,7 +184,7 @@ def test_engine_multiplies_int8_activations_in_decode(int8_llm, gguf_llm, monkey
 
     def checked(x, qweight, qtype, in_features, fused_only=False, activations="float"):
         y = kernel(x, qweight, qtype, in_features, fused_only, activations)
-        if activations == "int8" and x.shape[0] <= MAX_FUSED_ROWS:
+        if activations == "int8" and x.shape[0] <= MAX_INT8_ROWS:
             seen["int8"] += 1
             ref = gguf_linear_int8_reference(x, qweight, qtype, in_features).double()
             codes, d, _ = quantize_activations_reference(x)

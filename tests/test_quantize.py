@@ -393,6 +393,7 @@ def test_gptq_checkpoint_with_int8_activations(rtn_checkpoint, monkeypatch):
     from tandem.engine.model.linear import Linear
     from tandem.engine.quantization import int4_packed
     from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.kernels.cpu.gguf_linear import MAX_INT8_ROWS
     from tandem.kernels.reference import gguf_linear_int8_reference
 
     llm = LLM(rtn_checkpoint, num_blocks=16, dtype="float32", activation_quantization="int8")
@@ -405,7 +406,7 @@ def test_gptq_checkpoint_with_int8_activations(rtn_checkpoint, monkeypatch):
 
     def checked(x, blocks, qtype, in_features, fused_only=False, activations="float"):
         y = kernel(x, blocks, qtype, in_features, fused_only, activations)
-        if activations == "int8" and len(x) <= 16:
+        if activations == "int8" and len(x) <= MAX_INT8_ROWS:
             ref = gguf_linear_int8_reference(x, blocks, qtype, in_features)
             calls.append(float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
         return y

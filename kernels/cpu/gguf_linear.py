@@ -40,6 +40,9 @@ PACKED_TYPES: dict[int, tuple[str, int, int]] = {
 # re-dequantizes each block once per 4 rows (``benchmarks/quantization.py --kernels``
 # places the crossover).
 MAX_FUSED_ROWS = 16
+# With int8 activations the in-register kernel stays ahead of dequantize + GEMM for
+# more rows (tiles of 8 rows; ``--kernels`` places the crossover at 32-64).
+MAX_INT8_ROWS = 32
 
 
 @functools.cache
@@ -152,7 +155,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
             sum in a fixed order), so this is the batch-invariant path.
         activations: ``"float"``: the activations as given (the products of
             dequantize-then-matmul, up to float32 summation order); ``"int8"``: where
-            the in-register kernel runs (``M <= MAX_FUSED_ROWS``, or ``fused_only``),
+            it is faster (``M <= MAX_INT8_ROWS``, or ``fused_only``),
             each 32-value chunk of ``x`` is quantized to int8 first
             (:func:`quantize_activations`) and multiplied in integers
             (:func:`int8_dot_tier`), llama.cpp's CPU numerics; prefill-sized
@@ -170,7 +173,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
     if activations not in ("float", "int8"):
         raise ValueError(f"activations: expected 'float' or 'int8', got {activations!r}")
     m, n = x.shape[0], qweight.shape[0]
-    if activations == "int8" and (m <= MAX_FUSED_ROWS or fused_only):
+    if activations == "int8" and (m <= MAX_INT8_ROWS or fused_only):
         if x.stride(1) != 1:
             x = x.contiguous()
         out = x.new_empty(m, n)
