@@ -33,7 +33,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "per element with per-head scales calibrated at start; twice the "
                         "blocks of bfloat16 per GiB) or int4 (K per channel, V per token, "
                         "after KIVI; 2.7x the blocks of bfloat16 at head dim 64); "
-                        "torch/cpu attention backends")
+                        "every attention backend")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -42,13 +42,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none", choices=["none", "gguf", "gptq", "awq"],
                    help="linear layers' weight format: none (dense, in --dtype; a GPTQ or AWQ "
                         "checkpoint directory, e.g. from `tandem quantize`, is detected from its "
-                        "config.json), gguf (a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept packed, "
-                        "read by the quantized kernels), gptq, awq; see docs/quantization.md")
+                        "config.json), gguf (a GGUF model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K "
+                        "blocks kept packed, read by the quantized kernels), gptq, awq; see "
+                        "docs/quantization.md")
     p.add_argument("--activation-quantization", default="none", choices=["none", "int8"],
                    help="CPU, with weights in quantized blocks (--quantization gguf, or a GPTQ "
-                        "/ AWQ checkpoint): int8 quantizes decode-sized activations per 32 "
-                        "values and multiplies in integers (AVX-512 VNNI / AVX2), as llama.cpp "
-                        "does; none (default) keeps them as they are")
+                        "/ AWQ checkpoint): int8 quantizes the activations of products of up "
+                        "to 32 rows (decode steps; prefill chunks stay float, every product "
+                        "with --batch-invariant) per 32 values and multiplies in integers "
+                        "(AVX-512 VNNI / AVX2), as llama.cpp does; none (default) keeps them "
+                        "as they are")
     p.add_argument("--batch-invariant", action="store_true",
                    help="CPU: compute every token the same way whatever else is batched, so "
                         "seeded and greedy outputs do not depend on batch composition, "
@@ -278,7 +281,29 @@ def _cmd_serve(args) -> int:
         return f"tandem: serving {server.config.mode} on {args.host}:{server.port} (cluster " \
                f"state {redis}; {server.security_summary}){_http_banner(server)}"
     cfg = dataclasses.replace(_serve_config(args), **_security_config(args))
-    return _run_until_signal(TandemServer(cfg), banner, args)
+    try:
+        return _run_until_signal(TandemServer(cfg), banner, args)
+    except Exception as exc:
+        cause = _worker_config_error(exc)
+        if cause is None:
+            raise
+        raise ValueError(cause) from None       # main() prints it as one line
+
+
+def _worker_config_error(exc: BaseException) -> str | None:
+    """The message of the ``ValueError`` a Ray worker raised while building its
+    engine (a configuration the model refuses, e.g. ``activation_quantization``
+    int8 on a dense model), from the ``ActorDiedError`` the driver sees; None for
+    any other error."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:
+        return None
+    if not isinstance(exc, RayActorError) or not getattr(exc, "actor_init_failed", False):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines()]
+    causes = [line[len("ValueError: "):] for line in lines if line.startswith("ValueError: ")]
+    return causes[-1] if causes else None
 
 
 def _cmd_router(args) -> int:

@@ -229,5 +229,23 @@ def test_cli_flag(capsys):
     assert "Paris" in capsys.readouterr().out
     assert main(["generate", "--activation-quantization", "int8", "--max-tokens", "1",
                  "--num-blocks", "16", "Hi"]) != 0
-    assert "activation_quantization: 'int8' needs linear layers kept in quantized blocks" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "activation_quantization: 'int8' needs linear layers kept in quantized blocks" in err
+    assert "--quantization gguf" in err and "Traceback" not in err
+
+
+def test_serve_reports_a_workers_config_error_in_one_line():
+    """``tandem serve``: a worker whose engine refuses the configuration dies in its
+    creation task; the driver's ``ActorDiedError`` is turned back into that
+    ``ValueError``'s message (printed by ``main`` as one ``error:`` line)."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from tandem.router.cli import _worker_config_error
+
+    msg = "activation_quantization: 'int8' needs linear layers kept in quantized blocks"
+    died = ActorDiedError(cause=RayTaskError(
+        "DecodeWorker.__init__", f"Traceback (most recent call last):\n  ...\nValueError: {msg}",
+        ValueError(msg)))
+    assert _worker_config_error(died) == msg
+    assert _worker_config_error(ActorDiedError()) is None          # died for another reason
+    assert _worker_config_error(RuntimeError(msg)) is None

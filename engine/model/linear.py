@@ -262,5 +262,5 @@ def process_weights_after_loading(model: nn.Module, batch_invariant: bool = Fals
             module.process_weights_after_loading()
     if activation_quantization == "int8" and not int8_layers:
         raise ValueError("activation_quantization: 'int8' needs linear layers kept in "
-                         "quantized blocks on the CPU (quantization gguf, or a GPTQ / AWQ "
-                         "checkpoint); this model has none")
+                         "quantized blocks on the CPU (quantization 'gguf', --quantization "
+                         "gguf, or a GPTQ / AWQ checkpoint); this model has none")
