@@ -8,8 +8,11 @@ instead of a Triton compile error or a silent out-of-bounds read.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 # Dtypes the kernels load and store; accumulation is always float32.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -101,6 +104,62 @@ def dot_options(dtype: torch.dtype, device: torch.device) -> tuple[str | None, b
     precision = "ieee" if dtype == torch.float32 else None
     upcast = dtype == torch.bfloat16 and device.type == "cpu"
     return precision, upcast
+
+
+@triton.jit
+def fp16_from_bytes(lo, hi):
+    """float32 of the little-endian fp16 whose low and high bytes are ``lo``, ``hi``
+    (uint8 tensors)."""
+    return (lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def load_fp16(ptr, mask):
+    """float32 value of the little-endian fp16 at byte pointers ``ptr`` (two uint8 loads)."""
+    return fp16_from_bytes(tl.load(ptr, mask=mask, other=0), tl.load(ptr + 1, mask=mask, other=0))
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What the attention kernels need to know of a checked paged KV cache.
+
+    Attributes:
+        fp8: a ``float8_e4m3fn`` cache (``scales`` are its ``k_scale``, ``v_scale``).
+        int4: packed int4 rows (``scales`` are the open-block K store and the
+            sequences' entries, ``store_strides`` the store's first three strides,
+            ``int4_group`` the per-token group size).
+        scales: the two tensors passed for the kernels' scale pointers (the query
+            itself, never read, for a cache in the model dtype).
+    """
+
+    fp8: bool
+    int4: bool
+    scales: tuple[torch.Tensor, torch.Tensor]
+    store_strides: tuple[int, int, int] = (0, 0, 0)
+    int4_group: int = 1
+
+
+def check_paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch.Tensor,
+                   num_seqs: int, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None) -> PagedKV:
+    """Check the caches an attention kernel reads for ``num_seqs`` sequences of
+    ``query`` (``[..., Hq, D]``): ``[NB, BS, Hkv, D]`` in the query's dtype or fp8
+    (with :func:`check_kv_cache_scales`), or int4 rows (with :func:`check_int4_kv`).
+
+    Raises:
+        ValueError: see :func:`check_kv_cache_scales` and :func:`check_int4_kv`.
+    """
+    d = query.shape[-1]
+    if key_cache.dtype == torch.uint8:
+        store, entries, group = check_int4_kv(key_cache, value_cache, d, num_seqs, k_scale,
+                                              v_scale)
+        return PagedKV(False, True, (store, entries), tuple(store.stride()[:3]), group)
+    nb, bs, hkv, _ = key_cache.shape
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_shape(name, t, (nb, bs, hkv, d))
+        check_last_dim_contiguous(name, t)
+    fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
+    return PagedKV(fp8, False, (k_scale, v_scale) if fp8 else (query, query))
 
 
 def check_int4_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int,

@@ -52,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
                                  "and the layer's open-block K store (k_scale)")
             int4_kv.reshape_and_cache_int4(key, value, key_cache, value_cache, meta.slot_mapping,
                                            k_scale, meta.int4_plan)
-            v_scale = meta.int4_plan.seq_open_entries.to(key_cache.device)
+            v_scale = meta.int4_plan.seq_open_entries      # on the cache's device
         else:
             reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
                               k_scale, v_scale)

@@ -59,7 +59,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
-                                    check_last_dim_contiguous, check_shape, dot_options)
+                                    check_last_dim_contiguous, check_shape, dot_options,
+                                    load_fp16)
 from tandem.kernels.reference import (GGUF_BLOCK_SIZES, INT4_ZP, PACKED_BLOCK_SIZES,
                                       check_gguf_weight, dequantize_gguf_reference,
                                       gguf_linear_reference)
@@ -70,14 +71,6 @@ __all__ = ["gguf_linear", "gguf_linear_reference", "dequantize_gguf_reference",
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K = 2, 3, 6, 7, 8, 12, 14
 _WEIGHTS_PER_BLOCK = 32      # and per chunk of a K-quant super-block
 _KQUANTS = (_Q4_K, _Q6_K)
-
-
-@triton.jit
-def _load_fp16(ptr, mask):
-    """float32 value of the little-endian fp16 at ``ptr`` (two uint8 loads)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -120,7 +113,7 @@ def _gguf_linear_kernel(
         s_blk = kb + offs_b
         s_ptr = w_rows + (s_blk.to(tl.int64) * BLOCK_BYTES)[:, None]    # [NBLK, BN]
         s_mask = (s_blk < num_blocks)[:, None] & mask_n[None, :]
-        d = _load_fp16(s_ptr, s_mask)
+        d = load_fp16(s_ptr, s_mask)
         d = tl.reshape(tl.broadcast_to(d[:, None, :], (NBLK, GROUP, BLOCK_N)),
                        (NBLK * GROUP, BLOCK_N))
         x_cols = blk * 32 + pos
@@ -159,7 +152,7 @@ def _gguf_linear_kernel(
                 w_lo = (lo - 16.0) * d
                 w_hi = (hi - 16.0) * d
             else:
-                mn = _load_fp16(s_ptr + 2, s_mask)
+                mn = load_fp16(s_ptr + 2, s_mask)
                 mn = tl.reshape(tl.broadcast_to(mn[:, None, :], (NBLK, GROUP, BLOCK_N)),
                                 (NBLK * GROUP, BLOCK_N))
                 w_lo = lo * d + mn
@@ -221,8 +214,8 @@ def _gguf_kquant_linear_kernel(
             big = (ci >= 4)[:, None]
             sc = tl.where(big, (x2 & 0xF) | ((x0 >> 6) << 4), x0 & 63).to(tl.float32)
             mn = tl.where(big, (x2 >> 4) | ((x1 >> 6) << 4), x1 & 63).to(tl.float32)
-            dsc = _load_fp16(c_base, c_mask) * sc                       # [NCH, BN]
-            dmn = _load_fp16(c_base + 2, c_mask) * mn
+            dsc = load_fp16(c_base, c_mask) * sc                       # [NCH, BN]
+            dmn = load_fp16(c_base + 2, c_mask) * mn
             dsc = tl.reshape(tl.broadcast_to(dsc[:, None, :], (NCH, 32, BLOCK_N)),
                              (BLOCK_K, BLOCK_N))
             dmn = tl.reshape(tl.broadcast_to(dmn[:, None, :], (NCH, 32, BLOCK_N)),
@@ -241,7 +234,7 @@ def _gguf_kquant_linear_kernel(
             q = (lo | (hi << 4)).to(tl.float32) - 32.0
             sc = tl.load(w_rows + (sb + 192 + wi // 16)[:, None], mask=w_mask, other=0)
             sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
-            d = _load_fp16(c_base + 208, c_mask)
+            d = load_fp16(c_base + 208, c_mask)
             d = tl.reshape(tl.broadcast_to(d[:, None, :], (NCH, 32, BLOCK_N)),
                            (BLOCK_K, BLOCK_N))
             w = (d * sc) * q

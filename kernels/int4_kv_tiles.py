@@ -26,13 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _fp16_bytes(ptr, mask):
-    """float32 of the little-endian fp16 at byte pointers ``ptr`` (two uint8 loads)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+from tandem.kernels._common import fp16_from_bytes, load_fp16
 
 
 @triton.jit
@@ -41,7 +35,7 @@ def _spread_byte(block_base, p, k_stride_t, mask, HEAD_DIM: tl.constexpr,
     """Byte ``p`` of a block's per-channel parameter bytes (``PR = 4 D / BS`` per row)."""
     PR: tl.constexpr = 4 * HEAD_DIM // BLOCK_SIZE
     return tl.load(block_base + (p // PR) * k_stride_t + HEAD_DIM // 2 + p % PR, mask=mask,
-                   other=0).to(tl.uint16)
+                   other=0)
 
 
 @triton.jit
@@ -49,9 +43,9 @@ def _spread_fp16(block_base, p, k_stride_t, mask, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr):
     """float32 of the fp16 at bytes ``p, p + 1`` of the spread parameters (the two may
     lie in different rows when ``PR < 2``)."""
-    lo = _spread_byte(block_base, p, k_stride_t, mask, HEAD_DIM, BLOCK_SIZE)
-    hi = _spread_byte(block_base, p + 1, k_stride_t, mask, HEAD_DIM, BLOCK_SIZE)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return fp16_from_bytes(_spread_byte(block_base, p, k_stride_t, mask, HEAD_DIM, BLOCK_SIZE),
+                           _spread_byte(block_base, p + 1, k_stride_t, mask, HEAD_DIM,
+                                        BLOCK_SIZE))
 
 
 @triton.jit
@@ -80,8 +74,8 @@ def load_int4_key_tile(k_cache_ptr, block_ids, in_block, offs_n, offs_d, mask_n,
     # Per token: pair c // G of the token's own row.
     tok_params = rows + HEAD_DIM // 2 + 4 * (offs_d[:, None] // GROUP_SIZE)
     tok_mask = mask & (ends > seq_len)[None, :]
-    step_t = _fp16_bytes(tok_params, tok_mask)
-    lo_t = _fp16_bytes(tok_params + 2, tok_mask)
+    step_t = load_fp16(tok_params, tok_mask)
+    lo_t = load_fp16(tok_params + 2, tok_mask)
     # Per channel: bytes 4c .. 4c + 3 of the block's parameter bytes.
     p = 4 * offs_d[:, None]
     ch_mask = mask & full
@@ -109,5 +103,5 @@ def load_int4_value_tile(v_cache_ptr, block_ids, in_block, mask_n, offs_d, mask_
             + kv_head * v_stride_h)
     q = _codes(rows, offs_d[None, :], mask)
     params = rows + HEAD_DIM // 2 + 4 * (offs_d[None, :] // GROUP_SIZE)
-    v = q * _fp16_bytes(params, mask) + _fp16_bytes(params + 2, mask)
+    v = q * load_fp16(params, mask) + load_fp16(params + 2, mask)
     return tl.where(mask, v, 0.0)

@@ -52,9 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype, check_int4_kv,
-                                    check_kv_cache_scales, check_last_dim_contiguous,
-                                    check_shape, dot_options, next_pow2)
+from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
+                                    check_last_dim_contiguous, check_paged_kv, check_shape,
+                                    dot_options, next_pow2)
 from tandem.kernels.int4_kv_tiles import load_int4_key_tile, load_int4_value_tile
 from tandem.kernels.reference import paged_decode_attention_ref
 
@@ -290,19 +290,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     b, hq, d = query.shape
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache: expected [NB, BS, Hkv, D], got {tuple(key_cache.shape)}")
-    nb, bs, hkv, _ = key_cache.shape
+    _, bs, hkv, _ = key_cache.shape
     check_device(query, key_cache, value_cache, block_tables, seq_lens)
     check_dtype("query", query, FLOAT_DTYPES)
-    int4 = key_cache.dtype == torch.uint8
-    if int4:
-        store, entries, int4_group = check_int4_kv(key_cache, value_cache, d, b, k_scale,
-                                                   v_scale)
-        fp8 = False
-    else:
-        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-            check_shape(name, t, (nb, bs, hkv, d))
-            check_last_dim_contiguous(name, t)
-        fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
+    kv = check_paged_kv(key_cache, value_cache, query, b, k_scale, v_scale)
     check_last_dim_contiguous("query", query)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -341,22 +332,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     precision, upcast = dot_options(query.dtype, query.device)
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_G=max(16, next_pow2(group)),
                   BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=precision, UPCAST=upcast,
-                  FP8=fp8, INT4=int4, INT4_GROUP=int4_group if int4 else 1,
+                  FP8=kv.fp8, INT4=kv.int4, INT4_GROUP=kv.int4_group,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k_strides = key_cache.stride()[:3]
     v_strides = value_cache.stride()[:3]
     grid = (b, hkv, num_splits)
-    if int4:
-        scales, s_strides = (store, entries), store.stride()[:3]
-    else:       # never read without FP8
-        scales, s_strides = (k_scale, v_scale) if fp8 else (query, query), (0, 0, 0)
     if num_splits == 1:
         _paged_decode_kernel[grid](
-            out, out, out, query, key_cache, value_cache, block_tables, seq_lens, *scales,
+            out, out, out, query, key_cache, value_cache, block_tables, seq_lens, *kv.scales,
             # One range covering any seq_len, so an understated max_seq_len loses nothing.
             scale * _LOG2E, _WHOLE_CONTEXT,
             query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, 0, 0, *s_strides,
+            out.stride(0), out.stride(1), 0, 0, 0, *kv.store_strides,
             SPLIT=False, **common)
         return out
 
@@ -364,10 +351,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     m = torch.empty((b, hq, num_splits), dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _paged_decode_kernel[grid](
-        part, m, l, query, key_cache, value_cache, block_tables, seq_lens, *scales,
+        part, m, l, query, key_cache, value_cache, block_tables, seq_lens, *kv.scales,
         scale * _LOG2E, tokens_per_split,
         query.stride(0), query.stride(1), *k_strides, *v_strides, block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), *s_strides,
+        part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), *kv.store_strides,
         SPLIT=True, **common)
     _merge_splits_kernel[(b, hq)](
         out, part, m, l, num_splits,

@@ -56,9 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype, check_int4_kv,
-                                    check_kv_cache_scales, check_last_dim_contiguous,
-                                    check_shape, dot_options, next_pow2)
+from tandem.kernels._common import (FLOAT_DTYPES, check_device, check_dtype,
+                                    check_last_dim_contiguous, check_paged_kv, check_shape,
+                                    dot_options, next_pow2)
 from tandem.kernels.int4_kv_tiles import load_int4_key_tile, load_int4_value_tile
 from tandem.kernels.reference import paged_prefill_attention_ref
 
@@ -285,21 +285,12 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     t, hq, d = query.shape
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache: expected [NB, BS, Hkv, D], got {tuple(key_cache.shape)}")
-    nb, bs, hkv, _ = key_cache.shape
+    _, bs, hkv, _ = key_cache.shape
     b = seq_lens.shape[0]
     check_device(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     check_dtype("query", query, FLOAT_DTYPES)
     check_last_dim_contiguous("query", query)
-    int4 = key_cache.dtype == torch.uint8
-    if int4:
-        store, entries, int4_group = check_int4_kv(key_cache, value_cache, d, b, k_scale,
-                                                   v_scale)
-        fp8 = False
-    else:
-        for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
-            check_shape(name, x, (nb, bs, hkv, d))
-            check_last_dim_contiguous(name, x)
-        fp8 = check_kv_cache_scales(key_cache, value_cache, query.dtype, k_scale, v_scale)
+    kv = check_paged_kv(key_cache, value_cache, query, b, k_scale, v_scale)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("query_start_loc", query_start_loc, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -333,18 +324,14 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     block_q = block_m // group
     precision, upcast = dot_options(query.dtype, query.device)
     grid = (triton.cdiv(max_query_len, block_q), b, hkv)
-    if int4:
-        scales, s_strides = (store, entries), store.stride()[:3]
-    else:       # never read without FP8
-        scales, s_strides = (k_scale, v_scale) if fp8 else (query, query), (0, 0, 0)
     _paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        *scales, scale * _LOG2E,
+        *kv.scales, scale * _LOG2E,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1), *s_strides,
+        block_tables.stride(0), out.stride(0), out.stride(1), *kv.store_strides,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n, DOT_PRECISION=precision,
-        UPCAST=upcast, FP8=fp8, INT4=int4, INT4_GROUP=int4_group if int4 else 1,
+        UPCAST=upcast, FP8=kv.fp8, INT4=kv.int4, INT4_GROUP=kv.int4_group,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

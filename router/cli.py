@@ -281,29 +281,7 @@ def _cmd_serve(args) -> int:
         return f"tandem: serving {server.config.mode} on {args.host}:{server.port} (cluster " \
                f"state {redis}; {server.security_summary}){_http_banner(server)}"
     cfg = dataclasses.replace(_serve_config(args), **_security_config(args))
-    try:
-        return _run_until_signal(TandemServer(cfg), banner, args)
-    except Exception as exc:
-        cause = _worker_config_error(exc)
-        if cause is None:
-            raise
-        raise ValueError(cause) from None       # main() prints it as one line
-
-
-def _worker_config_error(exc: BaseException) -> str | None:
-    """The message of the ``ValueError`` a Ray worker raised while building its
-    engine (a configuration the model refuses, e.g. ``activation_quantization``
-    int8 on a dense model), from the ``ActorDiedError`` the driver sees; None for
-    any other error."""
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:
-        return None
-    if not isinstance(exc, RayActorError) or not getattr(exc, "actor_init_failed", False):
-        return None
-    lines = [line.strip() for line in str(exc).splitlines()]
-    causes = [line[len("ValueError: "):] for line in lines if line.startswith("ValueError: ")]
-    return causes[-1] if causes else None
+    return _run_until_signal(TandemServer(cfg), banner, args)
 
 
 def _cmd_router(args) -> int:

@@ -412,6 +412,20 @@ class RouterServer:
             self.state.close()
 
 
+def worker_config_error(exc: BaseException) -> str | None:
+    """The message of the ``ValueError`` a Ray worker raised in its constructor (its
+    engine refusing the configuration), read from the ``ActorDiedError`` the driver
+    gets (Ray keeps the creation task's error only as text); None for any other
+    error."""
+    from ray.exceptions import RayActorError
+
+    if not isinstance(exc, RayActorError) or not getattr(exc, "actor_init_failed", False):
+        return None
+    causes = [line.strip()[len("ValueError: "):] for line in str(exc).splitlines()
+              if line.strip().startswith("ValueError: ")]
+    return causes[-1] if causes else None
+
+
 class TandemServer(RouterServer):
     """A running cluster: cluster state, workers, KV channels, supervision, the router
     and (optionally) metrics.
@@ -487,9 +501,24 @@ class TandemServer(RouterServer):
                                               prefill.generation)
 
     async def _start_worker(self, worker_id: str) -> WorkerHandle:
+        """Spawn a worker and wait for its first answer.
+
+        Raises:
+            ValueError: the worker's engine refused the configuration (the message of
+                the ``ValueError`` its constructor raised, e.g. ``activation_quantization``
+                int8 on a dense model), instead of Ray's ``ActorDiedError``.
+        """
+        from ray.exceptions import RayActorError
+
         actor = self._spawn(worker_id)
         self.actors[worker_id] = actor
-        info = await actor.info.remote()
+        try:
+            info = await actor.info.remote()
+        except RayActorError as exc:
+            cause = worker_config_error(exc)
+            if cause is None:
+                raise
+            raise ValueError(cause) from None
         return WorkerHandle(worker_id, info["role"], actor, info,
                             generation=info.get("generation", 0))
 

@@ -236,11 +236,11 @@ def test_cli_flag(capsys):
 
 def test_serve_reports_a_workers_config_error_in_one_line():
     """``tandem serve``: a worker whose engine refuses the configuration dies in its
-    creation task; the driver's ``ActorDiedError`` is turned back into that
+    creation task; the launcher turns the driver's ``ActorDiedError`` back into that
     ``ValueError``'s message (printed by ``main`` as one ``error:`` line)."""
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    from tandem.router.cli import _worker_config_error
+    from tandem.router.launcher import worker_config_error as _worker_config_error
 
     msg = "activation_quantization: 'int8' needs linear layers kept in quantized blocks"
     died = ActorDiedError(cause=RayTaskError(

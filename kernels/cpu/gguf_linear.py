@@ -173,25 +173,17 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features:
     if activations not in ("float", "int8"):
         raise ValueError(f"activations: expected 'float' or 'int8', got {activations!r}")
     m, n = x.shape[0], qweight.shape[0]
-    if activations == "int8" and (m <= MAX_INT8_ROWS or fused_only):
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = x.new_empty(m, n)
-        if m and n:
-            fn = (_lib().tandem_gguf_linear_q8_f32 if x.dtype == torch.float32
-                  else _lib().tandem_gguf_linear_q8_bf16)
-            fn(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), qweight.data_ptr(),
-               qtype, m, n, in_features, torch.get_num_threads())
-        return out
-    if m > MAX_FUSED_ROWS and not fused_only:
+    int8 = activations == "int8" and (m <= MAX_INT8_ROWS or fused_only)
+    if not int8 and m > MAX_FUSED_ROWS and not fused_only:
         w = gguf_dequantize(qweight, qtype, in_features)
         return F.linear(x.float(), w).to(x.dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = x.new_empty(m, n)
     if m and n:
-        fn = (_lib().tandem_gguf_linear_f32 if x.dtype == torch.float32
-              else _lib().tandem_gguf_linear_bf16)
-        fn(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), qweight.data_ptr(), qtype,
-           m, n, in_features, torch.get_num_threads())
+        kernel = "gguf_linear_q8" if int8 else "gguf_linear"
+        suffix = "f32" if x.dtype == torch.float32 else "bf16"
+        getattr(_lib(), f"tandem_{kernel}_{suffix}")(
+            out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), qweight.data_ptr(), qtype,
+            m, n, in_features, torch.get_num_threads())
     return out
