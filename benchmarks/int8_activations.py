@@ -6,8 +6,10 @@ rounds, so both modes run the same weights, caches and process, interleaved
 (``--rounds`` rounds, the order alternating), which cancels the drift of a shared
 machine. Each round generates ``--output-len`` greedy tokens for each of
 ``--prompts`` prompts one at a time; decode speed = (output tokens - 1) / (time -
-time to the first token). Reports the median over rounds per mode and the median
-of the per-round ratios.
+time to the first token). Each round also times one pass of one activation row
+through every switched layer in turn, their weights read from memory as a decode
+step reads them (``projections_ms``). Reports the median over rounds per mode and
+the median of the per-round ratios.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/int8_activations.py \\
         --model default --model Q4_K_M=PATH --model GPTQ=DIR --out results.json
@@ -45,6 +47,20 @@ def decode_tok_s(llm, prompts, output_len: int) -> float:
     return len(prompts) * (output_len - 1) / decode_s
 
 
+def projections_ms(layers) -> float:
+    """Milliseconds for one activation row through every layer in turn (as one decode
+    step runs them, each layer's weights read once), best of 3."""
+    xs = [torch.randn(1, m.in_features) for m in layers]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for m, x in zip(layers, xs):
+                m(x)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
@@ -78,23 +94,32 @@ def main(argv=None) -> int:
                                 llm.engine.model_config.vocab_size, args.seed)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
         runs = {"float": [], "int8": []}
+        proj = {"float": [], "int8": []}
         for r in range(args.rounds):
             order = ("float", "int8") if r % 2 == 0 else ("int8", "float")
             for mode in order:
                 for m in layers:
                     m.int8_activations = mode == "int8"
                 runs[mode].append(decode_tok_s(llm, prompts, args.output_len))
+                proj[mode].append(projections_ms(layers))
         ratios = [b / a for a, b in zip(runs["float"], runs["int8"])]
         results[name] = {
             "model": path or "default", "int8_layers": len(layers), "decode_tok_s": runs,
             "median_float_tok_s": statistics.median(runs["float"]),
             "median_int8_tok_s": statistics.median(runs["int8"]),
             "median_ratio": statistics.median(ratios),
+            "projections_ms": proj,
+            "median_projections_ms": {k: statistics.median(v) for k, v in proj.items()},
+            "weight_bytes_switched": sum(p.numel() * p.element_size() for m in layers
+                                         for p in m.parameters()),
         }
         r = results[name]
         print(f"{name}: {len(layers)} int8 layers, decode float {r['median_float_tok_s']:.1f} "
               f"/ int8 {r['median_int8_tok_s']:.1f} tok/s (median of {args.rounds}), "
-              f"int8 / float {r['median_ratio']:.2f}x", flush=True)
+              f"int8 / float {r['median_ratio']:.2f}x; one row through the "
+              f"{len(layers)} layers: float {r['median_projections_ms']['float']:.1f} / "
+              f"int8 {r['median_projections_ms']['int8']:.1f} ms "
+              f"({r['weight_bytes_switched'] / 2**20:.1f} MiB of weights)", flush=True)
         del llm
     if args.out:
         doc = {"command": " ".join(["python", "benchmarks/int8_activations.py",
