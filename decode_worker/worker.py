@@ -140,6 +140,11 @@ class DecodeWorker:
                 self.loop.mark_published(request_id, 1)   # the router sent it already
         await self._call(start)
 
+    async def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
+        """The router saw the request's prefill worker make progress: its KV load
+        may wait ``timeout_s`` more seconds (see :meth:`LLMEngine.extend_kv_load`)."""
+        return await self._call(self.engine.extend_kv_load, request_id, timeout_s)
+
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (waiting, reserved, running); frees its blocks."""
         return await self._call(self.engine.abort_request, request_id)

@@ -155,6 +155,12 @@ class KVReceiver(ABC):
         """Drop whatever arrived or will arrive for ``transfer_id`` (e.g. the request was aborted)."""
 
     @abstractmethod
+    def extend(self, transfer_id: int, timeout_s: float) -> None:
+        """Give a receive of ``transfer_id`` at least ``timeout_s`` more seconds from
+        now (its sender is alive and busy with other work: the transfer is queued,
+        not stalled). No effect on a finished or discarded transfer."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop receiving and release the pair. Idempotent."""
 

@@ -171,6 +171,13 @@ class TransportKVConnector(KVConnector):
         if entry is not None and entry[1] is not None:
             entry[1].discard(entry[2].transfer_id)
 
+    def extend_load(self, request_id: str, timeout_s: float) -> bool:
+        entry = self._loads.get(request_id)
+        if entry is None or entry[1] is None or entry[0].done():
+            return False
+        entry[1].extend(entry[2].transfer_id, timeout_s)
+        return True
+
     def get_finished_loads(self) -> list[tuple[str, str | None]]:
         done = []
         for rid, (fut, _, _) in list(self._loads.items()):

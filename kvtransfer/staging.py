@@ -209,6 +209,7 @@ class Arrivals:
         self._done: OrderedDict[int, None] = OrderedDict()
         self._error: KVTransferError | None = None
         self._num_dropped = 0
+        self._deadlines: dict[int, float] = {}   # transfer id -> extended deadline
 
     def put(self, transfer_id: int, layer: int, payload: Any) -> bool:
         """File a landed layer; returns False (payload dropped) if the transfer is finished or discarded."""
@@ -242,15 +243,31 @@ class Arrivals:
                     raise KVTransferError(f"transfer {transfer_id} was already received or discarded")
                 if self._error is not None:
                     raise KVTransferError(f"{describe(False)}: {self._error}") from self._error
-                left = deadline - time.monotonic()
+                left = self._deadline(transfer_id, deadline) - time.monotonic()
                 if left <= 0:
                     raise KVTransferError(describe(True))
                 self._cond.wait(left)
+
+    def _deadline(self, transfer_id: int, deadline: float) -> float:
+        return max(deadline, self._deadlines.get(transfer_id, deadline))
+
+    def deadline(self, transfer_id: int, deadline: float) -> float:
+        """``deadline``, or the later one :meth:`extend` gave ``transfer_id``."""
+        with self._cond:
+            return self._deadline(transfer_id, deadline)
+
+    def extend(self, transfer_id: int, deadline: float) -> None:
+        """Let ``take`` for ``transfer_id`` wait until ``deadline`` (``time.monotonic()``
+        seconds) if that is later than its own; a finished transfer is ignored."""
+        with self._cond:
+            if transfer_id not in self._done:
+                self._deadlines[transfer_id] = max(deadline, self._deadlines.get(transfer_id, 0.0))
 
     def finish(self, transfer_id: int) -> None:
         """Forget ``transfer_id``: drop what is staged for it and whatever arrives later."""
         with self._cond:
             self._staged.pop(transfer_id, None)
+            self._deadlines.pop(transfer_id, None)
             self._done[transfer_id] = None
             while len(self._done) > _MAX_REMEMBERED_DONE:
                 self._done.popitem(last=False)
@@ -342,7 +359,8 @@ class StagedReceiver(KVReceiver):
             while missing:
                 for layer, payload in self._arrivals.take(ticket.transfer_id, missing, deadline,
                                                           describe):
-                    self._land(ticket, layer, payload, kv_cache, dst, deadline)
+                    self._land(ticket, layer, payload, kv_cache, dst,
+                               self._arrivals.deadline(ticket.transfer_id, deadline))
                     missing.discard(layer)
                     yield layer
         finally:
@@ -352,6 +370,9 @@ class StagedReceiver(KVReceiver):
 
     def discard(self, transfer_id: int) -> None:
         self._arrivals.finish(transfer_id)
+
+    def extend(self, transfer_id: int, timeout_s: float) -> None:
+        self._arrivals.extend(transfer_id, time.monotonic() + timeout_s)
 
     def staged_transfer_ids(self) -> list[int]:
         """Transfers with layers that arrived but were not yet received (should be empty when idle)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -87,6 +88,7 @@ class Cluster:
         self._started = False
         self._refresher: asyncio.Task | None = None
         self._down_waiters: dict[str, list[asyncio.Future]] = {}
+        self._up_waiters: list[asyncio.Future] = []
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -113,19 +115,22 @@ class Cluster:
 
     # -- routing ------------------------------------------------------------------------------
     def reserve_decode(self, request_id: str, prompt_token_ids: Sequence[int],
-                       exclude: Sequence[str] = ()) -> WorkerHandle:
+                       exclude: Sequence[WorkerHandle] = ()) -> WorkerHandle:
         """Pick the request's decode worker and reserve it, in one atomic step shared
         by every router (the policy's costs plus every router's in-flight requests,
         see :class:`~tandem.router.routing.RoutingPolicy`). The reservation ends
         with :meth:`unregister` (or expires if this router dies).
 
         Args:
-            exclude: worker ids not to pick (e.g. the one a migrated request left).
+            exclude: worker incarnations not to pick (the one a migrated request
+                left, which the registry may not know dead yet); a replacement
+                under the same id is another handle and may be picked.
 
         Raises:
             RuntimeError: no (other) decode worker is alive.
         """
-        alive = _serving([w for w in self.registry.alive("decode") if w.worker_id not in exclude])
+        alive = _serving([w for w in self.registry.alive("decode")
+                          if not any(w is x for x in exclude)])
         ranked = self.policy.decode_candidates(alive, prompt_token_ids)
         try:
             wid = self.reservations.reserve("decode", [(w.worker_id, c) for w, c in ranked],
@@ -206,11 +211,43 @@ class Cluster:
         if old is not None:
             old.cancel()
         if w.alive:
-            self._pumps[w.worker_id] = asyncio.ensure_future(self._pump(w))
+            task = self._pumps[w.worker_id] = asyncio.ensure_future(self._pump(w))
+            task.add_done_callback(lambda t: self._pump_ended(w, t))
+
+    def _pump_ended(self, w: WorkerHandle, task: asyncio.Task) -> None:
+        """A pump that died of an exception in the router's own code (stats, routing
+        policy, metrics) must not leave its worker's requests waiting on queues
+        nothing feeds any more: the worker is treated as lost, so its requests
+        migrate (or wait for its replacement) and resume from their tokens, and the
+        supervisor replaces it, fencing the incarnation whose outputs were missed."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("output pump of %s failed; treating the worker as lost", w.worker_id,
+                     exc_info=task.exception())
+        self.mark_dead(w, task.exception())
 
     def _worker_up(self, w: WorkerHandle) -> None:
         if self._started:
             self._start_pump(w)
+        waiters, self._up_waiters = self._up_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(w.worker_id)
+
+    async def wait_worker_up(self, timeout_s: float) -> bool:
+        """Wait until a worker comes into service (a supervisor's replacement, a
+        scale-up), at most ``timeout_s`` seconds; whether one did. Callers check
+        that it is one they can use."""
+        fut = asyncio.get_running_loop().create_future()
+        self._up_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if fut in self._up_waiters:
+                self._up_waiters.remove(fut)
 
     async def _refresh_reservations(self) -> None:
         while True:
@@ -234,6 +271,10 @@ class Cluster:
                 self.mark_dead(w, exc)
                 return
             current = self._is_current(w)   # not a replaced (or removed) incarnation
+            if steps:
+                w.last_output_at = time.monotonic()
+                w.last_step_s = max((s.step_time_s for s in steps if s.step_time_s),
+                                    default=w.last_step_s)
             for step in steps:
                 if not current:
                     break

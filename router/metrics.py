@@ -69,6 +69,9 @@ There is no Abort RPC: a client aborts by cancelling. The requests of a router
 that died are aborted by the workers and counted nowhere (the router that would
 count them is gone).
 """
+WORKER_WAIT_OUTCOMES = ("resumed", "timed_out", "abandoned")
+"""How a wait for a decode worker to take a request over ended (abandoned: its
+client went away meanwhile)."""
 
 
 @dataclass
@@ -159,6 +162,18 @@ class Metrics:
             "tandem:request_migrations",
             "Requests moved to another decode worker after theirs failed, by the failed worker.",
             m + ["worker"], registry=r)
+        self.requests_waiting_for_worker = Gauge(
+            "tandem:requests_waiting_for_worker",
+            "Requests whose decode worker died, waiting for one to take them over (no "
+            "other was alive).", m, registry=r)
+        self.request_worker_waits = Counter(
+            "tandem:request_worker_waits",
+            "Requests that waited for a decode worker to take them over, by outcome "
+            "(resumed, timed_out, abandoned).", m + ["outcome"], registry=r)
+        self.request_worker_wait_seconds = Histogram(
+            "tandem:request_worker_wait_seconds",
+            "How long a request waited for a decode worker to take it over.", m,
+            registry=r, buckets=_LATENCY_BUCKETS)
         self.worker_restarts = Counter("tandem:worker_restarts",
                                        "Workers replaced after they died or were fenced.",
                                        m + ["worker"], registry=r)
@@ -211,6 +226,10 @@ class Metrics:
             self.requests_rate_limited.labels(model_name, reason)
         for source in ABORT_SOURCES:
             self.request_aborts.labels(model_name, source)
+        for outcome in WORKER_WAIT_OUTCOMES:
+            self.request_worker_waits.labels(model_name, outcome)
+        self.requests_waiting_for_worker.labels(model_name)
+        self.request_worker_wait_seconds.labels(model_name)
         for name in REQUEST_FIELDS:
             self.invalid_requests.labels(model_name, name)
 
@@ -362,6 +381,17 @@ class Metrics:
             trace.last_token = now
         trace.num_output_tokens += n
         self.generation_tokens.labels(self.model_name).inc(n)
+
+    def worker_wait_started(self) -> None:
+        """A request began waiting for a decode worker to take it over."""
+        self.requests_waiting_for_worker.labels(self.model_name).inc()
+
+    def worker_wait_ended(self, outcome: str, seconds: float) -> None:
+        """It stopped waiting: ``resumed`` on a worker, ``timed_out``, or ``abandoned``
+        (its client went away)."""
+        self.requests_waiting_for_worker.labels(self.model_name).dec()
+        self.request_worker_waits.labels(self.model_name, outcome).inc()
+        self.request_worker_wait_seconds.labels(self.model_name).observe(seconds)
 
     def request_migrated(self, worker_id: str) -> None:
         if worker_id in self._roles:

@@ -106,15 +106,23 @@ class Orchestrator:
         journal: where each request's parameters and emitted tokens are recorded
             (:class:`~tandem.control.journal.RequestJournal`; default in-process);
             a migrated request resumes from it.
-        prefill_timeout_s: seconds a remote prefill may take before the decode
-            worker computes the prompt itself (the KV transfer timeout: by then the
-            decode side's load timed out and freed its blocks).
+        prefill_timeout_s: seconds a prefill worker may go without progress (no
+            step output) while a remote prefill waits on it before the decode worker
+            computes the prompt itself; about the KV transfer timeout, which the
+            router extends on the decode side while the prefill worker progresses
+            (time queued behind other prompts does not count).
+        worker_wait_timeout_s: seconds a request whose decode worker died waits for
+            a decode worker to take it over when no other is alive (the
+            supervisor's replacement of a single-worker pool); past it the request
+            ends with ``UNAVAILABLE``.
     """
 
     def __init__(self, cluster: Cluster, tokenizer, metrics=None,
-                 journal: RequestJournal | None = None, prefill_timeout_s: float = 60.0):
+                 journal: RequestJournal | None = None, prefill_timeout_s: float = 60.0,
+                 worker_wait_timeout_s: float = 60.0):
         self.cluster = cluster
         self.prefill_timeout_s = prefill_timeout_s
+        self.worker_wait_timeout_s = worker_wait_timeout_s
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.journal = journal if journal is not None else InProcessJournal()
@@ -137,7 +145,9 @@ class Orchestrator:
         would be late on the workers and in the metrics.
 
         If the decode worker dies mid-request (or is retired), the request moves
-        to another decode worker (request migration, as in Dynamo): it is added
+        to another decode worker (request migration, as in Dynamo); when no other
+        is alive (a pool of one, as in the default deployment) it waits up to
+        ``worker_wait_timeout_s`` for the supervisor's replacement. It is added
         there with the tokens it emitted so far (``n == 1``: checked against the
         journal), whose KV that worker recomputes, and continues; the client sees
         no gap and no duplicate, and a greedy or seeded stream equals the
@@ -152,8 +162,9 @@ class Orchestrator:
         Raises:
             RequestFailed: the request cannot be served as configured.
             InvalidParameterError: a worker refused it (field named).
-            ServiceUnavailable: no decode worker is alive, or the request lost
-                its worker more than :data:`MAX_MIGRATIONS` times.
+            ServiceUnavailable: no decode worker is alive, the request lost its
+                worker more than :data:`MAX_MIGRATIONS` times, or none took it over
+                within ``worker_wait_timeout_s``.
         """
         rid = uuid.uuid4().hex                # internal id: never collides with a client's
         params = v.sampling_params
@@ -178,8 +189,8 @@ class Orchestrator:
                     async for ev in self._run(v, rid, att, samples, queue, trace):
                         yield ev
                     break
-                except _WorkerLost as lost:
-                    att = self._migrate(v, rid, att, lost.worker_id, samples)
+                except _WorkerLost:
+                    att = await self._migrate(v, rid, att, samples)
             stopped_by = None
         except (asyncio.CancelledError, GeneratorExit) as exc:
             # The consumer stopped: its client went away (or a sibling failed).
@@ -224,27 +235,72 @@ class Orchestrator:
         except RuntimeError:
             return None
 
-    def _migrate(self, v: ValidatedRequest, rid: str, att: _Attempt, lost_id: str,
-                 samples: list[SampleStream]) -> _Attempt:
-        """The next attempt after ``lost_id`` went away.
+    async def _migrate(self, v: ValidatedRequest, rid: str, att: _Attempt,
+                       samples: list[SampleStream]) -> _Attempt:
+        """The next attempt after ``att.decode`` went away.
 
         Raises:
-            ServiceUnavailable: too many migrations, or no other worker.
+            ServiceUnavailable: too many migrations, or no decode worker took the
+                request over within ``worker_wait_timeout_s``.
         """
+        lost_id = att.decode.worker_id
         if att.number >= MAX_MIGRATIONS:
             raise ServiceUnavailable(f"the request's decode worker {lost_id} failed")
         if att.prefill is not None and att.prefill.alive:
             self._spawn(self._try(att.prefill, "abort", rid))   # never prefill for the dead
-        try:
-            decode = self.cluster.reserve_decode(rid, v.prompt_token_ids, exclude=(lost_id,))
-        except RuntimeError:
-            raise ServiceUnavailable(f"the request's decode worker {lost_id} failed and no "
-                                     "other decode worker is alive") from None
+        decode = await self._reserve_successor(v, rid, att.decode)
         logger.warning("request %s: decode worker %s lost after %d tokens; migrating to %s",
                        rid, lost_id, len(samples[0].token_ids), decode.worker_id)
         if self.metrics:
             self.metrics.request_migrated(lost_id)
         return _Attempt(att.number + 1, decode, None)
+
+    async def _reserve_successor(self, v: ValidatedRequest, rid: str,
+                                 lost: WorkerHandle) -> WorkerHandle:
+        """Reserve a decode worker other than the ``lost`` incarnation, waiting for
+        one to come into service while none is alive (at most
+        ``worker_wait_timeout_s``; counted in ``tandem:request_worker_waits``).
+
+        Raises:
+            ServiceUnavailable: none came within the bound.
+        """
+        cluster, t0 = self.cluster, None
+        try:
+            while True:
+                try:
+                    decode = cluster.reserve_decode(rid, v.prompt_token_ids, exclude=(lost,))
+                except RuntimeError:
+                    pass
+                else:
+                    if t0 is not None:
+                        waited, t0 = time.monotonic() - t0, None
+                        logger.warning("request %s: %s took over after %.1f s", rid,
+                                       decode.worker_id, waited)
+                        if self.metrics:
+                            self.metrics.worker_wait_ended("resumed", waited)
+                    return decode
+                now = time.monotonic()
+                if t0 is None:
+                    t0 = now
+                    logger.warning("request %s: decode worker %s lost and no other is alive; "
+                                   "waiting up to %g s for one", rid, lost.worker_id,
+                                   self.worker_wait_timeout_s)
+                    if self.metrics:
+                        self.metrics.worker_wait_started()
+                remaining = t0 + self.worker_wait_timeout_s - now
+                if remaining <= 0:
+                    waited, t0 = now - t0, None
+                    if self.metrics:
+                        self.metrics.worker_wait_ended("timed_out", waited)
+                    raise ServiceUnavailable(
+                        f"the request's decode worker {lost.worker_id} failed and no decode "
+                        f"worker took it over within {self.worker_wait_timeout_s:g} s")
+                # Woken by any worker coming up; re-checked each second in case one
+                # came back without an event.
+                await cluster.wait_worker_up(min(remaining, 1.0))
+        finally:
+            if t0 is not None and self.metrics:      # its client went away meanwhile
+                self.metrics.worker_wait_ended("abandoned", time.monotonic() - t0)
 
     async def _run(self, v: ValidatedRequest, rid: str, att: _Attempt,
                    samples: list[SampleStream], queue: asyncio.Queue,
@@ -257,6 +313,11 @@ class Orchestrator:
         """
         cluster, params = self.cluster, v.sampling_params
         if att.number:
+            # What is still queued came from the lost incarnation: its deltas are
+            # recomputed from the samples' tokens, and a replacement under the same
+            # id was announced as that id going down. Not this attempt's.
+            while not queue.empty():
+                queue.get_nowait()
             # Each unfinished sample resumes after its own tokens (as sample i: its
             # own seed stream); an n == 1 request's tokens are checked against the journal.
             if params.n == 1:
@@ -361,8 +422,7 @@ class Orchestrator:
             lost = asyncio.ensure_future(queue.get())
             prefill_down = cluster.watch_down(prefill)
             try:
-                await asyncio.wait([call, lost, prefill_down], timeout=self.prefill_timeout_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await self._wait_prefill(call, lost, prefill_down, prefill, att.decode, rid)
             finally:
                 prefill_down.cancel()
                 if not lost.done():
@@ -403,6 +463,37 @@ class Orchestrator:
             return
         await self._call_decode(att, "start_decode", rid, first.new_token_ids[0],
                                 first.new_logprobs[0] if first.new_logprobs else None)
+
+    async def _wait_prefill(self, call: asyncio.Future, lost: asyncio.Future,
+                            prefill_down: asyncio.Future, prefill: WorkerHandle,
+                            decode: WorkerHandle, rid: str) -> None:
+        """Wait until the prefill call, the decode worker's queue or the prefill
+        worker's death completes, or the prefill worker stalls: no step output for
+        ``prefill_timeout_s`` seconds (or three of its latest steps' time, on a
+        machine so loaded that one step takes longer). Time the prompt spends
+        queued behind others at a busy prefill worker does not count; meanwhile the
+        decode side's KV load is kept waiting (``extend_kv_load``), so a queued
+        prompt is never prefilled twice. Returns on the first of these, with
+        ``call`` still pending if stalled."""
+        sent_at = time.monotonic()
+        extended_at = sent_at
+        while True:
+            timeout = max(self.prefill_timeout_s, 3 * prefill.last_step_s)
+            progress = max(sent_at, prefill.last_output_at or sent_at)
+            left = progress + timeout - time.monotonic()
+            if left <= 0:
+                return
+            done, _ = await asyncio.wait([call, lost, prefill_down], timeout=min(left, timeout / 3),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return
+            now = time.monotonic()
+            if (now - extended_at >= self.prefill_timeout_s / 3
+                    and now - max(sent_at, prefill.last_output_at or sent_at) < timeout):
+                extended_at = now
+                # The decode side's own timeout (the transfer timeout, about ours) must
+                # not fire on a prompt that is queued, not stalled.
+                self._spawn(self._try(decode, "extend_kv_load", rid, timeout))
 
     async def _call_decode(self, att: _Attempt, method: str, *args):
         """A call to the attempt's decode worker; a gone worker raises :class:`_WorkerLost`."""

@@ -43,6 +43,10 @@ class WorkerHandle:
             a restarted worker has a larger one; KV transfers carry it (fencing).
         draining: being taken out of service (scale-down): routers send it no new
             requests while another worker of its pool can take them.
+        last_output_at: ``time.monotonic()`` when this router last received its
+            step outputs (every engine step publishes one): a busy worker's
+            progress; ``None`` before the first.
+        last_step_s: how long its latest engine step took (seconds; 0 before one).
     """
 
     worker_id: str
@@ -54,6 +58,8 @@ class WorkerHandle:
     alive: bool = True
     generation: int = 0
     draining: bool = False
+    last_output_at: float | None = None
+    last_step_s: float = 0.0
 
     @property
     def block_size(self) -> int | None:

@@ -174,6 +174,12 @@ class KVConnector(ABC):
         error) through :meth:`get_finished_loads`, after which its blocks may be freed."""
 
     @abstractmethod
+    def extend_load(self, request_id: str, timeout_s: float) -> bool:
+        """Give ``request_id``'s load at least ``timeout_s`` more seconds from now
+        before it times out: its producer is making progress, and the prompt is
+        queued there, not stalled. Returns whether a load was in flight."""
+
+    @abstractmethod
     def get_finished_loads(self) -> list[tuple[str, str | None]]:
         """Loads that ended since the last call: ``(request id, None)`` once every layer
         landed, ``(request id, error message)`` when the load failed or was cancelled.

@@ -273,6 +273,12 @@ class LLMEngine:
         req = self.scheduler.set_remote_first_token(request_id, first_token_id, first_logprobs)
         self.runner.sampler.skip_draws(req, self.model_config.vocab_size, 1)
 
+    def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
+        """Keep a remote-prefill request's KV load waiting at least ``timeout_s`` more
+        seconds: its prefill worker is busy, the prompt queued there (see
+        :meth:`KVConnector.extend_load`). Returns whether a load was in flight."""
+        return self.kv_connector is not None and self.kv_connector.extend_load(request_id, timeout_s)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks (those a remote KV
         load may still write once the load ended). False if unknown."""

@@ -139,6 +139,39 @@ def test_timeout_then_late_data_is_dropped_and_receiver_still_works(pair):
         receiver.receive(late, kv_cache, timeout_s=1.0)
 
 
+def test_an_extended_receive_waits_past_its_timeout_for_a_queued_sender(pair):
+    """A load kept alive with ``extend`` (its sender busy with other prompts) does not
+    time out at its own ``timeout_s``, and lands the layers when they come; a
+    receive nobody extends still times out as before."""
+    receiver, peer = pair
+    layout = _layout()
+    ticket = _ticket(layout, [4, 5], num_cached_tokens=0, num_tokens=20, request_id="queued")
+    kv_cache = _dst_cache(layout)
+    result: dict = {}
+
+    def receive():
+        try:
+            receiver.receive(ticket, kv_cache, timeout_s=1.0)
+            result["ok"] = time.monotonic()
+        except KVTransferError as exc:
+            result["error"] = exc
+
+    start = time.monotonic()
+    t = threading.Thread(target=receive)
+    t.start()
+    for _ in range(4):                     # keep-alives, as the router sends them
+        time.sleep(0.5)
+        receiver.extend(ticket.transfer_id, 1.0)
+    assert t.is_alive() and not result, result      # 2 s in: past its own 1 s
+    peer.call("send", [(ticket.to_dict(), [3, 9])], layout.to_dict(), SRC_NUM_BLOCKS, 11)
+    t.join(20)
+    assert "ok" in result and result["ok"] - start >= 2.0, result
+    src = make_cache(layout, SRC_NUM_BLOCKS, seed=11)
+    _assert_only(kv_cache, {4: src[:, :, 3], 5: src[:, :, 9]})
+    receiver.extend(ticket.transfer_id, 60.0)        # finished: nothing to extend
+    assert receiver.staged_transfer_ids() == []
+
+
 def test_sender_checks_layout_before_sending(pair):
     _, peer = pair
     decode_layout = _layout()

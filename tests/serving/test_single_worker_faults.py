@@ -1,0 +1,188 @@
+"""Faults in the default deployment: one prefill and one decode worker, so a
+request whose decode worker dies has no other to migrate to.
+
+Such requests wait for the supervisor's replacement (``worker_wait_timeout_s``)
+and resume there as a migration does: the same tokens as the no-failure run, no
+gap, no duplicate; only past the bound do they end with ``UNAVAILABLE``. One
+disaggregated cluster (1 + 1 Ray actors, embedded redis-server, supervision on,
+float32) serves the module's tests in order. Recovery times are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.serving.conftest import greedy, serve_config, serving
+from tests.serving.test_fault_tolerance import Stream, _assert_idle, _back_to_size, _handle, _wait
+
+N = 32
+PROMPTS = ["Write a short story about a dragon.", "Explain how a bicycle works.",
+           "List five facts about the Moon.", "Describe a busy market in the morning.",
+           "What is the capital of France?", "Give me three tips for writing clean code.",
+           "Why is the sky blue?", "Name four animals that live in the sea."]
+WAITS = 'tandem:request_worker_waits_total{model_name="SmolLM2-135M-Instruct",outcome="%s"}'
+
+
+def _requests():
+    """16 streams: every prompt greedy twice (the second hits the prefix cache), but
+    one of them seeded with n = 2 and one asking for prompt logprobs (both prefill
+    on the decode worker), so the resumed requests cover those paths too."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    reqs = [greedy(p, N) for p in PROMPTS + PROMPTS]
+    reqs[-1] = pb.GenerateRequest(prompt=PROMPTS[-1], stream=True, sampling=pb.SamplingParams(
+        max_tokens=N, temperature=0.8, seed=7, n=2, ignore_eos=True))
+    reqs[-2].sampling.prompt_logprobs = 1
+    return reqs
+
+
+def _streams(cluster) -> list[Stream]:
+    return [Stream(cluster.server.address, r.prompt, N, request=r) for r in _requests()]
+
+
+def _metric(text: str, series: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(series + " "))
+    return float(line.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    yield from serving(serve_config("disaggregated", transfer_timeout_s=8.0))
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster) -> list[dict[int, list[int]]]:
+    """Each stream's tokens per sample index, with no failure."""
+    streams = _streams(cluster)
+    for s in streams:
+        s.join(300)
+    assert all(s.code == grpc.StatusCode.OK for s in streams), [s.code for s in streams]
+    assert [sorted(s.by_index) for s in streams] == [[0]] * 15 + [[0, 1]]
+    assert all(len(toks) == N for s in streams for toks in s.by_index.values())
+    return [s.by_index for s in streams]
+
+
+def test_kill_the_only_decode_worker_requests_wait_and_resume(cluster, baseline):
+    srv = cluster.server.server
+    waits_before = _metric(cluster.metrics_text(), WAITS % "resumed")
+    streams = _streams(cluster)
+    _wait(lambda: all(len(s.tokens) >= 4 for s in streams), 180, "every stream to start")
+    victim = _handle(cluster, "decode-0")
+    t_kill = time.monotonic()
+    os.kill(victim.info["pid"], signal.SIGKILL)
+    for s in streams:
+        s.join(300)
+    for i, s in enumerate(streams):
+        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
+        assert s.by_index == baseline[i], i        # same tokens: no gap, no duplicate
+    stall = max(s.max_gap_after(t_kill) for s in streams)
+    recovery = _back_to_size(cluster, "decode-0", victim.generation)
+    done = max(s.times[-1] for s in streams) - t_kill
+    print(f"\nonly decode worker killed: replacement in service after {recovery:.1f} s, "
+          f"longest client-visible stall {stall:.1f} s, all 16 streams done {done:.1f} s "
+          "after the kill")
+    text = cluster.metrics_text()
+    assert _metric(text, WAITS % "resumed") >= waits_before + 1
+    assert _metric(text, 'tandem:requests_waiting_for_worker{model_name="SmolLM2-135M-Instruct"}') == 0
+    assert _metric(text, WAITS % "timed_out") == 0
+    assert srv.supervisor.recoveries[-1].worker_id == "decode-0"
+    _assert_idle(cluster)
+
+
+def test_a_failing_output_pump_loses_no_request(cluster, baseline):
+    """An exception in the router's own per-step code (here: the step callback that
+    feeds the metrics) kills the decode worker's output pump. Its requests must not
+    wait on queues nothing feeds: the worker counts as lost, is replaced, and the
+    requests resume there with the no-failure tokens."""
+    srv = cluster.server.server
+    on_step, armed = srv.cluster.on_step, []
+
+    def failing_once(w, step):
+        if armed and w.worker_id == "decode-0" and step.deltas:
+            armed.clear()
+            raise RuntimeError("injected: a bug in the router's step callback")
+        on_step(w, step)
+
+    srv.cluster.on_step = failing_once
+    try:
+        old_gen = _handle(cluster, "decode-0").generation
+        streams = [Stream(cluster.server.address, p, N) for p in PROMPTS[:4]]
+        _wait(lambda: all(len(s.tokens) >= 2 for s in streams), 120, "the streams to start")
+        armed.append(True)
+        for s in streams:
+            s.join(300)
+    finally:
+        srv.cluster.on_step = on_step
+    assert not armed, "the injected failure never fired"
+    for i, s in enumerate(streams):
+        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
+        assert s.tokens == baseline[i][0], i
+    _back_to_size(cluster, "decode-0", old_gen)
+    _assert_idle(cluster)
+
+
+def test_the_wait_is_bounded(cluster, baseline):
+    """Without a replacement, waiting requests end with UNAVAILABLE at the bound,
+    naming the worker and the bound; the cluster serves again once one comes."""
+    srv = cluster.server.server
+    cluster.server.run(srv.supervisor.stop())
+    srv.orchestrator.worker_wait_timeout_s = 1.5
+    try:
+        streams = [Stream(cluster.server.address, p, N) for p in PROMPTS[:2]]
+        _wait(lambda: all(len(s.tokens) >= 2 for s in streams), 120, "the streams to start")
+        victim = _handle(cluster, "decode-0")
+        os.kill(victim.info["pid"], signal.SIGKILL)
+        for s in streams:
+            s.join(120)
+        for s in streams:
+            assert s.code == grpc.StatusCode.UNAVAILABLE, s.code
+            assert s.details == ("the request's decode worker decode-0 failed and no decode "
+                                 "worker took it over within 1.5 s"), s.details
+        assert _metric(cluster.metrics_text(), WAITS % "timed_out") == 2
+    finally:
+        srv.orchestrator.worker_wait_timeout_s = srv.config.worker_wait_timeout_s
+        cluster.server.loop.call_soon_threadsafe(srv.supervisor.start)   # replaces the dead one
+    _back_to_size(cluster, "decode-0", victim.generation)
+    assert [t for r in cluster.generate(greedy(PROMPTS[0], N)) for t in r.token_ids] \
+        == baseline[0][0]
+    _assert_idle(cluster)
+
+
+def test_prompts_queued_at_a_busy_prefill_worker_are_prefilled_once(cluster, baseline):
+    """A burst of long prompts queues at the prefill worker for longer than the KV
+    transfer timeout (8 s here). The prefill worker makes progress all along, so
+    nothing counts as stalled: every prompt is prefilled there exactly once and its
+    KV transferred, none falls back to a second prefill on the decode worker."""
+    import random
+
+    from tandem.v1 import tandem_pb2 as pb
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(1500)] for _ in range(6)]
+    failures = 'tandem:kv_transfer_failures_total{model_name="SmolLM2-135M-Instruct",worker="prefill-0"}'
+    failures_before = _metric(cluster.metrics_text(), failures)
+    bytes_before = cluster.block_counts()["prefill-0"]["kv_transfer_bytes"]
+    t0 = time.monotonic()
+    streams = [Stream(cluster.server.address, "", 4, request=pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), stream=True,
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+        for ids in prompts]
+    for s in streams:
+        s.join(300)
+    first = sorted(s.times[0] - t0 for s in streams)
+    print(f"\nburst of 6 x 1500-token prompts: first tokens after "
+          f"{', '.join(f'{t:.1f}' for t in first)} s (transfer timeout 8 s)")
+    assert [s.code for s in streams] == [grpc.StatusCode.OK] * 6
+    assert all(len(s.tokens) == 4 for s in streams)
+    assert first[-1] > 9.0, "the burst did not queue past the timeout: nothing was tested"
+    assert _metric(cluster.metrics_text(), failures) == failures_before
+    sent = cluster.block_counts()["prefill-0"]["kv_transfer_bytes"] - bytes_before
+    layout = _handle(cluster, "decode-0").info["kv_layout"]
+    per_token = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * 4
+    assert sent >= 6 * 1488 * per_token        # every prompt's full blocks came from prefill-0
+    _assert_idle(cluster)
