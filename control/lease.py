@@ -9,11 +9,20 @@ own the id or the routers may already count it dead::
     "renewed", "reasserted"          unfenced
     "fenced"                         fenced for good (a newer generation exists)
     no success for ttl_s             fenced until a renewal succeeds again
+                                     (only with ``fence_when_unreachable``)
 
 The second fence is measured by the local monotonic clock from the start of the
 last successful renewal, so it never lags the lease's expiry in Redis. It may
 be lifted: the lease can only have been taken over if the generation counter
 moved, and a renewal then answers ``"fenced"``.
+
+Workers of ``tandem serve`` run without that second fence
+(:class:`~tandem.control.worker_control.ControlConfig`): a Redis that nobody can
+reach is an outage of the cluster state, not of the worker, and refusing work
+for it would turn it into an outage of the whole service. They keep serving,
+:attr:`LeaseKeeper.state_reachable` says the state is out of reach, and the
+first renewal that gets through re-asserts the lease or, if a newer incarnation
+registered meanwhile, fences the worker for good.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from typing import Callable
 
 import redis
 
-from tandem.control.state import LEASE_TTL_S, RENEW_INTERVAL_S, ClusterState
+from tandem.control.state import (LEASE_TTL_S, RENEW_INTERVAL_S, ClusterState,
+                                  ClusterStateUnavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,9 @@ class LeaseKeeper:
         on_unfenced: called when a temporary fence is lifted.
         min_generation: passed to :meth:`ClusterState.register_worker` (one more
             than the incarnation this worker replaces; 0 for a first start).
+        fence_when_unreachable: fence while no renewal has succeeded for ``ttl_s``
+            (Redis unreachable); False: keep working through a Redis outage (see
+            the module docstring).
 
     Attributes:
         generation: this incarnation's generation (set by :meth:`start`; 0 before).
@@ -61,7 +74,8 @@ class LeaseKeeper:
     def __init__(self, state: ClusterState, worker_id: str, role: str, actor_name: str, info: dict,
                  ttl_s: float = LEASE_TTL_S, interval_s: float = RENEW_INTERVAL_S,
                  on_fenced: Callable[[str], None] | None = None,
-                 on_unfenced: Callable[[], None] | None = None, min_generation: int = 0) -> None:
+                 on_unfenced: Callable[[], None] | None = None, min_generation: int = 0,
+                 fence_when_unreachable: bool = True) -> None:
         if not (ttl_s > 0 and interval_s > 0 and interval_s < ttl_s):
             raise ValueError(f"need 0 < interval_s < ttl_s, got interval_s={interval_s}, ttl_s={ttl_s}")
         self.state = state
@@ -71,6 +85,7 @@ class LeaseKeeper:
         self.record = {"role": role, "actor_name": actor_name, "info": info}
         self.generation = 0
         self.min_generation = min_generation
+        self.fence_when_unreachable = fence_when_unreachable
         self._on_fenced = on_fenced
         self._on_unfenced = on_unfenced
         self._lock = threading.Lock()
@@ -78,6 +93,7 @@ class LeaseKeeper:
         self._fenced_lost = False
         self._reason: str | None = None
         self._last_ok = 0.0            # monotonic start of the last successful renewal
+        self._last_error: str | None = None    # why the last renewal failed (None: it did not)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -117,12 +133,26 @@ class LeaseKeeper:
         """Why the keeper is (or was last) fenced; ``None`` if it never was."""
         with self._lock:
             if self._reason is None and self._overdue():
-                return f"no lease renewal succeeded for {self.ttl_s} s"
+                return (f"{ClusterStateUnavailable.PREFIX} at {self.state.address}: no lease "
+                        f"renewal succeeded for {self.ttl_s} s")
             return self._reason
+
+    @property
+    def state_reachable(self) -> bool:
+        """The last renewal reached Redis (whatever it answered)."""
+        with self._lock:
+            return self._last_error is None
+
+    @property
+    def state_error(self) -> str | None:
+        """Why the last renewal failed to reach Redis; None when it reached it."""
+        with self._lock:
+            return self._last_error
 
     def _overdue(self) -> bool:
         running = self._thread is not None and not self._stop.is_set()
-        return running and time.monotonic() - self._last_ok >= self.ttl_s
+        return (self.fence_when_unreachable and running
+                and time.monotonic() - self._last_ok >= self.ttl_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -130,10 +160,24 @@ class LeaseKeeper:
             try:
                 answer = self.state.renew_lease(self.worker_id, self.generation, self.ttl_s, self.record)
             except redis.exceptions.RedisError as e:
-                if time.monotonic() - self._last_ok >= self.ttl_s:
-                    self._fence(False, f"no lease renewal succeeded for {self.ttl_s} s "
-                                       f"(generation {self.generation}): {e!r}")
+                with self._lock:
+                    first = self._last_error is None
+                    self._last_error = f"{ClusterStateUnavailable.PREFIX} at " \
+                                       f"{self.state.address}: {e}"
+                if first:
+                    logger.warning("worker %r: %s; %s", self.worker_id, self._last_error,
+                                   "fencing after the TTL" if self.fence_when_unreachable
+                                   else "serving on without renewing its lease")
+                if self.fence_when_unreachable and time.monotonic() - self._last_ok >= self.ttl_s:
+                    self._fence(False, f"{ClusterStateUnavailable.PREFIX} at "
+                                       f"{self.state.address}: no lease renewal succeeded for "
+                                       f"{self.ttl_s} s (generation {self.generation}): {e!r}")
                 continue
+            with self._lock:
+                was_down, self._last_error = self._last_error is not None, None
+            if was_down:
+                logger.warning("worker %r: the cluster state is reachable again (%s)",
+                               self.worker_id, answer)
             if answer == "fenced":
                 current = self._current_generation()
                 self._fence(True, f"worker {self.worker_id!r} generation {self.generation} was "

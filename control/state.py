@@ -29,6 +29,7 @@ it replaces (``min_generation``), so a successor still outranks its predecessor.
 from __future__ import annotations
 
 import json
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 
@@ -109,6 +110,48 @@ return 0
 """
 
 
+class ClusterStateUnavailable(redis.exceptions.ConnectionError):
+    """The cluster state (Redis) cannot be reached. The message names it and its
+    address (never its credentials), so that an operator sees which part failed.
+
+    A ``redis.exceptions.ConnectionError``: code that handles an unreachable Redis
+    handles this one too.
+    """
+
+    PREFIX = "cluster state (Redis) unreachable"
+    """How every message of this error begins (also matched in errors that crossed Ray
+    as text)."""
+
+    def __init__(self, address: str, what: str = "", cause: BaseException | str | None = None):
+        detail = f": {what}" if what else ""
+        because = f" ({cause})" if cause else ""
+        super().__init__(f"{self.PREFIX} at {address}{detail}{because}")
+        self.address = address
+
+    def __reduce__(self):
+        # Pickled whole (across processes): rebuilt from its message, not re-formatted.
+        return (_rebuild_unavailable, (str(self), self.address))
+
+
+def _rebuild_unavailable(message: str, address: str) -> ClusterStateUnavailable:
+    exc = ClusterStateUnavailable.__new__(ClusterStateUnavailable)
+    redis.exceptions.ConnectionError.__init__(exc, message)
+    exc.address = address
+    return exc
+
+
+def redacted_address(url: str) -> str:
+    """``HOST:PORT/DB`` of a ``redis://`` URL, without user or password (for messages).
+
+    Raises:
+        ValueError: a malformed URL.
+    """
+    u = urllib.parse.urlsplit(url)
+    host = u.hostname or "localhost"
+    port = u.port or 6379
+    return f"{host}:{port}{u.path or '/0'}"
+
+
 def ttl_ms(ttl_s: float) -> int:
     """A TTL in seconds as Redis milliseconds (at least 1).
 
@@ -160,6 +203,7 @@ class ClusterState:
         redis: the redis-py client (thread-safe; a pool of connections).
         namespace: the key prefix.
         socket_timeout_s: as given.
+        address: ``HOST:PORT/DB`` of Redis, without credentials (for messages).
     """
 
     def __init__(self, url: str, namespace: str = "tandem", socket_timeout_s: float = 2.0) -> None:
@@ -167,6 +211,7 @@ class ClusterState:
             raise ValueError("namespace must be non-empty")
         self.namespace = namespace
         self.socket_timeout_s = socket_timeout_s
+        self.address = redacted_address(url)
         self.redis: redis.Redis = redis.Redis.from_url(
             url, decode_responses=True, socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
@@ -190,6 +235,21 @@ class ClusterState:
             return bool(self.redis.ping())
         except redis.exceptions.RedisError:
             return False
+
+    def check(self, what: str = "") -> None:
+        """Raise unless Redis answers PING.
+
+        Args:
+            what: what needed it, for the message (e.g. ``"worker decode-0 cannot register"``).
+
+        Raises:
+            ClusterStateUnavailable: Redis did not answer within ``socket_timeout_s``
+                (the message names the address and the cause).
+        """
+        try:
+            self.redis.ping()
+        except redis.exceptions.RedisError as exc:
+            raise ClusterStateUnavailable(self.address, what, exc) from exc
 
     # -- workers ---------------------------------------------------------------------------
     def register_worker(self, worker_id: str, role: str, actor_name: str, info: dict,

@@ -16,9 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import redis
+
 from tandem.control.kv_events import KVEventPublisher
 from tandem.control.lease import LeaseKeeper
-from tandem.control.state import LEASE_TTL_S, RENEW_INTERVAL_S, ClusterState
+from tandem.control.state import (LEASE_TTL_S, RENEW_INTERVAL_S, ClusterState,
+                                  ClusterStateUnavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,11 @@ class ControlConfig:
         cluster_secret: the secret a KV transfer peer must prove in the pair
             handshake (:mod:`tandem.kvtransfer.staging`); set in the worker's
             environment at start. Empty: keep the process's own (or none).
+        fence_when_unreachable: refuse new work while Redis has been unreachable
+            for a whole lease TTL. Off by default: a Redis outage is not the
+            worker's, the routers keep their view of it, and a replacement (which
+            fences it for good) can only happen through Redis anyway; see
+            :mod:`tandem.control.lease`.
     """
 
     redis_url: str
@@ -47,11 +55,13 @@ class ControlConfig:
     renew_interval_s: float = RENEW_INTERVAL_S
     min_generation: int = 0
     cluster_secret: str = ""
+    fence_when_unreachable: bool = False
 
     def __repr__(self) -> str:        # never print the secret
         return (f"ControlConfig(redis_url={self.redis_url!r}, namespace={self.namespace!r}, "
                 f"actor_name={self.actor_name!r}, lease_ttl_s={self.lease_ttl_s}, "
-                f"renew_interval_s={self.renew_interval_s}, min_generation={self.min_generation})")
+                f"renew_interval_s={self.renew_interval_s}, min_generation={self.min_generation}, "
+                f"fence_when_unreachable={self.fence_when_unreachable})")
 
 
 class WorkerControl:
@@ -65,7 +75,8 @@ class WorkerControl:
         on_unfenced: called when a lapsed lease is renewed again.
 
     Raises:
-        redis.exceptions.ConnectionError: Redis is unreachable at start-up.
+        ClusterStateUnavailable: Redis is unreachable at start-up (the worker cannot
+            register; the message names Redis and its address).
     """
 
     def __init__(self, config: ControlConfig, worker_id: str, role: str, info: dict,
@@ -75,7 +86,14 @@ class WorkerControl:
         self.lease = LeaseKeeper(self.state, worker_id, role, config.actor_name, info,
                                  ttl_s=config.lease_ttl_s, interval_s=config.renew_interval_s,
                                  on_fenced=on_fenced, on_unfenced=on_unfenced,
-                                 min_generation=config.min_generation).start()
+                                 min_generation=config.min_generation,
+                                 fence_when_unreachable=config.fence_when_unreachable)
+        try:
+            self.lease.start()
+        except redis.exceptions.RedisError as exc:
+            self.state.close()
+            raise ClusterStateUnavailable(self.state.address,
+                                          f"worker {worker_id} cannot register", exc) from exc
         self.kv_events = KVEventPublisher(self.state, worker_id, self.lease.generation)
         self._publish_failed = False
         # Appends run on their own thread: a slow or absent Redis never stalls a step.
@@ -88,6 +106,11 @@ class WorkerControl:
     def generation(self) -> int:
         """This incarnation's generation number (>= 1)."""
         return self.lease.generation
+
+    @property
+    def state_reachable(self) -> bool:
+        """The last lease renewal reached Redis."""
+        return self.lease.state_reachable
 
     def publish_kv_events(self, events: Sequence) -> None:
         """Queue a step's KV events for the stream (called on the engine loop thread;
@@ -122,7 +145,7 @@ def start_worker_control(config: ControlConfig | None, worker_id: str, role: str
     ``config``.
 
     Raises:
-        redis.exceptions.ConnectionError: Redis is unreachable.
+        ClusterStateUnavailable: Redis is unreachable (a ``redis.exceptions.ConnectionError``).
     """
     if config is None:
         return None

@@ -117,6 +117,68 @@ def _engine_config(args):
                                   enable_chunked_prefill=not args.no_chunked_prefill))
 
 
+_GGUF_MAGIC = b"GGUF"
+
+
+def check_model_path(flag: str, model: str | None) -> None:
+    """Check, in this process and before anything starts, that ``model`` names a model
+    Tandem loads: a GGUF file (its magic bytes are read) or a Hugging Face checkpoint
+    directory whose config.json is a JSON object; None is the default model, which
+    must be installed.
+
+    Args:
+        flag: the option that named it, for the message (``--model``).
+
+    Raises:
+        ValueError: one line naming ``flag`` and the path, and what is wrong there.
+    """
+    import os
+
+    from tandem.engine.model.model_files import resolve_model
+
+    try:
+        files = resolve_model(model)
+    except FileNotFoundError as exc:
+        if model is None:
+            raise ValueError(f"{flag}: {exc}") from None
+        if not os.path.exists(model):
+            raise ValueError(f"{flag}: {model}: no such file or directory") from None
+        if os.path.isdir(model):
+            raise ValueError(f"{flag}: {model}: a directory without config.json (expected a "
+                             "Hugging Face checkpoint directory or a .gguf file)") from None
+        raise ValueError(f"{flag}: {model}: not a .gguf file or a Hugging Face checkpoint "
+                         "directory") from None
+    try:
+        if files.format == "gguf":
+            with open(files.path, "rb") as f:
+                magic = f.read(4)
+            if magic != _GGUF_MAGIC:
+                raise ValueError(f"{flag}: {files.path}: not a GGUF file (it starts with "
+                                 f"{magic!r}, not {_GGUF_MAGIC!r})")
+        else:
+            path = os.path.join(files.path, "config.json")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            if not isinstance(config, dict):
+                raise ValueError(f"{flag}: {path}: expected a JSON object")
+    except OSError as exc:
+        raise ValueError(f"{flag}: {model}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag}: {files.path}/config.json is not valid JSON ({exc})") from None
+
+
+def _check_model_args(args) -> None:
+    """The model paths a command would load, checked before any worker or Ray starts
+    (:func:`check_model_path`). Raises ValueError."""
+    if getattr(args, "endpoint", None):         # a client of a running server: loads nothing
+        return
+    if hasattr(args, "model") and args.func is not _cmd_quantize:    # quantize checks its own
+        check_model_path("--model", args.model)
+    draft = getattr(args, "speculative_draft_model", None)
+    if draft is not None:
+        check_model_path("--speculative-draft-model", draft)
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--host", default="127.0.0.1")
@@ -137,6 +199,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the cluster state (default: start an embedded redis-server)")
     p.add_argument("--lease-ttl", type=float, default=10.0,
                    help="seconds a worker may miss its heartbeat before it counts as dead")
+    p.add_argument("--worker-wait-timeout", type=float, default=60.0,
+                   help="seconds a request whose decode worker died waits for a replacement "
+                        "when no other decode worker is alive, before it fails (UNAVAILABLE)")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
     _add_autoscale_args(p)
@@ -268,7 +333,8 @@ def _serve_config(args):
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
-                       autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout)
+                       autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout,
+                       worker_wait_timeout_s=args.worker_wait_timeout)
 
 
 def _cmd_serve(args) -> int:
@@ -626,14 +692,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``tandem`` command line.
+
+    Returns:
+        The exit status: 0 on success; 2 for a usage error (a bad flag, a flag
+        combination the engine refuses, a model path that holds no model Tandem
+        loads), found before any worker or Ray starts and printed as one
+        ``error: ...`` line; 1 when the cluster state (Redis) is unreachable
+        (one ``error:`` line naming it) or a command failed.
+    """
+    from tandem.control.state import ClusterStateUnavailable
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
+        _check_model_args(args)
         return args.func(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ClusterStateUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ URL an embedded ``redis-server`` (:class:`~tandem.control.redis_server.EmbeddedR
 The default is one prefill and one decode actor and the router on
 127.0.0.1:50051. ``tandem router`` runs a :class:`RouterServer`: one more router
 over the same workers, found in Redis.
+
+Redis is supervised like a worker: the embedded ``redis-server`` is started again
+(same port, empty) when it dies, and workers and routers re-assert the cluster
+state as after a flush. An external Redis (``redis_url``) that goes away leaves
+every router on its last view of the workers; requests are still served.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class ServeConfig:
             pools of ``num_prefill`` / ``num_decode``). Disaggregated mode only.
         drain_timeout_s: seconds a worker being scaled down may take to finish its
             requests before the rest are migrated to other workers.
+        worker_wait_timeout_s: seconds a request whose decode worker died waits for
+            one to take it over when no other decode worker is alive (the
+            supervisor's replacement), before it ends with ``UNAVAILABLE``.
     """
 
     mode: str = "disaggregated"
@@ -95,6 +103,7 @@ class ServeConfig:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     autoscale: PlannerConfig | None = None
     drain_timeout_s: float = 30.0
+    worker_wait_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -117,8 +126,9 @@ class ServeConfig:
                 if not lo <= n <= hi:
                     raise ValueError(f"num_{pool}: {n} is outside the planner's bounds "
                                      f"[{lo}, {hi}]")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "worker_wait_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -208,6 +218,7 @@ class RouterServer:
         self.state = None
         self.registry = None
         self.cluster = None
+        self.orchestrator = None
         self.server = None
         self.port: int | None = None
         self.metrics = None
@@ -233,11 +244,13 @@ class RouterServer:
 
         Raises:
             ValueError: no ``redis_url``.
+            ClusterStateUnavailable: Redis does not answer (checked before Ray).
             RuntimeError: no decode worker is registered within 60 s.
         """
         if not self.config.redis_url:
             raise ValueError("redis_url: a router joins an existing cluster state")
         self._connect_state(self.config.redis_url)
+        await asyncio.to_thread(self.state.check, "a router joins the cluster through it")
         address = self.config.ray_address or await asyncio.to_thread(self._ray_address)
         if not address:
             raise RuntimeError("ray_address: the cluster state names no Ray cluster (is "
@@ -288,9 +301,10 @@ class RouterServer:
         self.metrics.follow_router(lambda: self.cluster.num_active)
         self.registry.start()
         self._start_kv_reader()
-        orchestrator = Orchestrator(self.cluster, tokenizer, self.metrics,
-                                    journal=RedisJournal(self.state),
-                                    prefill_timeout_s=self.config.transfer_timeout_s + 1)
+        orchestrator = self.orchestrator = Orchestrator(
+            self.cluster, tokenizer, self.metrics, journal=RedisJournal(self.state),
+            prefill_timeout_s=self.config.transfer_timeout_s + 1,
+            worker_wait_timeout_s=self.config.worker_wait_timeout_s)
         self.limiter = None
         if self.config.rate_limits.enabled:
             from tandem.control.rate_limits import RateLimiter
@@ -426,6 +440,23 @@ def worker_config_error(exc: BaseException) -> str | None:
     return causes[-1] if causes else None
 
 
+def worker_state_error(exc: BaseException) -> str | None:
+    """The :class:`~tandem.control.state.ClusterStateUnavailable` message a Ray worker's
+    constructor raised (it could not register in Redis), read from the
+    ``ActorDiedError`` the driver gets; None for any other error."""
+    from ray.exceptions import RayActorError
+
+    from tandem.control.state import ClusterStateUnavailable
+
+    if not isinstance(exc, RayActorError) or not getattr(exc, "actor_init_failed", False):
+        return None
+    for line in str(exc).splitlines():
+        at = line.find(ClusterStateUnavailable.PREFIX)
+        if at >= 0:
+            return line[at:].strip()
+    return None
+
+
 class TandemServer(RouterServer):
     """A running cluster: cluster state, workers, KV channels, supervision, the router
     and (optionally) metrics.
@@ -443,6 +474,7 @@ class TandemServer(RouterServer):
         self.pool_controller = None
         self._spawned = 0
         self._announcer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
 
         # Every KV pair's sender proves this secret to its receiver; set
@@ -507,14 +539,22 @@ class TandemServer(RouterServer):
             ValueError: the worker's engine refused the configuration (the message of
                 the ``ValueError`` its constructor raised, e.g. ``activation_quantization``
                 int8 on a dense model), instead of Ray's ``ActorDiedError``.
+            ClusterStateUnavailable: the worker could not register because Redis is
+                unreachable (the message names Redis, not the worker).
         """
         from ray.exceptions import RayActorError
+
+        from tandem.control.state import ClusterStateUnavailable
 
         actor = self._spawn(worker_id)
         self.actors[worker_id] = actor
         try:
             info = await actor.info.remote()
         except RayActorError as exc:
+            unreachable = worker_state_error(exc)
+            if unreachable is not None:
+                raise ClusterStateUnavailable(self.state.address,
+                                              f"worker {worker_id} cannot register") from None
             cause = worker_config_error(exc)
             if cause is None:
                 raise
@@ -529,12 +569,21 @@ class TandemServer(RouterServer):
             KVLayoutMismatchError: prefill and decode caches disagree (message names
                 each differing field with both values).
             RuntimeError: redis-server cannot be started.
+            ClusterStateUnavailable: the ``redis_url`` Redis does not answer (checked
+                before Ray starts), or a worker could not register in it.
         """
         from tandem.control.redis_server import EmbeddedRedis
+        from tandem.control.state import ClusterState
         from tandem.router.supervisor import Supervisor
 
-        init_ray(self.config.ray_address)
         url = self.config.redis_url
+        if url:
+            probe = ClusterState(url, self.config.namespace)
+            try:
+                await asyncio.to_thread(probe.check, "tandem serve keeps the cluster state there")
+            finally:
+                probe.close()
+        init_ray(self.config.ray_address)
         if not url:
             # On an existing Ray cluster the workers may run on other machines: listen on
             # this node's address (no auth: use --redis-url for a managed Redis).
@@ -543,6 +592,10 @@ class TandemServer(RouterServer):
             host = ray.util.get_node_ip_address() if self.config.ray_address else "127.0.0.1"
             self.redis = await asyncio.to_thread(EmbeddedRedis(host=host).start)
             url = self.redis.url
+            loop = asyncio.get_running_loop()
+            # Supervised like a worker: restarted on the same port when it dies.
+            self.redis.supervise(on_restart=lambda rec: loop.call_soon_threadsafe(
+                self._redis_restarted, rec))
         self.state_url = url
         self._connect_state(url)
         try:
@@ -739,13 +792,34 @@ class TandemServer(RouterServer):
     async def _announce(self, interval_s: float = 2.0) -> None:
         """Keep the Ray address in the cluster state (Redis may restart empty), so
         `tandem router` can always join."""
-        key = self.state.key("ray_address")
         while True:
             await asyncio.sleep(interval_s)
-            try:
-                await asyncio.to_thread(self.state.redis.set, key, self._ray_gcs)
-            except Exception as exc:
-                logger.debug("announcing the Ray address failed: %s", exc)
+            await self._announce_once()
+
+    async def _announce_once(self) -> None:
+        try:
+            await asyncio.to_thread(self.state.redis.set, self.state.key("ray_address"),
+                                    self._ray_gcs)
+        except Exception as exc:
+            logger.debug("announcing the Ray address failed: %s", exc)
+
+    def _redis_restarted(self, rec) -> None:
+        """The supervised embedded Redis came back empty (on the router's loop): what
+        this process writes (the Ray address) is written again now rather than at its
+        next period. The workers re-assert their records and leases at their next
+        renewal, and every router's registry, seeing the new epoch at its next
+        refresh (about a second), gives them the grace to."""
+        logger.warning("cluster state: redis-server pid %d died (exit code %s) and was "
+                       "restarted as pid %d in %.2f s; the cluster state is re-asserted",
+                       rec.old_pid, rec.exit_code, rec.new_pid, rec.down_s)
+        if self._announcer is None:       # still starting: start() announces it
+            return
+        self._background_task(self._announce_once())
+
+    def _background_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.planner is not None:

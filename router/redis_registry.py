@@ -17,7 +17,12 @@ a second), so routing a request never waits on Redis:
   interval, some before others. A changed cluster-state epoch
   (:meth:`~tandem.control.state.ClusterState.epoch`), or every lease gone at
   once, starts a grace period: no worker is marked dead by its lease for
-  ``flush_grace_s``; one still silent after that is.
+  ``flush_grace_s``; one still silent after that is;
+* while Redis is unreachable the view is kept as it is (requests are routed on
+  it; no worker is marked dead for want of a lease), and the first refresh that
+  reaches it again starts the same grace: leases expired during the outage
+  while nobody could renew them, and the workers renew at different moments.
+  A worker whose actor dies meanwhile is still seen dead at once (a failed call).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from tandem.control.state import LEASE_TTL_S, ClusterState, WorkerRecord
+import redis
+
+from tandem.control.state import LEASE_TTL_S, ClusterState, ClusterStateUnavailable, WorkerRecord
 from tandem.router.registry import InProcessRegistry, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -44,7 +51,8 @@ class RedisRegistry(InProcessRegistry):
         resolve_actor: the actor handle of a record (e.g. ``ray.get_actor`` of its
             ``actor_name``); may raise when the actor is gone (the record is skipped).
         flush_grace_s: seconds every registered worker may be silent at once before
-            they are believed dead (default: two lease TTLs).
+            they are believed dead (default: two lease TTLs); also the grace after
+            Redis was unreachable.
     """
 
     def __init__(self, state: ClusterState, resolve_actor: Callable[[WorkerRecord], Any],
@@ -55,6 +63,8 @@ class RedisRegistry(InProcessRegistry):
         self.flush_grace_s = flush_grace_s
         self._all_silent_since: float | None = None
         self._epoch: str | None = None
+        self._unreachable_since: float | None = None
+        self._state_error: str | None = None
         self._task: asyncio.Task | None = None
         self.starting: set[str] = set()
         """Ids whose new incarnation this process is still wiring (its supervisor puts
@@ -63,16 +73,54 @@ class RedisRegistry(InProcessRegistry):
         """Ids this process is taking out of service (scale-down): a refresh must not
         put them back while their records are still being dropped."""
 
+    # -- reachability -----------------------------------------------------------------------
+    @property
+    def state_reachable(self) -> bool:
+        """The last refresh reached Redis (True before the first one)."""
+        return self._unreachable_since is None
+
+    @property
+    def state_error(self) -> str | None:
+        """Why the cluster state is unreachable (``"cluster state (Redis) unreachable at
+        HOST:PORT/DB (...)"``); None while it is reachable."""
+        return self._state_error
+
+    def _unreachable(self, exc: BaseException) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+            self._state_error = str(ClusterStateUnavailable(self.state.address, "", exc))
+            logger.warning("%s; routing on the last view of %d workers until it is back",
+                           self._state_error, len(self._workers))
+
+    def _reachable(self) -> None:
+        if self._unreachable_since is None:
+            return
+        down_s = time.monotonic() - self._unreachable_since
+        self._unreachable_since = self._state_error = None
+        # Leases expired while nobody could renew them: give every worker the grace
+        # to re-assert, as after a flush.
+        self._all_silent_since = time.monotonic()
+        logger.warning("the cluster state is reachable again after %.1f s; keeping %d "
+                       "workers for %.0f s while they renew", down_s,
+                       len(self.alive()), self.flush_grace_s)
+
     # -- refreshing ------------------------------------------------------------------------
     async def refresh(self) -> None:
         """Read the records once and apply them (new, restarted and lapsed workers).
 
         Raises:
-            redis.exceptions.ConnectionError: Redis is unreachable (the view is kept).
+            redis.exceptions.ConnectionError / TimeoutError: Redis is unreachable (the
+                view is kept, and :attr:`state_reachable` is False until a refresh
+                reaches it again).
         """
         def read():       # the epoch after the records: a loss between them is seen
             return self.state.workers(), self.state.draining(), self.state.epoch()
-        records, draining, epoch = await asyncio.to_thread(read)
+        try:
+            records, draining, epoch = await asyncio.to_thread(read)
+        except redis.exceptions.RedisError as exc:
+            self._unreachable(exc)
+            raise
+        self._reachable()
         fresh: dict[str, tuple[WorkerRecord, Any]] = {}
         for rec in records:
             known = self._workers.get(rec.worker_id)
@@ -147,7 +195,10 @@ class RedisRegistry(InProcessRegistry):
                     await self.refresh()
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:   # Redis down: keep the last view, try again
+                except redis.exceptions.RedisError as exc:
+                    # Redis down: keep the last view, try again (logged once per outage).
+                    logger.debug("cluster state refresh failed: %s", exc)
+                except Exception as exc:
                     logger.warning("cluster state refresh failed: %s", exc)
                 await asyncio.sleep(interval_s)
         self._task = asyncio.ensure_future(run())

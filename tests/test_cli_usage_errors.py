@@ -1,0 +1,121 @@
+"""What the driver can check is checked before any worker or Ray starts: the real
+``tandem`` console script, in a subprocess, on a model path that holds no model
+Tandem loads, a flag combination the engine refuses, or an unreachable Redis.
+Each answers one ``error: ...`` line on stderr naming what is wrong, no traceback,
+nothing on stdout; exit code 2 for a usage error (argparse's convention), 1 for
+an unreachable cluster state."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TANDEM = Path(sys.executable).parent / "tandem"
+RAY_STARTED = "Started a local Ray instance"
+
+
+def run(*args: str, timeout_s: float = 60) -> tuple[int, str, str, float]:
+    if not TANDEM.exists():
+        pytest.skip(f"no console script at {TANDEM} (pip install -e .)")
+    t0 = time.monotonic()
+    p = subprocess.run([str(TANDEM), *args], capture_output=True, text=True, timeout=timeout_s,
+                       cwd="/", env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def assert_one_error_line(stderr: str, stdout: str, expected: str) -> None:
+    lines = stderr.splitlines()
+    assert lines == [expected], stderr
+    assert "Traceback" not in stderr + stdout and RAY_STARTED not in stderr + stdout
+    assert stdout == ""
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    (root / "no_config").mkdir()
+    (root / "bad_config").mkdir()
+    (root / "bad_config" / "config.json").write_text("{not json")
+    (root / "fake.gguf").write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    (root / "notes.txt").write_text("hello")
+    return {name: str(root / name) for name in ("no_config", "bad_config", "fake.gguf",
+                                                 "notes.txt")}
+
+
+@pytest.mark.parametrize("command", [
+    ["serve"], ["serve", "--mode", "colocated"], ["demo", "hello"], ["generate", "hello"],
+    ["router", "--redis-url", "redis://127.0.0.1:1/0"], ["profile"]])
+def test_a_missing_model_path_is_a_usage_error_before_anything_starts(command):
+    code, out, err, took = run(*command, "--model", "/nonexistent/dir")
+    assert code == 2, err
+    assert_one_error_line(err, out, "error: --model: /nonexistent/dir: no such file or directory")
+    assert took < 30                   # refused, not started (Ray alone takes seconds)
+
+
+@pytest.mark.parametrize("name,why", [
+    ("no_config", ": a directory without config.json (expected a Hugging Face checkpoint "
+                  "directory or a .gguf file)"),
+    ("fake.gguf", ": not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF')"),
+    ("notes.txt", ": not a .gguf file or a Hugging Face checkpoint directory"),
+])
+def test_a_path_without_a_loadable_model_is_named(paths, name, why):
+    code, out, err, _ = run("serve", "--model", paths[name])
+    assert code == 2, err
+    assert_one_error_line(err, out, f"error: --model: {paths[name]}{why}")
+
+
+def test_a_checkpoint_whose_config_is_not_json_is_named(paths):
+    code, out, err, _ = run("generate", "hi", "--model", paths["bad_config"])
+    assert code == 2, err
+    [line] = err.splitlines()
+    assert line.startswith(f"error: --model: {paths['bad_config']}/config.json is not valid JSON (")
+    assert_one_error_line(err, out, line)
+
+
+def test_a_missing_draft_model_is_named():
+    code, out, err, _ = run("serve", "--speculative-method", "draft_model",
+                            "--speculative-draft-model", "/nonexistent/draft.gguf")
+    assert code == 2, err
+    assert_one_error_line(err, out, "error: --speculative-draft-model: /nonexistent/draft.gguf: "
+                                    "no such file or directory")
+
+
+def test_a_flag_combination_the_engine_refuses_is_a_usage_error():
+    code, out, err, _ = run("serve", "--batch-invariant", "--dtype", "float16")
+    assert code == 2, err
+    assert_one_error_line(err, out, "error: batch_invariant: float32 or bfloat16, not 'float16'")
+
+
+def test_a_client_of_a_running_server_does_not_check_a_model_it_never_loads():
+    # --endpoint: the server's model counts; nothing answers on port 1, so the call
+    # itself fails (exit 1), after the arguments were accepted.
+    code, out, err, _ = run("generate", "--endpoint", "127.0.0.1:1", "--model",
+                            "/nonexistent/dir", "hi")
+    assert code == 1 and "--model" not in err and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("error: UNAVAILABLE: ")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command,what", [
+    (["serve"], "tandem serve keeps the cluster state there"),
+    (["router"], "a router joins the cluster through it"),
+])
+def test_an_unreachable_redis_is_named_before_ray_starts(command, what):
+    port = _closed_port()
+    code, out, err, _ = run(*command, "--redis-url", f"redis://127.0.0.1:{port}/0")
+    assert code == 1, err
+    [line] = err.splitlines()
+    assert line.startswith(f"error: cluster state (Redis) unreachable at 127.0.0.1:{port}/0: "
+                           f"{what} ("), line
+    assert_one_error_line(err, out, line)
