@@ -94,6 +94,38 @@ def test_kill_the_only_decode_worker_requests_wait_and_resume(cluster, baseline)
     _assert_idle(cluster)
 
 
+def test_sigstop_the_prefill_worker_for_20_s(cluster, baseline):
+    """The prefill worker stops mid-transfer (SIGSTOP) for 20 s: it makes no
+    progress, so after the prefill timeout the decode worker prefills the waiting
+    prompts itself, and every stream ends with the no-failure tokens. Its lease
+    lapses meanwhile (10 s), so the supervisor replaces it and kills the stopped
+    process; were it continued instead, what it sent would land nowhere (fenced)."""
+    prefill = _handle(cluster, "prefill-0")
+    streams = _streams(cluster)
+    time.sleep(0.3)                      # prompts are being prefilled and streamed
+    t_stop = time.monotonic()
+    os.kill(prefill.info["pid"], signal.SIGSTOP)
+    try:
+        _wait(lambda: all(s.tokens for s in streams), 60, "every stream's first token")
+        first = max(s.times[0] for s in streams) - t_stop
+        time.sleep(max(0.0, 20 - (time.monotonic() - t_stop)))
+    finally:
+        try:
+            os.kill(prefill.info["pid"], signal.SIGCONT)
+        except ProcessLookupError:     # its lease lapsed: replaced, the stopped one killed
+            pass
+    for s in streams:
+        s.join(300)
+    for i, s in enumerate(streams):
+        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
+        assert s.by_index == baseline[i], i
+    done = max(s.times[-1] for s in streams) - t_stop
+    print(f"\nprefill worker stopped for 20 s: every stream's first token {first:.1f} s, "
+          f"all 16 done {done:.1f} s after the stop")
+    _wait(lambda: _handle(cluster, "prefill-0").alive, 120, "a live prefill worker")
+    _assert_idle(cluster)
+
+
 def test_a_failing_output_pump_loses_no_request(cluster, baseline):
     """An exception in the router's own per-step code (here: the step callback that
     feeds the metrics) kills the decode worker's output pump. Its requests must not
