@@ -839,16 +839,20 @@ class TandemServer(RouterServer):
             self.redis.stop()
             self.redis = None
 
-    async def _kill_actors(self) -> None:
+    async def _kill_actors(self, timeout_s: float = 5.0) -> None:
+        """Ask every worker to shut down, all at once and for at most ``timeout_s``
+        seconds together (a busy worker finishes its step first), then kill them: a
+        stop under load stays bounded, whatever the number of workers."""
         import ray
 
-        for a in self.actors.values():
-            try:
-                await asyncio.wait_for(a.shutdown.remote(), 10)
-            except Exception as exc:
-                logger.debug("worker shutdown: %s", exc)
+        actors, self.actors = list(self.actors.values()), {}
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.shutdown.remote(), timeout_s) for a in actors),
+            return_exceptions=True)
+        for a, res in zip(actors, results):
+            if isinstance(res, BaseException):
+                logger.debug("worker shutdown: %r", res)
             ray.kill(a)
-        self.actors = {}
 
 
 class BackgroundServer:
