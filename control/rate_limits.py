@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 from tandem.control.state import ClusterState, ttl_ms
@@ -186,3 +187,10 @@ def refusal_message(verdict: Admission) -> str:
             else "too many concurrent requests")
     return f"rate limit exceeded for this API key: {what}"
 
+
+def retry_after_seconds(retry_after_s: float) -> int:
+    """The whole seconds a refused client is told to wait: an
+    :attr:`Admission.retry_after_s` rounded up, at least 1 (a concurrency refusal
+    has no refill time to quote). Both front ends quote it, so they agree: HTTP's
+    ``Retry-After`` header holds whole seconds, and gRPC's message the same number."""
+    return max(1, math.ceil(retry_after_s))

@@ -12,10 +12,15 @@ A request is converted to the gRPC API's ``GenerateRequest`` and checked by the
 same :class:`~tandem.router.validation.RequestValidator`, so both front ends
 accept and refuse exactly the same inputs; a refusal is HTTP 400 with vLLM's
 error shape ``{"error": {"message", "type", "param", "code"}}`` whose ``param``
-is the OpenAI field name (``top_p``, ``messages[0].role``). An unknown model is
-404; no live decode worker 503; a failure after the stream started is one
-``data: {"error": ...}`` frame, then ``data: [DONE]``. Messages never carry a
-traceback or an internal path.
+is the OpenAI field name (``top_p``, ``messages[0].role``). A body that is not
+JSON, not UTF-8, or holds a string that is not valid Unicode (a lone surrogate,
+``"\ud800"``) is 400 too. An unknown model is 404; a body over
+:data:`MAX_BODY_BYTES` 413 (by its Content-Length or, chunked, once it grows past
+it); a request head over :data:`MAX_HEADER_BYTES` 431; no live decode worker 503; a
+failure after the stream started is one ``data: {"error": ...}`` frame, then
+``data: [DONE]``. Every error, the HTTP server's own included, has that shape,
+and ``/openapi.json`` documents it (and ``/health``, ``/metrics`` as text).
+Messages never carry a traceback or an internal path.
 
 A client that disconnects (or cancels a stream) closes the request's
 orchestrator generator there and then, which aborts it on the workers, frees its
@@ -27,22 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import json
 import logging
-import math
 import socket
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
 
 from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, RequestFailed,
                                         ServiceUnavailable)
-from tandem.router.validation import InvalidRequestError, RequestValidator, ValidatedRequest
+from tandem.router.validation import (MAX_PROMPT_BYTES, InvalidRequestError, RequestValidator,
+                                      ValidatedRequest)
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 
@@ -51,12 +58,29 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_PROMPTS = 64
 """Prompts per ``/v1/completions`` request (a list prompt)."""
 MAX_HEADER_BYTES = 64 * 1024
-"""The request line and headers together; a larger head is refused (431/400)."""
+"""The request line and headers together; a larger head is refused (431)."""
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """A request body; a larger one is refused with 413 before it is read whole."""
 
 
 # -- request schemas (OpenAI + vLLM extras) ----------------------------------------------------
+
+def _valid_unicode(value: str) -> str:
+    """``value`` if UTF-8 can encode it. JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no tokenizer, protobuf string or UTF-8 response can hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "unicode_surrogate",
+            "must be valid Unicode: character {position} is a lone surrogate ({code})",
+            {"position": exc.start, "code": f"U+{ord(value[exc.start]):04X}"}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+"""A string field of a request: refused (400 naming the field) unless valid Unicode."""
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -68,7 +92,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -78,7 +102,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -86,25 +110,25 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Text
+    content: Text | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -121,8 +145,8 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -131,21 +155,73 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
 # -- errors ----------------------------------------------------------------------------------
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (vLLM's shape)."""
+
+    error: ErrorInfo
+
+
+_ERRORS = {
+    # A range, not 422: FastAPI documents its own 422 schema unless one is given.
+    "4XX": "Refused: 400 bad input (`param` names the field), 401 no or a wrong API key, "
+           f"404 unknown model, 413 a body over {MAX_BODY_BYTES} bytes, 431 a request head "
+           f"over {MAX_HEADER_BYTES} bytes",
+    "5XX": "500 a server fault; 503 no decode worker can serve (retry)",
+}
+_ERROR_RESPONSES: dict = {code: {"model": ErrorResponse, "description": why}
+                          for code, why in _ERRORS.items()}
+# A route answering text gets its errors documented explicitly as JSON: FastAPI would
+# put a `model` under the route's own media type.
+_TEXT_ROUTE_ERRORS: dict = {
+    code: {"description": why, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for code, why in _ERRORS.items()}
+_GENERATION_RESPONSES: dict = {
+    200: {"description": "JSON; with `stream: true`, server-sent events of JSON chunks "
+                         "ending with `data: [DONE]`",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **_ERROR_RESPONSES,
+    429: {"model": ErrorResponse, "description": "the API key's rate limit or concurrency "
+                                                 "cap refused it",
+          "headers": {"Retry-After": {"description": "whole seconds to wait",
+                                      "schema": {"type": "integer"}}}},
+}
+
+
+def _check_size(param: str, size: int) -> None:
+    """Refuse ``/tokenize`` text over the validator's cap (as a generation request
+    would be) before tokenizing it on the event loop: 400 naming ``param``."""
+    if size > MAX_PROMPT_BYTES:
+        what = "the contents must" if param == "messages" else "must"
+        raise APIError(400, f"{param}: {what} be at most {MAX_PROMPT_BYTES} bytes of UTF-8, "
+                            f"got {size}", param)
+
+
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  retry_after_s: float = 0.0):
+        # A message quoting the client's text must still encode as UTF-8.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.retry_after_s = retry_after_s
@@ -153,7 +229,9 @@ class APIError(Exception):
     @property
     def headers(self) -> dict[str, str] | None:
         if self.status == 429:
-            return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            from tandem.control.rate_limits import retry_after_seconds
+
+            return {"Retry-After": str(retry_after_seconds(self.retry_after_s))}
         return None
 
     def body(self) -> dict:
@@ -180,8 +258,9 @@ def _param_name(field: str, chat: bool, uses_completion_tokens: bool = False) ->
 
 def _loc_param(loc) -> str | None:
     """A pydantic error location (``("body", "messages", 0, "role")``) as a field name
-    (``messages[0].role``), without the union-member tags pydantic appends
-    (``"str"``, ``"list[int]"``)."""
+    (``messages[0].role``), without the union-member tags pydantic inserts
+    (``"str"``, ``"list[int]"``, ``"function-after[...]"``): ``("body", "prompt",
+    "list[...]", 1)`` is ``prompt[1]``."""
     out = ""
     for part in loc:
         if part == "body" and not out:
@@ -190,8 +269,6 @@ def _loc_param(loc) -> str | None:
             out += f"[{part}]"
         elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
             out += f".{part}" if out else part
-        else:
-            break
     return out or None
 
 
@@ -237,6 +314,10 @@ def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None
 def _refuse_unsupported(r: _Sampling) -> None:
     if r.logit_bias:
         raise APIError(400, "logit_bias: not supported", "logit_bias")
+    if r.stream_options is not None and not r.stream:
+        # As vLLM and OpenAI answer: the options would be silently ignored.
+        raise APIError(400, "stream_options: only allowed when stream is true",
+                       "stream_options")
     try:
         pb.GenerateRequest(priority=r.priority)
     except ValueError:
@@ -253,7 +334,11 @@ def _message_text(m: ChatMessage, i: int) -> str:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
                            f"messages[{i}].content[{j}]")
-        parts.append(part["text"])
+        try:
+            parts.append(_valid_unicode(part["text"]))
+        except PydanticCustomError as exc:    # the schema leaves parts untyped
+            param = f"messages[{i}].content[{j}].text"
+            raise APIError(400, f"{param}: {exc.message()}", param) from None
     return "".join(parts)
 
 
@@ -301,7 +386,8 @@ class OpenAIServer:
     def _build_app(self):
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, Response
+        from fastapi.responses import JSONResponse, PlainTextResponse
+        from starlette.exceptions import HTTPException
 
         app = FastAPI(title="Tandem OpenAI-compatible API", version="1")
 
@@ -311,14 +397,35 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def schema_error(_request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
+            errors = exc.errors()
+            # Of a union's members' errors the first is the first member's ("should be
+            # a valid string" for a string holding a surrogate): name the real one.
+            first = next((e for e in errors if e.get("type") == "unicode_surrogate"),
+                         errors[0] if errors else {})
             if first.get("type") == "json_invalid":
-                err = APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")
+                why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+                err = APIError(400, f"the body is not valid JSON: {why}")
             else:
                 param = _loc_param(first.get("loc", ()))
                 msg = first.get("msg", "invalid request")
                 err = APIError(400, f"{param}: {msg}" if param else msg, param)
             return JSONResponse(err.body(), status_code=400)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_request, exc: HTTPException):
+            # Starlette's and FastAPI's own refusals (unknown path, wrong method, a
+            # body FastAPI cannot parse, the body cap in _AuthMiddleware), in the
+            # API's error shape rather than {"detail": ...}.
+            message = exc.detail if isinstance(exc.detail, str) else \
+                http.HTTPStatus(exc.status_code).phrase
+            if isinstance(exc.__cause__, UnicodeDecodeError):
+                message = "the body is not valid JSON: it is not UTF-8"
+            elif isinstance(exc.__cause__, RecursionError):
+                message = "the body is not valid JSON: it is nested too deeply"
+            elif exc.__cause__ is not None and exc.status_code == 400:
+                message = "the body is not valid JSON"
+            err = APIError(exc.status_code, message)
+            return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
         @app.exception_handler(Exception)
         async def unexpected(_request, exc: Exception):
@@ -326,40 +433,43 @@ class OpenAIServer:
             return JSONResponse(APIError(500, "internal error").body(), status_code=500)
 
         app.add_middleware(_AuthMiddleware, server=self)
+        text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
 
-        @app.get("/health")
+        @app.get("/health", response_class=PlainTextResponse,
+                 responses={**_TEXT_ROUTE_ERRORS, 503: {**text, "description": "cannot serve"}})
         async def health():
-            return Response(status_code=200 if self.healthy() else 503)
+            return PlainTextResponse("", status_code=200 if self.healthy() else 503)
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse, responses=_TEXT_ROUTE_ERRORS)
         async def metrics():
             if self.metrics is None:
-                return Response(status_code=404)
+                raise APIError(404, "metrics are not enabled on this server")
             from prometheus_client import CONTENT_TYPE_LATEST
 
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+            return PlainTextResponse(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses=_ERROR_RESPONSES)
         async def models():
             return {"object": "list", "data": [{
                 "id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "tandem", "root": self.model_name, "parent": None,
                 "max_model_len": self.info["max_model_len"]}]}
 
-        @app.post("/tokenize")
+        @app.post("/tokenize", responses=_ERROR_RESPONSES)
         async def tokenize(body: TokenizeRequest):
             self._check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise APIError(400, "prompt: exactly one of prompt or messages must be set",
                                "prompt")
             if body.prompt is not None:
+                _check_size("prompt", len(body.prompt.encode()))
                 ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
                 ids = self._chat_ids(body.messages, body.add_generation_prompt)
             return {"count": len(ids), "max_model_len": self.info["max_model_len"],
                     "tokens": ids}
 
-        @app.post("/detokenize")
+        @app.post("/detokenize", responses=_ERROR_RESPONSES)
         async def detokenize(body: DetokenizeRequest):
             self._check_model(body.model)
             vocab = self.tokenizer.vocab_size
@@ -369,11 +479,11 @@ class OpenAIServer:
                                    f"tokens[{i}]")
             return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
         async def completions(body: CompletionRequest, request: Request):
             return await self._completions(body, request)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
         async def chat_completions(body: ChatCompletionRequest, request: Request):
             return await self._chat(body, request)
 
@@ -449,6 +559,7 @@ class OpenAIServer:
             ssl_cert_reqs=tls.ssl_cert_reqs)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=2,
+                                http=_http_protocol(),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES, **ssl)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None   # the owner handles signals
@@ -477,10 +588,16 @@ class OpenAIServer:
             raise APIError(503, "no decode worker is alive")
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        from jinja2 import TemplateError  # comes with transformers' chat templates
+
         conversation = [{"role": m.role, "content": _message_text(m, i)}
                         for i, m in enumerate(messages)]
+        _check_size("messages", sum(len(m["content"].encode()) for m in conversation))
         try:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except TemplateError as exc:       # the template refused the conversation
+            raise APIError(400, f"messages: rejected by the chat template: {exc}",
+                           "messages") from None
         except ValueError as exc:          # "messages...: why"
             param, _, message = str(exc).partition(": ")
             raise APIError(400, f"{param}: {message}", param) from None
@@ -718,9 +835,12 @@ class OpenAIServer:
                                                 "logprobs": None, "finish_reason": None}]}
         async with self._running(requests) as events:
             async for i, ev in events:
+                # The update, not the sample: _running queues events, so the sample
+                # may have run ahead (finished) by the time an earlier event is read.
                 s, upd = ev.sample, ev.update
+                finished = upd.finish_reason is not None
                 idx = i * n + s.index
-                _check_failed(s)
+                _check_failed(upd)
                 if scored_echo and upd.prompt_logprobs is not None:
                     # The prompt's scores come with the sample's first tokens: echo it now.
                     ids = list(requests[i].prompt_token_ids)
@@ -729,16 +849,16 @@ class OpenAIServer:
                     yield {**base, "choices": [{"index": idx,
                                                 "text": self._prompt_text(requests[i]),
                                                 "logprobs": lps, "finish_reason": None}]}
-                if not (upd.text or upd.token_ids or s.finished):
+                if not (upd.text or upd.token_ids or finished):
                     continue
                 lps = None
                 if body.logprobs is not None:
                     lps = self._completion_logprobs(upd.logprobs, offsets.get(idx, 0))
                     offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
                 choice = {"index": idx, "text": upd.text, "logprobs": lps,
-                          "finish_reason": s.finish_reason if s.finished else None}
-                if s.finished:
-                    choice["stop_reason"] = _stop_reason(s)
+                          "finish_reason": upd.finish_reason}
+                if finished:
+                    choice["stop_reason"] = _stop_reason(upd)
                     usage.add_sample(s, i)
                 chunk = {**base, "choices": [choice]}
                 if include_usage and continuous:
@@ -831,20 +951,21 @@ class OpenAIServer:
 
         async with self._running([v]) as events:
             async for _, ev in events:
-                s, upd = ev.sample, ev.update
-                _check_failed(s)
-                if not (upd.text or upd.token_ids or s.finished):
+                s, upd = ev.sample, ev.update       # the update: see _completion_stream
+                finished = upd.finish_reason is not None
+                _check_failed(upd)
+                if not (upd.text or upd.token_ids or finished):
                     continue
                 if not role_sent:
                     role_sent = True
                     for chunk in role_chunks():
                         yield chunk
-                delta = {"content": upd.text} if upd.text or not s.finished else {}
+                delta = {"content": upd.text} if upd.text or not finished else {}
                 choice = {"index": s.index, "delta": delta,
                           "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
-                          "finish_reason": s.finish_reason if s.finished else None}
-                if s.finished:
-                    choice["stop_reason"] = _stop_reason(s)
+                          "finish_reason": upd.finish_reason}
+                if finished:
+                    choice["stop_reason"] = _stop_reason(upd)
                     usage.add_sample(s)
                 chunk = {**base, "choices": [choice]}
                 if include_usage and continuous:
@@ -887,34 +1008,55 @@ class _EventStream(StreamingResponse):
 
 def _stop_reason(s) -> int | str | None:
     """vLLM's ``stop_reason``: the stop string or stop token id that ended the sample
-    (None for EOS, length, abort; never a worker's error text)."""
+    (None for EOS, length, abort; never a worker's error text). ``s``: a sample or
+    the update that finished it."""
     return s.stop_reason if s.finish_reason == "stop" else None
 
 
 def _check_failed(s) -> None:
     """A sample a worker failed ends the response with a 500 (the worker's message is
-    logged by the orchestrator, not sent)."""
+    logged by the orchestrator, not sent). ``s``: a sample or one of its updates."""
     if s.finish_reason == "error":
         raise APIError(500, "generation failed on a worker")
 
 
+def _head_bytes(scope) -> int:
+    """The size of the request line and headers as the client sent them (give or
+    take the whitespace around header values, which h11 strips)."""
+    target = len(scope.get("raw_path") or b"") + (len(scope["query_string"]) + 1
+                                                  if scope.get("query_string") else 0)
+    line = len(scope["method"]) + 1 + target + len(" HTTP/") + len(scope["http_version"]) + 2
+    return line + sum(len(k) + 2 + len(v) + 2 for k, v in scope["headers"]) + 2
+
+
 class _AuthMiddleware:
-    """Checks ``Authorization: Bearer <key>`` before any route runs, and refuses a
-    body over :data:`MAX_BODY_BYTES` (413) by its Content-Length or while it streams
-    in (a plain ASGI middleware, so bodies and disconnects pass through untouched)."""
+    """Checks ``Authorization: Bearer <key>`` before any route runs, refuses a head
+    over :data:`MAX_HEADER_BYTES` (431) and a body over :data:`MAX_BODY_BYTES` (413)
+    by its Content-Length or while it streams in (a plain ASGI middleware, so
+    bodies and disconnects pass through untouched)."""
 
     def __init__(self, app, server: OpenAIServer):
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
+        from starlette.exceptions import HTTPException
         from starlette.responses import JSONResponse
 
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # h11 checks its cap (uvicorn's h11_max_incomplete_event_size) only on a head
+        # still incomplete after a read: one that arrives whole in one read, up to a
+        # socket read's size, passes it. Measured here, every head gets the same cap.
+        if _head_bytes(scope) > MAX_HEADER_BYTES:
+            err = APIError(431, f"the request line and headers must be at most "
+                                f"{MAX_HEADER_BYTES} bytes")
+            await JSONResponse(err.body(), status_code=431)(scope, receive, send)
+            return
+        too_large = f"the request body must be at most {MAX_BODY_BYTES} bytes"
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            err = APIError(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+            err = APIError(413, too_large)
             await JSONResponse(err.body(), status_code=413)(scope, receive, send)
             return
         seen = 0
@@ -925,7 +1067,9 @@ class _AuthMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > MAX_BODY_BYTES:
-                    raise APIError(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+                    # An HTTPException: FastAPI's body reading passes it on to the
+                    # app's handler (any other exception becomes a 400 there).
+                    raise HTTPException(413, too_large)
             return message
 
         receive_ = counted_receive
@@ -971,3 +1115,45 @@ async def _wait_disconnect(request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _http_protocol():
+    """uvicorn's h11 protocol, answering a request that h11 refuses in the API's
+    error shape, with h11's status: 431 for a head over :data:`MAX_HEADER_BYTES`
+    ("Receive buffer too long"), 400 for a malformed one. uvicorn's own answer is a
+    plain-text 400 for both."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Connection(h11.Connection):
+        error_status = 400
+
+        def next_event(self):
+            try:
+                return super().next_event()
+            except h11.RemoteProtocolError as exc:
+                self.error_status = exc.error_status_hint
+                raise
+
+    class HTTPProtocol(H11Protocol):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.conn = Connection(h11.SERVER, config.h11_max_incomplete_event_size)
+
+        def send_400_response(self, msg: str) -> None:
+            if self.conn.error_status == 431:
+                err = APIError(431, f"the request line and headers must be at most "
+                                    f"{MAX_HEADER_BYTES} bytes")
+            else:
+                err = APIError(400, "invalid HTTP request")
+            body = json.dumps(err.body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]
+            self.transport.write(self.conn.send(h11.Response(
+                status_code=err.status, headers=headers,
+                reason=http.HTTPStatus(err.status).phrase.encode())))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+            self.transport.close()
+
+    return HTTPProtocol

@@ -32,6 +32,7 @@ import logging
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
@@ -141,7 +142,7 @@ class TandemService(pb_grpc.TandemServicer):
             return None
         from tandem.router.grpc_security import current_key_id
 
-        from tandem.control.rate_limits import refusal_message
+        from tandem.control.rate_limits import refusal_message, retry_after_seconds
 
         key_id = current_key_id() or "anonymous"
         verdict = await self.limiter.admit_or_pass(key_id, request_id)
@@ -152,8 +153,29 @@ class TandemService(pb_grpc.TandemServicer):
                 self.metrics.request_rate_limited(verdict.reason)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{refusal_message(verdict)} (retry after "
-                                f"{verdict.retry_after_s:.1f} s)")
+                                f"{retry_after_seconds(verdict.retry_after_s)} s)")
         return key_id
+
+    @staticmethod
+    async def _parse(message_class, data: bytes, context):
+        """``data`` (a request's bytes) as a ``message_class``; aborts the call with
+        ``INVALID_ARGUMENT`` (``"request: ..."``) when they are not one, e.g. a
+        truncated message, a wrong wire type or a string field holding invalid UTF-8.
+        Parsing here rather than in the transport's deserializer is what lets the
+        client hear that: grpc.aio answers a deserializer's exception with
+        ``UNKNOWN`` and the exception's class and text."""
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {message_class.DESCRIPTOR.full_name} "
+                                "message")
+
+    async def get_model_info_call(self, data: bytes, context):
+        """``GetModelInfo`` as the server runs it: from the request's bytes (see
+        :func:`add_tandem_service`); an undecodable one is ``INVALID_ARGUMENT``."""
+        request = await self._parse(pb.GetModelInfoRequest, data, context)
+        return await self.GetModelInfo(request, context)
 
     async def GetModelInfo(self, request, context):
         i = self.info
@@ -163,20 +185,23 @@ class TandemService(pb_grpc.TandemServicer):
 
     async def generate_call(self, request_iterator, context) -> None:
         """``Generate`` as the server runs it: from the call's arrival, reading its one
-        request itself (see :func:`add_tandem_service`). A client that cancels
-        before the request was read is counted as an aborted request; like gRPC
-        for a unary request, the call then gets no answer (there is no one to
-        answer). Note that a message the transport refuses (larger than
+        request's bytes itself (see :func:`add_tandem_service`); bytes that are not a
+        ``GenerateRequest`` end the call with ``INVALID_ARGUMENT``
+        (``"request: not a valid tandem.v1.GenerateRequest message"``). A client
+        that cancels before the request was read is counted as an aborted request;
+        like gRPC for a unary request, the call then gets no answer (there is no
+        one to answer). Note that a message the transport refuses (larger than
         :data:`MAX_MESSAGE_BYTES`; the client gets ``RESOURCE_EXHAUSTED``) looks
         the same from here and counts the same."""
         try:
-            request = await context.read()
+            data = await context.read()
         except asyncio.CancelledError:
             self._cancelled_early()
             raise
-        if request is grpc.aio.EOF:
+        if data is grpc.aio.EOF:
             self._cancelled_early()
             raise asyncio.CancelledError()
+        request = await self._parse(pb.GenerateRequest, data, context)
         await self.Generate(request, context)
 
     def _cancelled_early(self) -> None:
@@ -272,16 +297,21 @@ def add_tandem_service(service: TandemService, server) -> None:
     silently drops a call cancelled before that: a client that cancels right
     after sending would never reach Tandem's code, and never be counted.
 
+    Both methods take their request as bytes (no request deserializer) and parse
+    it in the handler: grpc.aio answers a deserializer that raises with
+    ``UNKNOWN`` and ``Unexpected <class '...DecodeError'>: ...``, where the
+    handler can answer ``INVALID_ARGUMENT``.
+
     Raises:
         RuntimeError: the proto has a method this does not register (keep them in step).
     """
     name = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
     handlers = {
         "Generate": grpc.stream_stream_rpc_method_handler(
-            service.generate_call, request_deserializer=pb.GenerateRequest.FromString,
+            service.generate_call, request_deserializer=None,
             response_serializer=pb.GenerateResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            service.get_model_info_call, request_deserializer=None,
             response_serializer=pb.GetModelInfoResponse.SerializeToString),
     }
     methods = set(pb.DESCRIPTOR.services_by_name["Tandem"].methods_by_name)

@@ -9,9 +9,11 @@ what needs the request, the tokenizer or the model (presence, vocabulary and
 context length, limits on sizes).
 
 Text fields need no UTF-8 check here: protobuf refuses to parse a string field
-holding invalid UTF-8 (``DecodeError`` before the handler runs) and refuses to
-set one to a Python string that cannot be encoded (a lone surrogate raises
-``UnicodeEncodeError``), so every ``str`` read from a message is valid Unicode.
+holding invalid UTF-8 (``DecodeError``, which the gRPC front end answers with
+``INVALID_ARGUMENT`` ``request: ...`` before validating) and refuses to set one
+to a Python string that cannot be encoded (a lone surrogate raises
+``UnicodeEncodeError``; the HTTP front end refuses those in its request schema,
+naming the field), so every ``str`` read from a message is valid Unicode.
 """
 
 from __future__ import annotations

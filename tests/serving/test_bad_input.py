@@ -1,9 +1,11 @@
 """Bad and extreme input over the real gRPC server (one colocated worker, float32).
 
-Out-of-range values of every field are INVALID_ARGUMENT naming the field;
+Out-of-range values of every field are INVALID_ARGUMENT naming the field, and
+bytes that are not a message at all are INVALID_ARGUMENT naming ``request``;
 extreme values that are valid generate; worker and router failures answer a
-status whose message holds no traceback and no file path. After each, the
-server still serves and, at the end, every block is free.
+status whose message holds no traceback and no file path; a rate-limit refusal
+quotes the same whole seconds as HTTP's ``Retry-After``. After each, the server
+still serves and, at the end, every block is free.
 """
 
 from __future__ import annotations
@@ -269,6 +271,92 @@ def test_an_unexpected_router_error_is_internal_and_logged(server, add_request, 
     assert any("router-crash" in r.getMessage() and r.exc_info for r in caplog.records)
     add_request.restore()
     still_serves(server)
+
+
+# -- messages that are not a request at all --------------------------------------------------
+
+UNDECODABLE = [
+    ("Generate", "GenerateRequest", "garbage", b"\xff\xff\xff"),
+    ("Generate", "GenerateRequest", "truncated prompt", b"\x12\x05ab"),   # 5 bytes promised
+    ("Generate", "GenerateRequest", "prompt not UTF-8", b"\x12\x01\xff"),
+    ("Generate", "GenerateRequest", "truncated varint", b"\x30"),         # priority, no value
+    ("GetModelInfo", "GetModelInfoRequest", "garbage", b"\xff\xff\xff"),
+    ("GetModelInfo", "GetModelInfoRequest", "truncated field", b"\x12\x05ab"),
+]
+
+
+@pytest.mark.parametrize("method, message, payload", [c[:2] + c[3:] for c in UNDECODABLE],
+                         ids=[f"{c[0]}: {c[2]}" for c in UNDECODABLE])
+def test_an_undecodable_message_is_invalid_argument(server, method, message, payload):
+    # Before: UNKNOWN, "Unexpected <class 'google.protobuf.message.DecodeError'>: ..."
+    path = f"/tandem.v1.Tandem/{method}"
+    call = server.channel.unary_stream(path) if method == "Generate" else \
+        server.channel.unary_unary(path)          # no serializers: the bytes as they are
+    with pytest.raises(grpc.RpcError) as info:
+        out = call(payload, timeout=60)
+        list(out) if method == "Generate" else None
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+    assert err.details() == f"request: not a valid tandem.v1.{message} message"
+    assert_clean(err.details())
+    still_serves(server)
+
+
+# -- rate-limit refusals (in process: a stand-in orchestrator and limiter) --------------------
+
+class _Refusing:
+    """A limiter that refuses every request with ``verdict``."""
+
+    def __init__(self, verdict):
+        self.verdict = verdict
+
+    async def admit_or_pass(self, key_id, request_id):
+        return self.verdict
+
+    def release(self, key_id, request_id):
+        pass
+
+
+@pytest.mark.parametrize("reason, retry_after_s, seconds", [
+    ("rate", 0.04, 1), ("rate", 1.0, 1), ("rate", 1.2, 2), ("concurrency", 0.0, 1)])
+def test_a_rate_limit_refusal_quotes_the_seconds_http_sends(reason, retry_after_s, seconds):
+    # Before: "retry after 0.0 s" where HTTP sent "Retry-After: 1".
+    import asyncio
+
+    from types import SimpleNamespace
+
+    from tandem.control.rate_limits import Admission
+    from tandem.router.openai_api import APIError
+    from tandem.router.server import TandemService, start_grpc_server
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    verdict = Admission(False, reason, retry_after_s)
+    # Admission runs after validation and before the orchestrator: neither does more.
+    tokenizer = SimpleNamespace(vocab_size=100, hf_tokenizer=None)
+    orchestrator = SimpleNamespace(cluster=SimpleNamespace(can_serve=True))
+    model_info = dict(model_name="m", max_model_len=64, block_size=16, dtype="float32",
+                      vocab_size=100)
+
+    async def call() -> grpc.aio.AioRpcError:
+        service = TandemService(orchestrator, tokenizer, model_info, limiter=_Refusing(verdict))
+        grpc_server, port, _ = await start_grpc_server(service, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in pb_grpc.TandemStub(channel).Generate(
+                            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])), timeout=30):
+                        pass
+                return info.value
+        finally:
+            await grpc_server.stop(None)
+
+    err = asyncio.run(call())
+    what = "too many requests per second" if reason == "rate" else "too many concurrent requests"
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.details() == (f"rate limit exceeded for this API key: {what} "
+                             f"(retry after {seconds} s)")
+    http = APIError(429, "refused", retry_after_s=retry_after_s)
+    assert http.headers == {"Retry-After": str(seconds)}
 
 
 def test_every_block_is_free_afterwards(server):

@@ -302,6 +302,174 @@ def test_malformed_body_is_400(base_url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def _post_raw(base_url: str, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{base_url}{path}", content=body, timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def _refusal(r: httpx.Response, status: int) -> dict:
+    """The documented error body of a refusal with ``status``."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status
+    return body["error"]
+
+
+LONE_SURROGATES = [      # JSON text: \ud800 decodes to a lone surrogate, no valid Unicode
+    ("/v1/completions", r'{"prompt": "ab\ud800", "max_tokens": 1}', "prompt", 2, "D800"),
+    ("/v1/completions", r'{"prompt": ["ok", "\udfff"], "max_tokens": 1}', "prompt[1]", 0,
+     "DFFF"),
+    ("/v1/completions", r'{"prompt": "ok", "stop": ["x", "\udc00"]}', "stop[1]", 0, "DC00"),
+    ("/v1/completions", r'{"prompt": "ok", "model": "\ud800"}', "model", 0, "D800"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi \ud800"}]}',
+     "messages[0].content", 3, "D800"),
+    ("/v1/chat/completions",
+     r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "messages[0].content[0].text", 0, "D800"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "hi"}]}',
+     "messages[0].role", 0, "D800"),
+    ("/tokenize", r'{"prompt": "\ud800"}', "prompt", 0, "D800"),
+    ("/tokenize", r'{"messages": [{"role": "user", "content": "\udbff"}]}',
+     "messages[0].content", 0, "DBFF"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, position, code", LONE_SURROGATES,
+                         ids=[f"{c[0]} {c[2]}" for c in LONE_SURROGATES])
+def test_a_lone_surrogate_is_400_naming_the_field(base_url, path, body, param, position, code):
+    # Before: 500 (protobuf and the tokenizer cannot encode it).
+    err = _refusal(_post_raw(base_url, path, body.encode()), 400)
+    assert err["param"] == param and err["type"] == "BadRequestError"
+    assert err["message"] == (f"{param}: must be valid Unicode: character {position} is a "
+                              f"lone surrogate (U+{code})")
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": "\xff\xfe"}', "the body is not valid JSON: it is not UTF-8"),
+    (b'{"prompt": "caf\xc3"}', "the body is not valid JSON: it is not UTF-8"),
+    (b'{"prompt": ', "the body is not valid JSON: Expecting value"),
+    (b"[" * 100_000, "the body is not valid JSON: it is nested too deeply"),
+], ids=["invalid UTF-8", "truncated UTF-8", "truncated JSON", "nested too deeply"])
+def test_an_unparsable_body_is_400_in_the_error_shape(base_url, body, message):
+    # Before: FastAPI's {"detail": "There was an error parsing the body"}.
+    err = _refusal(_post_raw(base_url, "/v1/completions", body), 400)
+    assert err["message"] == message and err["param"] is None
+
+
+def test_unknown_paths_and_methods_answer_in_the_error_shape(base_url):
+    err = _refusal(httpx.get(f"{base_url}/v2/nothing"), 404)
+    assert err == {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}
+    r = httpx.delete(f"{base_url}/v1/completions")
+    assert _refusal(r, 405)["message"] == "Method Not Allowed"
+    assert r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+])
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_stream_is_400(base_url, path, body, stream):
+    # vLLM and OpenAI refuse it too; before, it was accepted and ignored.
+    if stream is not None:
+        body = {**body, "stream": stream}
+    r = httpx.post(f"{base_url}{path}", timeout=60,
+                   json={**body, "stream_options": {"include_usage": True}})
+    err = _refusal(r, 400)
+    assert err["param"] == "stream_options"
+    assert err["message"] == "stream_options: only allowed when stream is true"
+
+
+def test_a_chunked_body_over_the_cap_is_413(base_url):
+    # Before: 400 {"detail": "There was an error parsing the body"}.
+    from tandem.router.openai_api import MAX_BODY_BYTES
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = httpx.post(f"{base_url}/v1/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.request.headers["transfer-encoding"] == "chunked"
+    assert _refusal(r, 413) == {
+        "message": f"the request body must be at most {MAX_BODY_BYTES} bytes",
+        "type": "RequestTooLargeError", "param": None, "code": 413}
+    assert httpx.get(f"{base_url}/health").status_code == 200        # still serving
+
+
+@pytest.mark.parametrize("kib", [65, 70, 96])
+def test_a_head_over_64_kib_is_431(base_url, kib):
+    # Before: heads that reached the server in one read passed (h11 checks its cap
+    # only on an incomplete head).
+    from tandem.router.openai_api import MAX_HEADER_BYTES
+
+    r = httpx.get(f"{base_url}/v1/models", headers={"x-padding": "a" * (kib << 10)}, timeout=60)
+    assert _refusal(r, 431)["message"] == (
+        f"the request line and headers must be at most {MAX_HEADER_BYTES} bytes")
+    ok = httpx.get(f"{base_url}/v1/models", headers={"x-padding": "a" * (63 << 10)}, timeout=60)
+    assert ok.status_code == 200
+
+
+def _raw_exchange(base_url: str, data: bytes) -> tuple[int, dict]:
+    """Send ``data`` on a fresh connection and read the answer up to its close:
+    ``(status, JSON body)``."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("data, status, message", [
+    # Never finished: h11 refuses it once its buffer passes the cap (not the app).
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * (70 << 10), 431,
+     "the request line and headers must be at most 65536 bytes"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400,
+     "invalid HTTP request"),
+], ids=["unfinished head over the cap", "malformed head"])
+def test_the_http_servers_own_refusals_have_the_error_shape(base_url, data, status, message):
+    # Before: uvicorn's plain-text "400 Invalid HTTP request received." for both.
+    got, body = _raw_exchange(base_url, data)
+    assert got == status and body["error"]["message"] == message
+    assert body["error"]["code"] == status
+    assert httpx.get(f"{base_url}/health").status_code == 200        # still serving
+
+
+def test_openapi_documents_what_the_server_sends(base_url):
+    # Before: 422 HTTPValidationError documented (400 {"error": ...} is sent), and
+    # /health, /metrics documented as JSON.
+    spec = httpx.get(f"{base_url}/openapi.json").json()
+    assert "HTTPValidationError" not in json.dumps(spec)
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    assert spec["components"]["schemas"]["ErrorResponse"]["required"] == ["error"]
+    assert set(spec["components"]["schemas"]["ErrorInfo"]["required"]) == {
+        "message", "type", "param", "code"}
+    for path, method in [("/v1/completions", "post"), ("/v1/chat/completions", "post"),
+                         ("/tokenize", "post"), ("/detokenize", "post"), ("/v1/models", "get"),
+                         ("/health", "get"), ("/metrics", "get")]:
+        responses = spec["paths"][path][method]["responses"]
+        assert "422" not in responses, path
+        for code in ("4XX", "5XX"):
+            assert responses[code]["content"] == {"application/json": {"schema": error_ref}}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        ok = spec["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(ok) == {"application/json", "text/event-stream"}
+        assert spec["paths"][path]["post"]["responses"]["429"]["headers"]["Retry-After"]
+    for path in ("/health", "/metrics"):
+        assert set(spec["paths"][path]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(spec["paths"]["/health"]["get"]["responses"]["503"]["content"]) == {"text/plain"}
+    assert httpx.get(f"{base_url}/health").headers["content-type"].startswith("text/plain")
+
+
 # -- disconnects -----------------------------------------------------------------------------
 
 def _aborts(cluster) -> dict[str, float]:
