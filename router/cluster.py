@@ -105,8 +105,10 @@ class Cluster:
 
     @property
     def healthy(self) -> bool:
-        """Every pool has a live worker (health SERVING)."""
-        return self.registry.healthy
+        """Health says SERVING: requests can be served (a decode-side worker is
+        alive; with the prefill pool empty the decode workers prefill for
+        themselves, degraded but served)."""
+        return self.registry.can_serve
 
     @property
     def can_serve(self) -> bool:

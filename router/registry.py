@@ -72,8 +72,8 @@ class WorkerRegistry(ABC):
 
     Listeners (:meth:`add_health_listener`, :meth:`add_worker_down_listener`)
     are called synchronously from the mutating call, after the change. The
-    registry starts unhealthy (no worker), and a health listener is called
-    only when :attr:`healthy` changes.
+    registry starts unable to serve (no worker), and a health listener is called
+    only when :attr:`can_serve` changes.
     """
 
     def __init__(self) -> None:
@@ -167,7 +167,7 @@ class WorkerRegistry(ABC):
     @property
     def healthy(self) -> bool:
         """Every pool has a live worker: a decode-side worker is alive and, when
-        disaggregated, a prefill worker too (health says SERVING)."""
+        disaggregated, a prefill worker too (not degraded)."""
         if not self.alive("decode"):
             return False
         return not self.disaggregated or bool(self.alive("prefill"))
@@ -180,7 +180,9 @@ class WorkerRegistry(ABC):
 
     # -- listeners ----------------------------------------------------------------------------
     def add_health_listener(self, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(healthy)`` whenever :attr:`healthy` changes."""
+        """Call ``callback(serving)`` whenever :attr:`can_serve` changes: health says
+        NOT_SERVING only when requests cannot be served (no decode-side worker);
+        an empty prefill pool degrades, it does not refuse."""
         self._health_listeners.append(callback)
 
     def add_worker_down_listener(self, callback: Callable[[str], None]) -> None:
@@ -202,7 +204,7 @@ class WorkerRegistry(ABC):
             cb(worker_id)
 
     def _check_health(self) -> None:
-        healthy = self.healthy
+        healthy = self.can_serve
         if healthy != self._last_healthy:
             self._last_healthy = healthy
             for cb in self._health_listeners:

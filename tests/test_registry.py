@@ -49,7 +49,10 @@ def test_colocated_cluster_health():
         reg.mark_dead("colo-9")
 
 
-def test_disaggregated_health_needs_both_sides():
+def test_disaggregated_health_follows_what_can_be_served():
+    """``healthy`` says whether every pool has a live worker (not degraded); health
+    listeners hear ``can_serve``, which a lost prefill pool does not change (the
+    decode workers prefill for themselves)."""
     reg = InProcessRegistry()
     health, down = [], []
     reg.add_health_listener(health.append)
@@ -69,9 +72,11 @@ def test_disaggregated_health_needs_both_sides():
     assert reg.get("prefill-0") is new and reg.healthy
     # Replacement keeps the worker's place.
     assert [w.worker_id for w in reg.workers()] == ["prefill-0", "decode-0"]
-    assert health == [True, False, True]
+    assert health == [True]                      # serving from the first decode worker on
+    reg.mark_dead("decode-0")
+    assert health == [True, False] and not reg.can_serve
     # Dead, then replaced: both end what the router knew of that worker.
-    assert down == ["prefill-0", "prefill-0"]
+    assert down == ["prefill-0", "prefill-0", "decode-0"]
 
 
 def test_remove():

@@ -181,12 +181,12 @@ def test_kill_prefill_actor_degrades_then_recovers(cluster, baseline):
     for v in victims:                 # the whole prefill pool
         os.kill(v.info["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
-    # While the prefill pool is empty health says NOT_SERVING, but requests are served:
-    # the decode workers prefill for themselves.
+    # While the prefill pool is empty requests are served (the decode workers prefill
+    # for themselves), so health stays SERVING: NOT_SERVING means refused requests.
     _wait(lambda: not any(_handle(cluster, v.worker_id).alive for v in victims), 30,
           "the prefill workers to be seen dead")
     if srv.supervisor.restarting:
-        assert _health(cluster) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(cluster) == health_pb2.HealthCheckResponse.SERVING
         assert _ids(cluster.generate(greedy(PROMPTS[1], N))) == baseline[PROMPTS[1]]
     for s in streams:
         s.join(300)
