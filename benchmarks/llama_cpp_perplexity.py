@@ -8,7 +8,7 @@ Each segment is evaluated from an empty context with every position's logits kep
 (``logits_all``); position ``p >= 1`` contributes ``log softmax(logits[p - 1])[t_p]``
 in float64, and ``ppl = exp(-mean)``, as perplexity.py computes it.
 
-    /work/lcpp-venv/bin/python benchmarks/llama_cpp_perplexity.py MODEL.gguf SEGMENTS.json
+    .peers/lcpp-venv/bin/python benchmarks/llama_cpp_perplexity.py MODEL.gguf SEGMENTS.json
 
 Prints one JSON object, on one line.
 """

@@ -6,7 +6,7 @@ compared with llama.cpp's on the same source file: perplexity.py scores both fil
 through Tandem's engine (``--gguf-file NAME=PATH``), so any difference comes from
 the quantizers alone.
 
-    /work/lcpp-venv/bin/python benchmarks/llama_cpp_quantize.py SRC.gguf DST.gguf Q4_K_M
+    .peers/lcpp-venv/bin/python benchmarks/llama_cpp_quantize.py SRC.gguf DST.gguf Q4_K_M
 
 The source may itself be quantized (the default model is Q4_1): requantizing is
 allowed (``allow_requantize``), as ``llama-quantize --allow-requantize`` does.

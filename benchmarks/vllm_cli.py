@@ -10,7 +10,7 @@ way ``vllm.platforms`` itself falls back (``<version>+cpu``; without the ``+cpu`
 the platform is not detected and the AVX-512 kernels load, which dies with an
 illegal instruction on an AVX2-only CPU):
 
-    /work/vllm-venv/bin/python benchmarks/vllm_cli.py bench serve --help
+    .peers/vllm-venv/bin/python benchmarks/vllm_cli.py bench serve --help
 
 It is a file with a ``__main__`` guard because vLLM spawns its engine processes
 (multiprocessing ``spawn`` re-imports the main module).
