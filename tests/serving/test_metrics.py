@@ -50,7 +50,7 @@ def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, 
     (id -> role) exposes before its first request: all of them 0. ``router``: the
     metrics are a running router's (its own in-flight gauge)."""
     from tandem.router.metrics import (ABORT_SOURCES, FINISH_REASONS, PREEMPTION_KINDS,
-                                       RATE_LIMIT_REASONS, REQUEST_FIELDS)
+                                       RATE_LIMIT_REASONS, REQUEST_FIELDS, WORKER_WAIT_OUTCOMES)
 
     def key(name, **labels):
         return name, tuple(sorted({"model_name": MODEL, **labels}.items()))
@@ -60,12 +60,15 @@ def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, 
     want += [key("tandem:request_success_total", finished_reason=r) for r in FINISH_REASONS]
     want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
     want += [key("tandem:requests_rate_limited_total", reason=r) for r in RATE_LIMIT_REASONS]
+    want += [key("tandem:request_worker_waits_total", outcome=o) for o in WORKER_WAIT_OUTCOMES]
+    want += [key("tandem:requests_waiting_for_worker")]
     if router:
         want += [key("tandem:router_active_requests")]
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
+              "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+              "request_worker_wait_seconds"):
         want += [key(f"tandem:{h}_count"), key(f"tandem:{h}_sum")]
     for wid, role in workers.items():
         w = dict(worker=wid, role=role)
