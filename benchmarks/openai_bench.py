@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import _descendants, _group_alive, _proc_stat, free_port  # noqa: E402
-from peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
+from bench_peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"

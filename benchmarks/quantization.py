@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402
-from peers import LLAMA_CPP_PYTHON  # noqa: E402
+from bench_peers import LLAMA_CPP_PYTHON  # noqa: E402
 
 # name -> (model path or a flag naming it (None: the default model), LLM kwargs)
 FORMATS: dict[str, tuple[str | None, dict]] = {

@@ -175,7 +175,9 @@ def _check_model_args(args) -> None:
     if hasattr(args, "model") and args.func is not _cmd_quantize:    # quantize checks its own
         check_model_path("--model", args.model)
     draft = getattr(args, "speculative_draft_model", None)
-    if draft is not None:
+    # Only a draft the engine would load: with another method the engine config
+    # refuses the flag itself, naming the method it needs.
+    if draft is not None and getattr(args, "speculative_method", None) == "draft_model":
         check_model_path("--speculative-draft-model", draft)
 
 

@@ -44,7 +44,7 @@ def test_client_command_and_defaults():
         i = cmd.index(name)
         return cmd[i + 1] if n == 1 else cmd[i + 1:i + 1 + n]
     assert flag("--backend") == "openai" and flag("--endpoint") == "/v1/completions"
-    assert flag("--model") == "SmolLM2-135M-Instruct" and flag("--tokenizer") == "/work/smollm2-hf"
+    assert flag("--model") == "SmolLM2-135M-Instruct" and flag("--tokenizer") == str(ROOT / ".peers" / "smollm2-hf")
     assert (flag("--random-input-len"), flag("--random-output-len"), flag("--num-prompts"),
             flag("--max-concurrency")) == ("256", "64", "8", "4")
     assert flag("--goodput", 2) == ["ttft:1200", "tpot:150"]

@@ -67,7 +67,8 @@ def test_a_second_registration_fences_the_first_keeper_for_good(state):
     first = keeper(state, events).start()
     second = keeper(state).start()
     assert second.generation == 2
-    assert wait_for(lambda: first.fenced, 3 * INTERVAL)
+    # The flag is set before the callback runs (outside the keeper's lock): wait for both.
+    assert wait_for(lambda: first.fenced and events.fenced, 3 * INTERVAL)
     assert len(events.fenced) == 1
     assert "generation 1" in events.fenced[0] and "generation is 2" in events.fenced[0]
     assert first.fence_reason == events.fenced[0]
