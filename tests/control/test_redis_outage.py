@@ -92,7 +92,7 @@ def test_a_keeper_that_does_not_fence_serves_through_an_outage_and_reasserts(pri
     assert k.state_reachable and k.state_error is None and not k.fenced
     # A newer incarnation (registered after the outage) still fences it for good.
     assert state.register_worker("decode-0", "decode", "b", INFO, TTL) == k.generation + 1
-    assert wait_for(lambda: k.fenced, 5 * INTERVAL)
+    assert wait_for(lambda: k.fenced and fenced, 5 * INTERVAL)     # flag, then callback
     assert len(fenced) == 1 and f"generation is {k.generation + 1}" in fenced[0]
     k.stop()
     state.close()
