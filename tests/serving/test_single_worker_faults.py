@@ -94,6 +94,27 @@ def test_kill_the_only_decode_worker_requests_wait_and_resume(cluster, baseline)
     _assert_idle(cluster)
 
 
+def test_kill_the_only_prefill_worker(cluster, baseline):
+    """kill -9 the prefill worker while the 16 prompts are being prefilled and their
+    KV streamed: the decode worker prefills what it lost, every stream ends with the
+    no-failure tokens, and the prefill pool is back to size."""
+    victim = _handle(cluster, "prefill-0")
+    streams = _streams(cluster)
+    time.sleep(0.3)                      # prompts are being prefilled and streamed
+    t_kill = time.monotonic()
+    os.kill(victim.info["pid"], signal.SIGKILL)
+    for s in streams:
+        s.join(300)
+    for i, s in enumerate(streams):
+        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
+        assert s.by_index == baseline[i], i
+    done = max(s.times[-1] for s in streams) - t_kill
+    recovery = _back_to_size(cluster, "prefill-0", victim.generation)
+    print(f"\nonly prefill worker killed: all 16 streams done {done:.1f} s after the kill, "
+          f"replacement in service after {recovery:.1f} s")
+    _assert_idle(cluster)
+
+
 def test_sigstop_the_prefill_worker_for_20_s(cluster, baseline):
     """The prefill worker stops mid-transfer (SIGSTOP) for 20 s: it makes no
     progress, so after the prefill timeout the decode worker prefills the waiting
