@@ -45,6 +45,16 @@ def _streams(cluster) -> list[Stream]:
     return [Stream(cluster.server.address, r.prompt, N, request=r) for r in _requests()]
 
 
+def _join_unchanged(streams: list[Stream], baseline) -> None:
+    """Wait for every stream; each must end OK with its no-failure tokens, sample by
+    sample (no gap, no duplicate)."""
+    for s in streams:
+        s.join(300)
+    for i, s in enumerate(streams):
+        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
+        assert s.by_index == baseline[i], i
+
+
 def _metric(text: str, series: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(series + " "))
     return float(line.split()[-1])
@@ -75,11 +85,7 @@ def test_kill_the_only_decode_worker_requests_wait_and_resume(cluster, baseline)
     victim = _handle(cluster, "decode-0")
     t_kill = time.monotonic()
     os.kill(victim.info["pid"], signal.SIGKILL)
-    for s in streams:
-        s.join(300)
-    for i, s in enumerate(streams):
-        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
-        assert s.by_index == baseline[i], i        # same tokens: no gap, no duplicate
+    _join_unchanged(streams, baseline)
     stall = max(s.max_gap_after(t_kill) for s in streams)
     recovery = _back_to_size(cluster, "decode-0", victim.generation)
     done = max(s.times[-1] for s in streams) - t_kill
@@ -103,11 +109,7 @@ def test_kill_the_only_prefill_worker(cluster, baseline):
     time.sleep(0.3)                      # prompts are being prefilled and streamed
     t_kill = time.monotonic()
     os.kill(victim.info["pid"], signal.SIGKILL)
-    for s in streams:
-        s.join(300)
-    for i, s in enumerate(streams):
-        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
-        assert s.by_index == baseline[i], i
+    _join_unchanged(streams, baseline)
     done = max(s.times[-1] for s in streams) - t_kill
     recovery = _back_to_size(cluster, "prefill-0", victim.generation)
     print(f"\nonly prefill worker killed: all 16 streams done {done:.1f} s after the kill, "
@@ -135,11 +137,7 @@ def test_sigstop_the_prefill_worker_for_20_s(cluster, baseline):
             os.kill(prefill.info["pid"], signal.SIGCONT)
         except ProcessLookupError:     # its lease lapsed: replaced, the stopped one killed
             pass
-    for s in streams:
-        s.join(300)
-    for i, s in enumerate(streams):
-        assert s.code == grpc.StatusCode.OK, (i, s.code, getattr(s, "details", ""))
-        assert s.by_index == baseline[i], i
+    _join_unchanged(streams, baseline)
     done = max(s.times[-1] for s in streams) - t_stop
     print(f"\nprefill worker stopped for 20 s: every stream's first token {first:.1f} s, "
           f"all 16 done {done:.1f} s after the stop")
