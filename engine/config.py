@@ -1,8 +1,9 @@
 """Configuration: one validated dataclass per concern, built once at the edge.
 
-``ModelConfig`` is our own description of a Llama-family model; it is converted
-once from GGUF metadata or a Hugging Face ``config.json`` and model code never
-sees Hugging Face objects.
+``ModelConfig`` is our own description of a decoder-only model of a registered
+architecture (:mod:`tandem.engine.model.registry`); it is converted once from GGUF
+metadata or a Hugging Face ``config.json``, refusing any field whose feature the
+implementation lacks, and model code never sees Hugging Face objects.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from tandem.engine.model.hf_config import RopeScaling, check_hf_features, hf_rope_dict
+from tandem.engine.model.registry import MODEL_REGISTRY, UnsupportedModelError
 
 
 if TYPE_CHECKING:
@@ -54,7 +58,7 @@ def parse_dtype(name: str) -> "torch.dtype":
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder.
+    """Architecture of a decoder-only model of a registered architecture.
 
     Attributes:
         hidden_size, intermediate_size: model and FFN widths.
@@ -67,6 +71,13 @@ class ModelConfig:
         max_model_len: maximum context in tokens (prompt + output).
         tie_word_embeddings: lm_head shares the embedding matrix.
         bos_token_id, eos_token_id: special ids from the model file.
+        architecture: the registered architecture name
+            (:data:`~tandem.engine.model.registry.MODEL_REGISTRY`), e.g.
+            ``Qwen3ForCausalLM``; it decides the model class.
+        attention_bias: the checkpoint's ``attention_bias`` (biases on the Q/K/V
+            and output projections, for the architectures that read it; Qwen2 has
+            Q/K/V biases whatever it says).
+        rope_scaling: the RoPE scaling, or None (plain RoPE).
     """
 
     hidden_size: int
@@ -82,22 +93,56 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if isinstance(self.rope_scaling, dict):     # read back from JSON (the GGUF cache)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        MODEL_REGISTRY.info(self.architecture)
+
+    def check_plain_llama(self, who: str) -> None:
+        """Refuse a model that is not numerically a plain Llama (a Llama or Mistral
+        without attention biases or RoPE scaling), for code that has only a Llama
+        forward of its own (``who``: the offline quantizers).
+
+        Raises:
+            UnsupportedModelError: naming ``architectures``, ``attention_bias`` or
+                ``rope_scaling``.
+        """
+        if self.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+            raise UnsupportedModelError("architectures", f"{who} handles Llama-layout models "
+                                        f"only, not {self.architecture}")
+        if self.attention_bias:
+            raise UnsupportedModelError("attention_bias", f"{who} does not handle attention "
+                                        "biases")
+        if self.rope_scaling is not None:
+            raise UnsupportedModelError("rope_scaling", f"{who} does not handle RoPE scaling "
+                                        f"{self.rope_scaling.rope_type!r}")
 
     @classmethod
     def from_gguf_fields(cls, fields: dict, has_output_weight: bool) -> "ModelConfig":
         """From GGUF key/values (``{"llama.block_count": 30, ...}``).
 
         Raises:
-            ValueError: not a ``llama`` architecture file, or a required key missing.
+            UnsupportedModelError: an architecture the GGUF reader does not map
+                (field ``general.architecture``), RoPE scaling (``{arch}.rope.scaling.type``)
+                or a sliding window (``{arch}.attention.sliding_window``).
+            ValueError: a required key missing.
         """
         arch = fields.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
+        architecture = MODEL_REGISTRY.resolve_gguf(arch)
+        scaling = fields.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise UnsupportedModelError(f"{arch}.rope.scaling.type",
+                                        f"GGUF RoPE scaling {scaling!r} is not supported")
+        if fields.get(f"{arch}.attention.sliding_window") is not None:
+            raise UnsupportedModelError(f"{arch}.attention.sliding_window",
+                                        "sliding-window attention is not supported")
 
         def get(key: str, default=None):
             value = fields.get(f"{arch}.{key}", default)
@@ -122,43 +167,52 @@ class ModelConfig:
             tie_word_embeddings=not has_output_weight,
             bos_token_id=_opt_int(fields.get("tokenizer.ggml.bos_token_id")),
             eos_token_id=_opt_int(fields.get("tokenizer.ggml.eos_token_id")),
+            architecture=architecture,
         )
 
     @classmethod
     def from_hf_config(cls, path: str) -> "ModelConfig":
         """From a Hugging Face checkpoint directory's ``config.json``.
 
+        The architecture is resolved through the model registry; every field whose
+        feature Tandem does not implement is refused
+        (:func:`~tandem.engine.model.hf_config.check_hf_features`).
+
         Raises:
-            ValueError: not a Llama-family config, or RoPE scaling we do not implement.
+            UnsupportedModelError: an unregistered architecture or a feature not
+                implemented; its ``field`` names the config field.
+            ValueError: a required field missing.
         """
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
-        if cfg.get("model_type") not in ("llama", "mistral", "qwen2") and \
-                "LlamaForCausalLM" not in cfg.get("architectures", []):
-            raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
-        if cfg.get("rope_scaling") or \
-                (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-            raise ValueError("rope_scaling is not supported yet")
-        if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
-            raise ValueError("attention biases are not supported yet")
+        return cls.from_hf_dict(cfg)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        """:meth:`from_hf_config` on an already parsed ``config.json`` (same errors)."""
+        architecture = MODEL_REGISTRY.resolve_hf(cfg)
+        rope_scaling = check_hf_features(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        rope = hf_rope_dict(cfg)[1]
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             # transformers >= 5 writes the base inside "rope_parameters" only.
-            rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get(
-                "rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            architecture=architecture,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
         )
 
 

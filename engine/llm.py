@@ -7,8 +7,8 @@ This is the process's entry point in offline use: it builds one
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Sequence
+import operator
+from typing import Sequence, Union
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.runtime.llm_engine import LLMEngine
@@ -16,6 +16,10 @@ from tandem.engine.text.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.scheduling.request import Request, RequestStatus
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.runtime.threads import apply_thread_settings
+
+PromptType = Union[str, dict, Sequence[int]]
+"""One prompt of :meth:`LLM.generate`: text, ``{"prompt": text}``,
+``{"prompt_token_ids": ids}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``) or token ids."""
 
 
 class LLM:
@@ -90,23 +94,30 @@ class LLM:
                                 weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: "PromptType | Sequence[PromptType]",
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  step_callback=None) -> list[RequestOutput]:
-        """Generate completions for a batch of prompts (text or token id lists).
+        """Generate completions for a batch of prompts.
 
         All prompts are queued at once and run with continuous batching.
 
         Args:
-            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            prompts: one prompt or a list of them. A prompt is, as in vLLM, a string,
+                ``{"prompt": str}`` (a ``TextPrompt``), ``{"prompt_token_ids":
+                list[int]}`` (a ``TokensPrompt``), or a plain list of token ids.
             sampling_params: one for all prompts, or one per prompt (default
                 ``SamplingParams()``: temperature 1, 16 tokens, as in vLLM).
             step_callback: called after every engine step (tests check invariants there).
 
         Returns:
             One :class:`RequestOutput` per prompt, in input order.
+
+        Raises:
+            ValueError: a prompt of another form (a dict without either key, or with
+                keys Tandem does not implement, such as ``multi_modal_data``; token ids
+                that are not integers), or ``sampling_params`` not one per prompt.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -114,8 +125,41 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: need one per prompt")
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_lists = [self._prompt_token_ids(p, i) for i, p in enumerate(prompts)]
         return self._run(token_lists, params_list, step_callback)
+
+    def _prompt_token_ids(self, prompt: "PromptType", index: int) -> list[int]:
+        """One prompt of any :meth:`generate` form -> its token ids (raises ValueError)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise ValueError(f"prompts[{index}]: unsupported key(s) {', '.join(unknown)} "
+                                 "(a prompt is {'prompt': str} or {'prompt_token_ids': [int]})")
+            if "prompt_token_ids" in prompt:
+                if "prompt" in prompt:
+                    raise ValueError(f"prompts[{index}]: give 'prompt' or 'prompt_token_ids', "
+                                     "not both")
+                return self._token_ids(prompt["prompt_token_ids"],
+                                       f"prompts[{index}].prompt_token_ids")
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"prompts[{index}].prompt: expected a string, got "
+                                     f"{type(prompt['prompt']).__name__}")
+                return self.tokenizer.encode(prompt["prompt"])
+            raise ValueError(f"prompts[{index}]: a dict prompt needs 'prompt' or "
+                             "'prompt_token_ids'")
+        return self._token_ids(prompt, f"prompts[{index}]")
+
+    @staticmethod
+    def _token_ids(ids, field: str) -> list[int]:
+        if isinstance(ids, (str, bytes, dict)):
+            raise ValueError(f"{field}: expected a list of token ids, got {type(ids).__name__}")
+        try:
+            return [operator.index(t) for t in ids]
+        except TypeError:
+            raise ValueError(f"{field}: expected a list of integer token ids") from None
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | None = None, step_callback=None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.engine.model.model_files import cache_dir, derived_path
-from tandem.engine.model.llama import gguf_checkpoint
+from tandem.engine.model.loader import gguf_checkpoint
 from tandem.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

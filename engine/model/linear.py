@@ -170,7 +170,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class Linear(nn.Module):
-    """A bias-free linear layer ``y = x W^T`` whose storage is its method's.
+    """A linear layer ``y = x W^T (+ b)`` whose weight storage is its method's.
 
     Args:
         in_features: input width ``K``.
@@ -179,6 +179,9 @@ class Linear(nn.Module):
             are loaded one sub-matrix (shard) at a time.
         quant_method: the :class:`LinearMethodBase`; dense when None.
         params_dtype: dtype of its floating-point parameters (None: torch's default).
+        bias: a bias ``b`` ``[N]`` in ``params_dtype`` (Qwen2's Q/K/V). It belongs to
+            the layer, not the method: every weight format adds it after its matmul,
+            and a fused layer loads it by shard like the weight.
 
     ``batch_invariant`` (set before the weights are processed, see
     :func:`process_weights_after_loading`) asks the method for a kernel whose row
@@ -190,15 +193,17 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, output_sizes: int | Sequence[int],
                  quant_method: LinearMethodBase | None = None,
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None, bias: bool = False):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.batch_invariant = False
         self.int8_activations = False
-        self.quant_method.create_weights(self, in_features, self.output_sizes,
-                                         params_dtype or torch.get_default_dtype())
+        params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method.create_weights(self, in_features, self.output_sizes, params_dtype)
+        self.bias = (nn.Parameter(torch.zeros(self.out_features, dtype=params_dtype),
+                                  requires_grad=False) if bias else None)
 
     @property
     def shard_ids(self) -> tuple[int | None, ...]:
@@ -211,7 +216,14 @@ class Linear(nn.Module):
         return sum(self.output_sizes[:shard_id])
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
-        """See :meth:`LinearMethodBase.load_weight` (raises :class:`WeightLoadError`)."""
+        """See :meth:`LinearMethodBase.load_weight` (raises :class:`WeightLoadError`);
+        ``bias`` is the layer's own (rows of shard ``shard_id``)."""
+        if param_name == "bias" and self.bias is not None:
+            target = self.bias.data
+            if shard_id is not None:
+                target = target.narrow(0, self.shard_offset(shard_id), self.output_sizes[shard_id])
+            copy_checked(target, loaded)
+            return
         self.quant_method.load_weight(self, param_name, loaded, shard_id)
 
     def process_weights_after_loading(self) -> None:
@@ -219,14 +231,16 @@ class Linear(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
                 f"quant_method={self.quant_method.name}"
                 + (", packed" if getattr(self, "packed_weight", None) is not None else "")
                 + (", batch-invariant" if self.batch_invariant else "")
-                + (", int8 activations" if self.int8_activations else ""))
+                + (", int8 activations" if self.int8_activations else "")
+                + (", bias" if self.bias is not None else ""))
 
 
 def process_weights_after_loading(model: nn.Module, batch_invariant: bool = False,

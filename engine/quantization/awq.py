@@ -515,7 +515,7 @@ def load_dense(model_path: str | None) -> tuple[ModelConfig, dict[str, torch.Ten
 
     files = resolve_model(model_path)
     if files.format == "gguf":
-        from tandem.engine.model.llama import gguf_checkpoint
+        from tandem.engine.model.loader import gguf_checkpoint
 
         cfg, tensors = gguf_checkpoint(files)
     else:
@@ -524,6 +524,7 @@ def load_dense(model_path: str | None) -> tuple[ModelConfig, dict[str, torch.Ten
                 raise ValueError(f"model_path: {files.path} is already quantized "
                                  "(its config.json has a quantization_config)")
         cfg = ModelConfig.from_hf_config(files.path)
+        cfg.check_plain_llama("tandem quantize")   # its dense forward is Llama's
         tensors = iter_safetensors(files.path)
     weights = {name: t.float().contiguous() for name, t in tensors
                if not name.endswith("rotary_emb.inv_freq")}

@@ -108,7 +108,7 @@ def load_dense(model: str | None) -> tuple[ModelFiles, ModelConfig, dict[str, to
         ValueError: (naming ``model``) the checkpoint is already quantized; not a
             Llama-family model.
     """
-    from tandem.engine.model.llama import gguf_checkpoint
+    from tandem.engine.model.loader import gguf_checkpoint
     from tandem.engine.model.weights import iter_safetensors
 
     files = resolve_model(model)
@@ -119,6 +119,7 @@ def load_dense(model: str | None) -> tuple[ModelFiles, ModelConfig, dict[str, to
             raise ValueError(f"model: {files.path} is already quantized (its config.json has a "
                              "quantization_config); quantize a dense checkpoint")
         cfg = ModelConfig.from_hf_config(files.path)
+        cfg.check_plain_llama("tandem quantize")   # its dense forward is Llama's
         tensors = iter_safetensors(files.path)
     dense = {name: t.to(torch.float32) for name, t in tensors
              if not name.endswith("rotary_emb.inv_freq")}

@@ -14,7 +14,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv.kv_cache_manager import KVCacheManager
 from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
-from tandem.engine.model.llama import load_model
+from tandem.engine.model.loader import load_model
 from tandem.engine.model.model_files import resolve_model
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
                                              kv_cache_torch_dtype)

@@ -12,7 +12,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv.kv_connector import KVConnector, KVSave
-from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.layers import DecoderForCausalLM
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 from tandem.engine.sampling.sampler import SampleResult, Sampler, gather_logprobs
 from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -352,7 +352,8 @@ class ModelRunner:
     """Turns a :class:`SchedulerOutput` into one forward pass and sampled tokens.
 
     Args:
-        model: the loaded model.
+        model: the loaded model, of any registered architecture (a
+            :class:`~tandem.engine.model.layers.DecoderForCausalLM`).
         kv_cache: this engine's :class:`KVCache`.
         backend: attention backend.
         block_table_fn: request id -> its block ids (from the KV cache manager).
@@ -361,7 +362,7 @@ class ModelRunner:
             the forward pass, right after that layer is written.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  block_table_fn, device: torch.device, seed: int = 0,
                  kv_connector: KVConnector | None = None):
         self.model = model

@@ -63,7 +63,7 @@ class DraftModelProposer(Proposer):
     """
 
     def __init__(self, config, engine):
-        from tandem.engine.model.llama import load_model
+        from tandem.engine.model.loader import load_model
         from tandem.engine.model.model_files import resolve_model
         from tandem.engine.runtime.model_runner import KVCache
         from tandem.kernels.registry import get_attention_backend

@@ -1,0 +1,150 @@
+"""Building a model from its files: the registered architecture's class, filled
+strictly from a GGUF file or a Hugging Face checkpoint directory.
+
+The architecture comes from the checkpoint (:mod:`tandem.engine.model.registry`);
+every architecture loads through the same steps: build on ``meta``, materialise,
+copy the tensors in through the model's declared name mapping, let each linear
+layer's method re-lay its weights out, build the RoPE table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.linear import process_weights_after_loading
+from tandem.engine.model.registry import MODEL_REGISTRY
+from tandem.engine.quantization.checkpoint import linear_method_for
+
+logger = logging.getLogger(__name__)
+
+_DEQUANTIZED_CACHE_FORMAT = "2"   # bump when iter_gguf_tensors' output changes
+
+
+def gguf_checkpoint(files, native: bool = False
+                    ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """A GGUF model's config and its ``(hf_name, tensor)`` pairs
+    (:func:`~tandem.engine.model.weights.iter_gguf_tensors`), converted once per file:
+    dequantized to float32, or with ``native`` the projections' blocks as stored
+    (``qweight`` / ``qweight_type``, for the ``gguf`` linear method).
+
+    Opening a GGUF file parses every metadata field (the tokenizer's vocabulary and
+    merges element by element: seconds) and dequantizing takes seconds more, every
+    worker start. The first load saves the dequantized tensors and the config as one
+    safetensors file in the model-file cache
+    (:func:`~tandem.engine.model.model_files.derived_path`: keyed by the file's path,
+    size, mtime and the ``gguf`` version); later loads read that file (under a
+    second). The write is atomic; a cache that cannot be written is skipped.
+
+    Raises:
+        UnsupportedModelError: an architecture or feature not served (see
+            :meth:`ModelConfig.from_gguf_fields`).
+        ValueError: a required GGUF key missing.
+        WeightLoadError: an unknown tensor name.
+    """
+    from importlib.metadata import version
+
+    from tandem.engine.model import weights
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tandem.engine.model.model_files import derived_path, publish
+
+    target = derived_path(files, "weights-native" if native else "weights", version("gguf"),
+                          _DEQUANTIZED_CACHE_FORMAT)
+    if target is not None:
+        target += ".safetensors"
+        if os.path.isfile(target):
+            with safe_open(target, framework="pt") as f:
+                cfg = ModelConfig(**json.loads(f.metadata()["model_config"]))
+
+            def cached() -> Iterator[tuple[str, torch.Tensor]]:
+                with safe_open(target, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            return cfg, cached()
+    fields, reader = weights.read_gguf(files.path)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    cfg = ModelConfig.from_gguf_fields(fields, has_output)
+    if target is None:
+        return cfg, weights.iter_gguf_tensors(reader, cfg, native)
+    tensors = dict(weights.iter_gguf_tensors(reader, cfg, native))
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"model_config": json.dumps(dataclasses.asdict(cfg))})
+        publish(tmp, target)
+    except OSError as exc:
+        logger.debug("dequantized weight cache %s not written: %s", target, exc)
+    return cfg, iter(tensors.items())
+
+
+def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+               batch_invariant: bool = False,
+               activation_quantization: str = "none") -> tuple[nn.Module, ModelConfig]:
+    """Build the model from a GGUF file or a Hugging Face checkpoint directory.
+
+    The class is the registered one of the checkpoint's architecture
+    (``ModelConfig.architecture``, :data:`~tandem.engine.model.registry.MODEL_REGISTRY`).
+
+    The module is created on the ``meta`` device (no random init), materialised on
+    ``device`` in ``dtype``, filled strictly from the checkpoint, and then each
+    linear layer's method prepares its weights for its kernel.
+
+    Args:
+        files: a resolved :class:`~tandem.engine.model.model_files.ModelFiles`.
+        dtype: weights and activations dtype.
+        device: where the weights live.
+        quantization: the linear method's config string (``EngineConfig.quantization``);
+            a checkpoint with a ``quantization_config`` (GPTQ) brings its own method
+            when this is ``none`` (:func:`~tandem.engine.quantization.checkpoint.linear_method_for`).
+        batch_invariant: batch-invariant linear kernels (``EngineConfig.batch_invariant``).
+        activation_quantization: ``EngineConfig.activation_quantization``.
+
+    Returns:
+        ``(model, config)``; the model is in eval mode with its RoPE table built.
+
+    Raises:
+        UnsupportedModelError: an architecture, or a config field's feature, that
+            Tandem does not serve (the error names the field).
+        ValueError: unknown ``quantization``, or one the checkpoint is not quantized
+            with; ``batch_invariant`` off the CPU; ``activation_quantization`` int8
+            for a model without quantized blocks.
+        WeightLoadError: the checkpoint does not match the architecture.
+    """
+    from tandem.engine.model import weights
+
+    if quantization == "gguf" and files.format != "gguf":
+        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's blocks, but the model "
+                         f"{files.path} is a {files.format} checkpoint")
+    if files.format == "gguf":
+        cfg, tensors = gguf_checkpoint(files, native=quantization == "gguf")
+    else:
+        cfg = ModelConfig.from_hf_config(files.path)
+        tensors = weights.iter_safetensors(files.path)
+    linear_method = linear_method_for(files, quantization)
+    with torch.device("meta"):
+        model = MODEL_REGISTRY.model_class(cfg.architecture)(cfg, linear_method)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        # Packed layers hold no float parameter for .to(dtype) to convert: tell them
+        # the dtype their outputs (and any dense fallback) take.
+        if hasattr(module, "params_dtype"):
+            module.params_dtype = dtype
+    weights.load_weights(model, tensors)
+    if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
+        model.model.embed_tokens.share_with(model.lm_head)
+    process_weights_after_loading(model, batch_invariant, activation_quantization)
+    model.init_rope(device)
+    model.eval()
+    return model, cfg

@@ -1,0 +1,114 @@
+"""Rotary position embedding tables with the RoPE scaling types checkpoints use.
+
+One table per model, ``[max_position, D]`` float32: the cosines of the ``D/2``
+frequencies, then their sines (the layout every attention backend's
+``rotary_embedding`` reads, half-split / NeoX style). Scaling changes only the
+frequencies (``linear``, ``llama3``, ``yarn``) and, for ``yarn``, multiplies cos
+and sin by an attention factor; the rotation kernels are the same for every type.
+Each formula follows transformers' ``modeling_rope_utils`` operation for operation,
+in float32, so positions rotate to the same values as the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.hf_config import RopeScaling
+
+
+def _base_inv_freq(head_dim: int, base: float, device: torch.device | str) -> torch.Tensor:
+    """``[D/2]`` float32 ``base ** (-2i / D)`` (RoFormer, Su et al. 2021, eq. 15)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (base ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth
+    interpolation between (wavelength band ``original / {low,high}_freq_factor``)."""
+    old_len = s.original_max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, base: float, s: RopeScaling,
+                   device: torch.device | str) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies ramped between interpolated (``/factor``)
+    and extrapolated by rotation count; returns ``(inv_freq, attention_factor)``."""
+    factor = s.factor
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, s.mscale)
+                                     / _yarn_mscale(factor, s.mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = s.beta_fast or 32
+    beta_slow = s.beta_slow or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(s.original_max_position_embeddings
+                                    / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001       # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low),
+                       0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float)
+                         / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (interpolation * (1 - extrapolation_factor)
+                + extrapolation * extrapolation_factor)
+    return inv_freq, attention_factor
+
+
+def inv_freq_and_scale(cfg: ModelConfig, device: torch.device | str = "cpu"
+                       ) -> tuple[torch.Tensor, float]:
+    """The ``[D/2]`` float32 inverse frequencies of ``cfg``'s RoPE (scaled as
+    ``cfg.rope_scaling`` says) and the factor cos and sin are multiplied by (1.0
+    except for ``yarn``)."""
+    s = cfg.rope_scaling
+    if s is None:
+        return _base_inv_freq(cfg.head_dim, cfg.rope_theta, device), 1.0
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(cfg.head_dim, cfg.rope_theta, s, device)
+    inv_freq = _base_inv_freq(cfg.head_dim, cfg.rope_theta, device)
+    if s.rope_type == "linear":
+        return inv_freq / s.factor, 1.0
+    if s.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, s), 1.0
+    raise ValueError(f"rope_scaling: unknown rope_type {s.rope_type!r}")
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[cfg.max_model_len, D]`` float32: ``cos`` of the ``D/2`` angles
+    ``position * inv_freq``, then their ``sin``, both times the attention factor.
+
+    Raises:
+        ValueError: a ``rope_scaling.rope_type`` this module does not implement (the
+            config refuses those first).
+    """
+    inv_freq, scale = inv_freq_and_scale(cfg, device)
+    t = torch.arange(cfg.max_model_len, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)                     # [P, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat([cos, sin], dim=-1)
