@@ -231,37 +231,37 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                   for s in ("mean", "median", "std", "p50", "p90", "p99")))
 
 
-def run_system(system: str, args, workdir: Path) -> dict:
-    log_path = workdir / f"{system}.log"
-    server = vllm_server(args, log_path) if system == "vllm" else \
+def make_server(system: str, args, log_path: Path) -> Server:
+    return vllm_server(args, log_path) if system == "vllm" else \
         tandem_server(system.removeprefix("tandem-"), args, log_path)
-    out = {"system": system, "server_cmd": server.cmd, "server_log": str(log_path)}
-    print(f"\n==== {system}: starting {' '.join(server.cmd)}", flush=True)
-    try:
-        with server:
-            out["startup_s"] = server.startup_s
-            print(f"==== {system}: serving on {server.base_url} after {server.startup_s:.0f} s", flush=True)
-            result_file = f"vllm_bench_{system}.json"
-            cmd = bench_cmd(server.base_url, workdir, result_file, system, args)
-            out["client_cmd"] = cmd
-            load_before = os.getloadavg()
-            t0 = time.monotonic()
-            with open(workdir / f"{system}.client.log", "wb") as log:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                    timeout=args.client_timeout_s).returncode
-            out["client_wall_s"] = time.monotonic() - t0
-            out["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
-            out["client_rc"] = rc
-            client_log = (workdir / f"{system}.client.log").read_text(errors="replace")
-            if rc != 0:
-                out["client_log_tail"] = client_log[-3000:]
-                raise RuntimeError(f"vllm bench serve exited with {rc}:\n{out['client_log_tail']}")
-            out["client_report"] = client_report(client_log)
-            result = json.loads((workdir / result_file).read_text())
-    except Exception as exc:           # recorded; the next system still runs
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        print(f"==== {system}: FAILED {out['error'][:2000]}", flush=True)
-        return out
+
+
+def run_client(system: str, server: Server, args, workdir: Path, tag: str = "") -> dict:
+    """One ``vllm bench serve`` run against a serving ``server``: the run's record
+    (``summary``, ``goodput_at``, ``generated_texts``, ...). ``tag`` names its files.
+
+    Raises:
+        RuntimeError: the client failed.
+    """
+    out: dict = {}
+    result_file = f"vllm_bench_{system}{tag}.json"
+    cmd = bench_cmd(server.base_url, workdir, result_file, system, args)
+    out["client_cmd"] = cmd
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    client_log_path = workdir / f"{system}{tag}.client.log"
+    with open(client_log_path, "wb") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            timeout=args.client_timeout_s).returncode
+    out["client_wall_s"] = time.monotonic() - t0
+    out["loadavg_1min_before_after"] = [load_before[0], os.getloadavg()[0]]
+    out["client_rc"] = rc
+    client_log = client_log_path.read_text(errors="replace")
+    if rc != 0:
+        out["client_log_tail"] = client_log[-3000:]
+        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{out['client_log_tail']}")
+    out["client_report"] = client_report(client_log)
+    result = json.loads((workdir / result_file).read_text())
     out["summary"] = {k: result.get(k) for k in SUMMARY_KEYS}
     out["goodput_at"] = {f"ttft<={t:g}ms,tpot<={p:g}ms": goodput(result, t, p)
                          for t, p in [(args.slo_ttft_ms * f, args.slo_tpot_ms * f) for f in (0.5, 1, 2, 4)]}
@@ -270,8 +270,24 @@ def run_system(system: str, args, workdir: Path) -> dict:
     out["vllm_bench_result"] = {k: v for k, v in result.items() if k != "generated_texts"}
     out["generated_texts"] = result.get("generated_texts", [])
     s = out["summary"]
-    print(f"==== {system}: {s['completed']} ok, {s['failed']} failed, {s['duration']:.1f} s, "
+    print(f"==== {system}{tag}: {s['completed']} ok, {s['failed']} failed, {s['duration']:.1f} s, "
           f"{s['output_throughput']:.1f} out tok/s, goodput {s['request_goodput']:.3f} req/s", flush=True)
+    return out
+
+
+def run_system(system: str, args, workdir: Path) -> dict:
+    log_path = workdir / f"{system}.log"
+    server = make_server(system, args, log_path)
+    out = {"system": system, "server_cmd": server.cmd, "server_log": str(log_path)}
+    print(f"\n==== {system}: starting {' '.join(server.cmd)}", flush=True)
+    try:
+        with server:
+            out["startup_s"] = server.startup_s
+            print(f"==== {system}: serving on {server.base_url} after {server.startup_s:.0f} s", flush=True)
+            out.update(run_client(system, server, args, workdir))
+    except Exception as exc:           # recorded; the next system still runs
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"==== {system}: FAILED {out['error'][:2000]}", flush=True)
     return out
 
 

@@ -15,14 +15,18 @@ as tokens stream, :meth:`~RequestJournal.finish` when it ends, however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.control.state import ClusterState, ttl_ms
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,6 +90,24 @@ class RequestJournal(ABC):
     @abstractmethod
     def active(self, router_id: str | None = None) -> list[str]:
         """Ids of journaled requests, of one router or of all (``None``), sorted."""
+
+    def write_batch(self, ops: Sequence[tuple]) -> list[BaseException | None]:
+        """Apply writes in order: each op is ``(method, request_id, *args)`` with
+        ``method`` one of ``begin``, ``assign``, ``append_tokens``, ``finish``. One
+        failed op does not stop the others.
+
+        Returns:
+            per op, ``None`` or the exception it raised (``KeyError``: no such
+            request; a connection error: the state store is unreachable).
+        """
+        results: list[BaseException | None] = []
+        for method, rid, *args in ops:
+            try:
+                getattr(self, method)(rid, *args)
+                results.append(None)
+            except Exception as exc:       # returned, not raised: see the docstring
+                results.append(exc)
+        return results
 
 
 class InProcessJournal(RequestJournal):
@@ -224,6 +246,53 @@ class RedisJournal(RequestJournal):
                             args=[self.ttl_ms, *(int(t) for t in token_ids)]):
             raise KeyError(f"no journaled request {request_id!r}")
 
+    def write_batch(self, ops: Sequence[tuple]) -> list[BaseException | None]:
+        """One round trip for the whole batch (a non-transactional pipeline of the
+        scripts); see :meth:`RequestJournal.write_batch`.
+
+        Raises:
+            redis.exceptions.ConnectionError, TimeoutError: Redis is unreachable
+                (then none of the batch is known to be written).
+        """
+        if not ops:
+            return []
+        pipe = self.state.redis.pipeline(transaction=False)
+        for method, rid, *args in ops:
+            keys = list(self._keys(rid))
+            if method == "begin":
+                router_id, record = args
+                self._begin(keys=[*keys, self.state.key("journal_active")],
+                            args=[self.ttl_ms, rid, router_id, json.dumps(record),
+                                  self.state.key("journal_router", "")], client=pipe)
+            elif method == "assign":
+                worker_id, attempt = args
+                self._assign(keys=keys, args=[self.ttl_ms, worker_id, attempt], client=pipe)
+            elif method == "append_tokens":
+                (token_ids,) = args
+                if not token_ids:
+                    continue
+                self._append(keys=keys, args=[self.ttl_ms, *(int(t) for t in token_ids)],
+                             client=pipe)
+            elif method == "finish":
+                self._finish(keys=[*keys, self.state.key("journal_active")],
+                             args=[rid, self.state.key("journal_router", "")], client=pipe)
+            else:
+                raise ValueError(f"unknown journal write {method!r}")
+        replies = iter(pipe.execute(raise_on_error=False))
+        results: list[BaseException | None] = []
+        for method, rid, *args in ops:
+            if method == "append_tokens" and not args[0]:
+                results.append(None)
+                continue
+            reply = next(replies)
+            if isinstance(reply, Exception):
+                results.append(reply)
+            elif method in ("assign", "append_tokens") and not reply:
+                results.append(KeyError(f"no journaled request {rid!r}"))
+            else:
+                results.append(None)
+        return results
+
     def load(self, request_id: str) -> JournalEntry | None:
         entry, tokens = self._keys(request_id)
         pipe = self.state.redis.pipeline(transaction=True)
@@ -254,3 +323,136 @@ class RedisJournal(RequestJournal):
         if gone:
             self.state.redis.srem(index, *gone)
         return [rid for rid, p in zip(ids, present) if p]
+
+
+_SKIP = "skip"      # a queued write superseded by a rewrite of its whole entry
+
+
+class JournalWriter:
+    """Write-behind for a :class:`RequestJournal`, so that an asyncio event loop
+    (the router's) never waits on the journal's round trips.
+
+    :meth:`submit` only queues a write. One background task applies what is
+    queued, as one :meth:`RequestJournal.write_batch` in a worker thread, then
+    what was queued meanwhile, and so on: one batch in flight at a time, so a
+    busy router makes one round trip per batch, not one per token, and appends
+    of the same request queued between two batches merge into one. Writes of one
+    request keep their order. :meth:`flush` waits until everything submitted
+    before it is applied (a migration flushes before it checks the journal, so
+    the journal is exact where it is read).
+
+    A write that finds its entry gone (``KeyError``: the cluster state lost it,
+    e.g. a Redis restart without persistence) has the whole entry written again
+    from ``rewrite(request_id)``: ``(record, token_ids)`` of a request still
+    running, or ``None``. A state store that is unreachable loses that batch's
+    writes (the request goes on, a migration resumes from the router's own
+    stream) and is logged once per outage, not per write.
+
+    Args:
+        journal: where the writes go.
+        router_id: the owner written with a rewritten entry.
+        rewrite: the current ``(record, token_ids)`` of a running request, else None.
+    """
+
+    def __init__(self, journal: RequestJournal, router_id: str,
+                 rewrite: Callable[[str], tuple[dict, list[int]] | None]) -> None:
+        self.journal, self.router_id, self._rewrite = journal, router_id, rewrite
+        self._pending: list[list] = []
+        self._last_append: dict[str, list] = {}     # request id -> its queued append op
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._submitted = 0                          # ops submitted / applied, counted
+        self._applied = 0
+        self._applied_cond: asyncio.Condition | None = None
+        self._failing = False
+        self.batches = 0                             # batches written (for tests/benchmarks)
+
+    def submit(self, method: str, request_id: str, *args) -> None:
+        """Queue one write (``begin``, ``assign``, ``append_tokens`` or ``finish``);
+        returns at once. Must be called on the event loop's thread."""
+        if method == "append_tokens":
+            queued = self._last_append.get(request_id)
+            if queued is not None:
+                queued[2].extend(int(t) for t in args[0])
+                return
+            op = [method, request_id, [int(t) for t in args[0]]]
+            self._last_append[request_id] = op
+        else:
+            self._last_append.pop(request_id, None)
+            op = [method, request_id, *args]
+        self._pending.append(op)
+        self._submitted += 1
+        self._ensure_task()
+        self._wake.set()
+
+    async def flush(self) -> None:
+        """Wait until every write submitted so far is applied (or failed)."""
+        target = self._submitted
+        if self._applied >= target:
+            return
+        self._ensure_task()
+        async with self._applied_cond:
+            await self._applied_cond.wait_for(lambda: self._applied >= target)
+
+    async def close(self) -> None:
+        """Apply what is queued, then stop the background task."""
+        if self._task is None:
+            return
+        await self.flush()
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = self._wake or asyncio.Event()
+            self._applied_cond = self._applied_cond or asyncio.Condition()
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                ops, self._pending = self._pending, []
+                self._last_append.clear()
+                taken = len(ops)
+                ops = [op for op in ops if op[0] != _SKIP]
+                try:
+                    results = await asyncio.to_thread(self.journal.write_batch, ops)
+                except Exception as exc:
+                    results = [exc] * len(ops)
+                self.batches += 1
+                self._after(ops, results)
+                self._applied += taken
+                async with self._applied_cond:
+                    self._applied_cond.notify_all()
+
+    def _after(self, ops: list[list], results: list[BaseException | None]) -> None:
+        lost: set[str] = set()
+        failure = None
+        for (method, rid, *_), res in zip(ops, results):
+            if isinstance(res, KeyError) and method in ("assign", "append_tokens"):
+                lost.add(rid)
+            elif res is not None and failure is None:
+                failure = res
+        if failure is not None and not self._failing:
+            logger.warning("request journal: writes failing (%s); requests go on unjournaled "
+                           "until the cluster state is back", failure)
+        elif failure is None and self._failing:
+            logger.warning("request journal: writes succeed again")
+        self._failing = failure is not None
+        for rid in sorted(lost):
+            current = self._rewrite(rid)
+            if current is None:
+                continue
+            record, token_ids = current
+            # The whole entry again: queued appends of it are in ``token_ids`` (they
+            # stay queued as no-ops so that flush() still counts them).
+            for op in self._pending:
+                if op[0] == "append_tokens" and op[1] == rid:
+                    op[0] = _SKIP
+            self._last_append.pop(rid, None)
+            self.submit("begin", rid, self.router_id, record)
+            if token_ids:
+                self.submit("append_tokens", rid, list(token_ids))

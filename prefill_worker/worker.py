@@ -45,18 +45,24 @@ class PrefillWorker:
             for a worker no control plane knows (tests, GPU checks).
         weights_from: an engine in this process whose loaded weights to share (a
             worker driven in-process: tests, GPU checks); None loads them.
+        engine_nice: added to the nice value of the engine's threads (its loop and
+            OpenMP threads), below this process's RPC threads; see
+            :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.build`.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, cpus: list[int] | None = None,
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0,
-                 control: ControlConfig | None = None, weights_from: LLMEngine | None = None):
+                 control: ControlConfig | None = None, weights_from: LLMEngine | None = None,
+                 engine_nice: int = 0):
         self.worker_id, self.config = worker_id, config
         self.cpus = pin_cpus(cpus)
         apply_thread_settings(config)     # this actor is its process's entry point
-        self.engine = LLMEngine(config, kv_transport=kv_transport,
-                                transfer_timeout_s=transfer_timeout_s, enable_kv_events=True,
-                                weights_from=weights_from)
-        self.loop = EngineLoop(self.engine, worker_id, "prefill", publish_deltas=False).start()
+        # Built on the loop's thread: see EngineLoop.build.
+        self.loop = EngineLoop.build(lambda: LLMEngine(
+            config, kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s,
+            enable_kv_events=True, weights_from=weights_from), worker_id, "prefill",
+            publish_deltas=False, nice=engine_nice)
+        self.engine = self.loop.engine
         self._fence = Fence(worker_id)
         self.control = start_worker_control(control, worker_id, "prefill", self._static_info(),
                                             self._fence, self.loop)

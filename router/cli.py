@@ -204,6 +204,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-wait-timeout", type=float, default=60.0,
                    help="seconds a request whose decode worker died waits for a replacement "
                         "when no other decode worker is alive, before it fails (UNAVAILABLE)")
+    p.add_argument("--engine-nice", type=int, default=5,
+                   help="how much lower (Linux nice, 0-19) the workers' engine threads run than "
+                        "the threads that deliver their tokens; 0: same priority")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
     _add_autoscale_args(p)
@@ -336,7 +339,8 @@ def _serve_config(args):
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
                        autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout,
-                       worker_wait_timeout_s=args.worker_wait_timeout)
+                       worker_wait_timeout_s=args.worker_wait_timeout,
+                       engine_nice=args.engine_nice)
 
 
 def _cmd_serve(args) -> int:

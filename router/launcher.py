@@ -77,6 +77,11 @@ class ServeConfig:
         worker_wait_timeout_s: seconds a request whose decode worker died waits for
             one to take it over when no other decode worker is alive (the
             supervisor's replacement), before it ends with ``UNAVAILABLE``.
+        engine_nice: how much lower the workers' engine threads run than the
+            threads that deliver their outputs (Linux nice, 0-19; see
+            :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.build`). On a
+            machine with no core to spare (the 2-core CPU one) 5 keeps the token
+            stream smooth; 0 leaves the engine at the process's priority.
     """
 
     mode: str = "disaggregated"
@@ -104,6 +109,7 @@ class ServeConfig:
     autoscale: PlannerConfig | None = None
     drain_timeout_s: float = 30.0
     worker_wait_timeout_s: float = 60.0
+    engine_nice: int = 5
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -126,6 +132,8 @@ class ServeConfig:
                 if not lo <= n <= hi:
                     raise ValueError(f"num_{pool}: {n} is outside the planner's bounds "
                                      f"[{lo}, {hi}]")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice: must be in [0, 19], got {self.engine_nice}")
         for name in ("drain_timeout_s", "worker_wait_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -162,6 +170,10 @@ def init_ray(address: str | None = None) -> None:
     if address:
         ray.init(address=address, namespace="tandem", log_to_driver=True)
     else:
+        # Ray starts worker processes at nice 15 (its ``worker_niceness``), below the
+        # router, raylet, GCS and Redis: on a small machine the process doing the real
+        # work (the engine) then loses every contention for a core. Same priority.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # On a loopback alias: Ray replaces 127.0.0.1 itself by the machine's outbound
         # address, and workers listen for KV on their node's address.
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace="tandem",
@@ -413,6 +425,11 @@ class RouterServer:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.orchestrator is not None:
+            try:      # the finished requests' journal entries, bounded by Redis's timeouts
+                await asyncio.wait_for(self.orchestrator.journal_writer.close(), 5)
+            except Exception as exc:
+                logger.warning("request journal: final writes failed: %s", exc)
         if self.cluster is not None:
             await self.cluster.stop()
         if self.registry is not None:
@@ -512,9 +529,11 @@ class TandemServer(RouterServer):
                 "name": name, "namespace": "tandem"}
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**opts).remote(
-                worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control)
+                worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control,
+                engine_nice=cfg.engine_nice)
         return ray.remote(DecodeWorker).options(**opts).remote(
-            worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control)
+            worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control,
+            engine_nice=cfg.engine_nice)
     def _worker_ids(self) -> list[str]:
         cfg = self.config
         if cfg.mode == "colocated":

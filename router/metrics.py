@@ -25,6 +25,10 @@ logger = logging.getLogger("tandem.requests")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Engine steps and their delivery: from 0.1 ms (a delivery on one host) to seconds (a long prefill).
+_STEP_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125,
+                 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
+                 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -209,6 +213,14 @@ class Metrics:
                                                    "Generated tokens per request.", m, **tok)
         self.iteration_tokens = Histogram("tandem:iteration_tokens_total",
                                           "Tokens run per engine step.", w, **tok)
+        step = dict(registry=r, buckets=_STEP_BUCKETS)
+        self.engine_step_seconds = Histogram(
+            "tandem:engine_step_seconds", "Wall time of a worker's engine steps that ran tokens.",
+            w, **step)
+        self.step_delivery_seconds = Histogram(
+            "tandem:step_delivery_seconds",
+            "End of a worker's engine step to its outputs reaching the router (worker and "
+            "router clocks; exact on one host).", w, **step)
         self._worker_totals: dict[str, dict[str, int]] = {}
         """Step-stat totals of each worker whose series are exposed (alive)."""
         self._roles: dict[str, str] = {}
@@ -256,6 +268,7 @@ class Metrics:
         for kind in PREEMPTION_KINDS:
             self.num_preemptions.labels(*labels, kind)
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
+                       self.engine_step_seconds, self.step_delivery_seconds,
                        *(self._spec_counters if role != "prefill" else ())):
             metric.labels(*labels)
         self.worker_restarts.labels(self.model_name, worker_id)
@@ -314,6 +327,7 @@ class Metrics:
         for metric in (self.num_requests_running, self.num_requests_waiting,
                        self.num_requests_swapped, self.kv_cache_usage_perc,
                        self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
+                       self.engine_step_seconds, self.step_delivery_seconds,
                        *self._spec_counters):
             _remove(metric, *labels)
         for pos in range(len(totals.get("spec_per_pos", ()))):
@@ -473,6 +487,11 @@ class Metrics:
         self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
         if s.num_step_tokens or step.deltas:
             self.iteration_tokens.labels(*labels).observe(s.num_step_tokens)
+        if s.num_step_tokens and step.step_time_s:
+            self.engine_step_seconds.labels(*labels).observe(step.step_time_s)
+        if step.finished_at:
+            self.step_delivery_seconds.labels(*labels).observe(
+                max(0.0, time.time() - step.finished_at))
         for name, value, counter, extra in (
                 ("preempt_swap", s.num_swap_preemptions, self.num_preemptions, ("swap",)),
                 ("preempt_recompute", s.num_recompute_preemptions, self.num_preemptions,

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from tandem.control.journal import InProcessJournal, RequestJournal
+from tandem.control.journal import InProcessJournal, JournalWriter, RequestJournal
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.kvtransfer.base import KVTransferError
@@ -127,6 +127,8 @@ class Orchestrator:
         self.metrics = metrics
         self.journal = journal if journal is not None else InProcessJournal()
         self._journaled: dict[str, tuple[dict, list[SampleStream]]] = {}
+        # Journal writes leave the event loop: batched, one round trip in flight.
+        self.journal_writer = JournalWriter(self.journal, cluster.router_id, self._journal_entry)
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, v: ValidatedRequest,
@@ -181,7 +183,7 @@ class Orchestrator:
         record = {"prompt_token_ids": list(v.prompt_token_ids), "priority": v.priority,
                   "sampling_params": dataclasses.asdict(params)}
         self._journaled[rid] = (record, samples)
-        self._journal("begin", rid, cluster.router_id, record)
+        self.journal_writer.submit("begin", rid, cluster.router_id, record)
         stopped_by: str | None = "error"     # how it ends unless it runs to its end
         try:
             while True:
@@ -199,7 +201,7 @@ class Orchestrator:
             raise
         finally:
             cluster.unregister(rid)
-            self._journal("finish", rid)
+            self.journal_writer.submit("finish", rid)
             self._journaled.pop(rid, None)
             unfinished = [s for s in samples if not s.finished]
             aborted_by = None
@@ -321,7 +323,7 @@ class Orchestrator:
             # Each unfinished sample resumes after its own tokens (as sample i: its
             # own seed stream); an n == 1 request's tokens are checked against the journal.
             if params.n == 1:
-                entry = self._journal("load", rid)
+                entry = await self._journal_load(rid)
                 if entry is not None and list(entry.token_ids) != samples[0].token_ids:
                     raise RuntimeError(
                         f"request {rid}: the journal's tokens disagree with the stream")
@@ -332,7 +334,7 @@ class Orchestrator:
                   if att.prefill is not None else None)
             reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
                                   router_id=cluster.router_id)]
-        self._journal("assign", rid, att.decode.worker_id, att.number)
+        self.journal_writer.submit("assign", rid, att.decode.worker_id, att.number)
         att.added = asyncio.ensure_future(self._add(att.decode, reqs))
         try:
             await asyncio.shield(att.added)
@@ -515,31 +517,31 @@ class Orchestrator:
         if upd is None:
             return []
         if len(samples) == 1 and upd.token_ids:
-            self._journal("append_tokens", rid, upd.token_ids)
+            self.journal_writer.submit("append_tokens", rid, upd.token_ids)
         if self.metrics and trace is not None:
             self.metrics.tokens(trace, index, len(upd.token_ids))
         if upd.needs_abort:
             self._spawn(self._abort_sample(delta.request_id))
         return [SampleEvent(s, upd)]
 
-    def _journal(self, method: str, rid: str, *args):
-        """Call the journal; when the cluster state is unreachable (Redis restarting)
-        the request goes on without it (a migration then resumes from the stream),
-        and an entry the cluster state lost is written again whole."""
+    def _journal_entry(self, rid: str) -> tuple[dict, list[int]] | None:
+        """What the journal writer writes again when the cluster state lost a running
+        request's entry (Redis restarted): its record and, for ``n == 1``, its tokens."""
+        if rid not in self._journaled:
+            return None
+        record, samples = self._journaled[rid]
+        return record, (list(samples[0].token_ids) if len(samples) == 1 else [])
+
+    async def _journal_load(self, rid: str):
+        """The request's journal entry once every write of it is applied; ``None`` when
+        the cluster state is unreachable (Redis restarting: a migration then resumes
+        from the stream) or lost it."""
         try:
-            return getattr(self.journal, method)(rid, *args)
-        except KeyError:
-            if rid in self._journaled and method in ("assign", "append_tokens"):
-                record, samples = self._journaled[rid]
-                try:
-                    self.journal.begin(rid, self.cluster.router_id, record)
-                    if len(samples) == 1 and samples[0].token_ids:
-                        self.journal.append_tokens(rid, samples[0].token_ids)
-                except Exception as exc:
-                    logger.warning("request journal: rewriting %s failed: %s", rid, exc)
+            await self.journal_writer.flush()
+            return await asyncio.to_thread(self.journal.load, rid)
         except Exception as exc:
-            logger.warning("request journal %s failed: %s", method, exc)
-        return None
+            logger.warning("request journal load failed: %s", exc)
+            return None
 
     # -- aborts --------------------------------------------------------------------------------
     def _spawn(self, coro) -> None:

@@ -16,6 +16,7 @@ a prefill worker's carry no deltas: it reads results through
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -69,6 +70,62 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    @classmethod
+    def build(cls, make_engine: Callable[[], LLMEngine], worker_id: str, role: str,
+              nice: int = 0, **kwargs: Any) -> "EngineLoop":
+        """Build the engine on the loop's own thread with ``make_engine()``, then run
+        the loop there (started); returns once the engine is built.
+
+        Why: torch's CPU kernels parallelise with OpenMP (libgomp), which keeps a
+        thread team per thread that starts parallel work. With more such threads
+        in a process than cores (the main thread that loaded the weights, plus the
+        loop thread), libgomp cuts its team's spin-waiting to almost nothing, and
+        every parallel region of a step then pays a futex wake-up: a decode step
+        of the default model took ~1.4x as long (bfloat16, 2 cores;
+        benchmarks/README.md, "Serving overhead"). So every torch call of a worker's
+        engine, from weight loading on, runs on one thread.
+
+        The loop thread, and the OpenMP threads it starts (they inherit it), can
+        run at a lower priority than the process's other threads: ``nice`` > 0
+        (Linux per-thread nice; raising it needs no privilege). On a machine with
+        no core to spare, the engine's threads spin-wait between parallel
+        regions; then the threads that deliver its outputs (the worker's RPC
+        threads, the router) must win when they wake, or the client sees tokens
+        in bursts behind stalls.
+
+        Args:
+            nice: added to the loop thread's nice value (0: unchanged).
+            kwargs: as for the constructor.
+
+        Raises:
+            whatever ``make_engine`` raised.
+        """
+        built = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            if nice:
+                tid = threading.get_native_id()
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+                except OSError as exc:       # not Linux-like: priorities stay as they are
+                    logger.warning("engine loop %s: cannot renice its thread: %s", worker_id, exc)
+            try:
+                loop = box["loop"] = cls(make_engine(), worker_id, role, **kwargs)
+            except BaseException as exc:   # re-raised in the caller's thread
+                box["error"] = exc
+                built.set()
+                return
+            loop._thread = threading.current_thread()
+            built.set()
+            loop._run()
+
+        threading.Thread(target=run, name=f"engine-{worker_id}", daemon=True).start()
+        built.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["loop"]
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -186,7 +243,8 @@ class EngineLoop:
         self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
         kv_events = self._take_kv_events()
         self.subscribers.publish(StepOutput(
-            deltas if self.publish_deltas else (), self._last_stats, step_time_s, kv_events))
+            deltas if self.publish_deltas else (), self._last_stats, step_time_s, kv_events,
+            time.time()))
 
     def _take_kv_events(self) -> tuple:
         kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())

@@ -145,9 +145,13 @@ class StepOutput:
         step_time_s: wall time of the step (seconds).
         kv_events: prefix-cache changes since the previous message, oldest first
             (:mod:`tandem.engine.kv.kv_events`); empty when the engine records none.
+        finished_at: when the step ended, ``time.time()`` on the worker's host
+            (seconds since the epoch; 0.0 when not a step): the router measures the
+            delivery of step outputs against it.
     """
 
     deltas: tuple[RequestDelta, ...]
     stats: WorkerStats
     step_time_s: float = 0.0
     kv_events: tuple = ()
+    finished_at: float = 0.0

@@ -98,3 +98,99 @@ def test_redis_journal_is_shared_between_routers(redis_server, state):
     assert RedisJournal(other).load("r1").token_ids == [7, 8]
     assert RedisJournal(other).active("router-a") == ["r1"]
     other.close()
+
+
+# -- write_batch and the write-behind writer ------------------------------------------------------
+
+
+def test_write_batch_applies_in_order_and_reports_each_op(journal):
+    journal.begin("gone", "router-a", RECORD)
+    journal.finish("gone")
+    results = journal.write_batch([
+        ("begin", "r1", "router-a", RECORD), ("assign", "r1", "decode-0", 1),
+        ("append_tokens", "r1", [7, 8]), ("append_tokens", "r1", []),
+        ("append_tokens", "gone", [1]), ("assign", "gone", "decode-0", 1),
+        ("begin", "r2", "router-a", RECORD), ("finish", "r2")])
+    assert [type(r).__name__ if r is not None else None for r in results] == \
+        [None, None, None, None, "KeyError", "KeyError", None, None]
+    assert journal.load("r1") == JournalEntry("r1", "router-a", RECORD, [7, 8], "decode-0", 1)
+    assert journal.load("r2") is None and journal.load("gone") is None
+
+
+class _CountingJournal(InProcessJournal):
+    """An in-process journal that records each batch it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[list[tuple]] = []
+
+    def write_batch(self, ops):
+        self.batches.append([tuple(op[:2]) + (list(op[2]) if op[0] == "append_tokens" else (),)
+                             for op in ops])
+        return super().write_batch(ops)
+
+
+def test_writer_merges_appends_and_keeps_order():
+    """Appends of one request queued while a batch is in flight merge into one op;
+    flush() returns once everything submitted before it is applied."""
+    import asyncio
+
+    from tandem.control.journal import JournalWriter
+
+    journal = _CountingJournal()
+
+    async def main():
+        w = JournalWriter(journal, "router-a", lambda rid: None)
+        w.submit("begin", "r1", "router-a", RECORD)
+        w.submit("assign", "r1", "decode-0", 1)
+        for t in range(50):                  # per-token submits, no await between them
+            w.submit("append_tokens", "r1", [t])
+            w.submit("append_tokens", "r2", [t])   # never begun: KeyError, no rewrite
+        await w.flush()
+        entry = journal.load("r1")
+        w.submit("append_tokens", "r1", [50])
+        w.submit("finish", "r1")
+        await w.close()
+        return entry, w.batches
+
+    entry, batches = asyncio.run(main())
+    assert entry == JournalEntry("r1", "router-a", RECORD, list(range(50)), "decode-0", 1)
+    assert journal.load("r1") is None
+    # 102 submits before the first flush became one batch of 4 ops.
+    assert journal.batches[0] == [("begin", "r1", ()), ("assign", "r1", ()),
+                                  ("append_tokens", "r1", list(range(50))),
+                                  ("append_tokens", "r2", list(range(50)))]
+    assert batches == len(journal.batches) == 2
+
+
+def test_writer_rewrites_an_entry_the_state_lost(redis_server, state):
+    """The cluster state forgot a running request (Redis flushed): the writer writes
+    the whole entry again from the router's own record and tokens, without
+    duplicating tokens still queued."""
+    import asyncio
+
+    from tandem.control.journal import JournalWriter
+
+    journal = RedisJournal(state)
+    tokens: list[int] = []
+
+    async def main():
+        w = JournalWriter(journal, "router-a", lambda rid: (RECORD, list(tokens)))
+        w.submit("begin", "r1", "router-a", RECORD)
+        tokens.extend([1, 2])
+        w.submit("append_tokens", "r1", [1, 2])
+        await w.flush()
+        state.redis.flushall()
+        tokens.append(3)
+        w.submit("append_tokens", "r1", [3])      # finds the entry gone
+        await w.flush()
+        tokens.append(4)
+        w.submit("append_tokens", "r1", [4])
+        await w.flush()
+        await w.flush()                           # the rewrite, queued by the failed batch
+        await w.close()
+
+    asyncio.run(main())
+    entry = journal.load("r1")
+    assert entry is not None and entry.record == RECORD
+    assert entry.token_ids == [1, 2, 3, 4]

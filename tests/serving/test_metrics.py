@@ -76,7 +76,8 @@ def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, 
                                                    "num_requests_swapped", "kv_cache_usage_perc")]
         want += [key("tandem:num_preemptions_total", kind=k, **w) for k in PREEMPTION_KINDS]
         want += [key(f"tandem:prefix_cache_{n}_total", **w) for n in ("queries", "hits")]
-        want += [key(f"tandem:iteration_tokens_total_{n}", **w) for n in ("count", "sum")]
+        want += [key(f"tandem:{h}_{n}", **w) for n in ("count", "sum") for h in (
+            "iteration_tokens_total", "engine_step_seconds", "step_delivery_seconds")]
         want += [key("tandem:worker_restarts_total", worker=wid)]
         if role == "prefill":
             want += [key(f"tandem:kv_transfer_{n}", worker=wid) for n in (
@@ -189,6 +190,14 @@ def test_counters_exact_after_real_requests(fresh, tokenizer, caplog):
         assert value(m, "tandem:kv_cache_usage_perc", worker=wid, role=role) == 0
     assert total(m, "tandem:iteration_tokens_total_count") > 0
     assert total(m, "tandem:prefix_cache_queries_total") > 0
+    # The request timeline's step side: each worker step that ran tokens is timed, and
+    # every published step's delivery to the router too (idle stats are not steps).
+    dec = dict(worker="decode-0", role="decode")
+    steps = value(m, "tandem:engine_step_seconds_count", **dec)
+    assert steps >= len(base.token_ids) - 1      # one decode step per token after the first
+    assert value(m, "tandem:step_delivery_seconds_count", **dec) >= steps
+    assert value(m, "tandem:engine_step_seconds_sum", **dec) > 0
+    assert value(m, "tandem:engine_step_seconds_count", worker="prefill-0", role="prefill") >= 6
 
 
 def test_one_structured_log_line_per_request_without_prompt_text(fresh, caplog):

@@ -1,0 +1,139 @@
+"""Tandem and vLLM through the OpenAI API at several concurrencies, in one run, with a plot.
+
+:mod:`openai_bench` at each ``--concurrency`` in turn: each system's server
+(``--systems``; Tandem disaggregated, Tandem colocated, ``vllm serve``) is started
+once, as ``openai_bench.py`` starts it, and ``vllm bench serve`` runs against it
+at every concurrency, the same seed (the same prompts) for every system;
+``max(--num-prompts, 2 x concurrency)`` prompts at each, as many warm-ups as the
+concurrency. Writes one JSON (every run's record as ``openai_bench.py`` keeps it,
+plus the machine's CPU and ISA flags) and a PNG beside it: output tokens/s, mean
+TPOT and mean TTFT against concurrency, one line per system.
+
+    make peers     # once: the vLLM venv and the Hugging Face export in .peers/
+    .venv/bin/python benchmarks/openai_sweep.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openai_bench as ob  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated")
+    args, rest = p.parse_known_args(argv)
+    bench = ob.parse_args(rest)
+    bench.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if "--out" not in rest:
+        bench.out = str(ob.REPO / "benchmarks" / "results" / f"openai_sweep_{bench.dtype}.json")
+    return bench
+
+
+def sweep_system(system: str, args, workdir: Path) -> list[dict]:
+    """Every concurrency against one server of ``system``: one record per concurrency."""
+    server = ob.make_server(system, args, workdir / f"{system}.log")
+    print(f"\n==== {system}: starting {' '.join(server.cmd)}", flush=True)
+    runs = []
+    try:
+        with server:
+            print(f"==== {system}: serving after {server.startup_s:.0f} s", flush=True)
+            for c in args.concurrency:
+                a = copy.copy(args)
+                a.max_concurrency, a.num_warmups = c, c
+                a.num_prompts = max(args.num_prompts, 2 * c)
+                run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts,
+                       "startup_s": server.startup_s, "server_cmd": server.cmd}
+                try:
+                    run.update(ob.run_client(system, server, a, workdir, f"_c{c}"))
+                except Exception as exc:        # recorded; the next concurrency still runs
+                    run["error"] = f"{type(exc).__name__}: {exc}"
+                    print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
+                runs.append(run)
+    except Exception as exc:
+        runs.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+        print(f"==== {system}: FAILED {exc}", flush=True)
+    return runs
+
+
+def table(runs: list[dict]) -> str:
+    rows = ["| system | concurrency | out tok/s | TPOT mean / p99 (ms) | TTFT mean / p99 (ms) | ok / failed |",
+            "|---|---|---|---|---|---|"]
+    for r in runs:
+        s = r.get("summary")
+        if s is None:
+            rows.append(f"| {r['system']} | {r.get('concurrency', '-')} | failed: "
+                        f"{r.get('error', '?')[:60]} | | | |")
+            continue
+        rows.append(f"| {r['system']} | {r['concurrency']} | {ob._f(s['output_throughput'])} "
+                    f"| {ob._f(s['mean_tpot_ms'])} / {ob._f(s['p99_tpot_ms'])} "
+                    f"| {ob._f(s['mean_ttft_ms'])} / {ob._f(s['p99_ttft_ms'])} "
+                    f"| {s['completed']} / {s['failed']} |")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Output tokens/s, mean TPOT and mean TTFT vs concurrency (log x), one line per system."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r.get("summary")]
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (key, label) in zip(axes, (("output_throughput", "output tokens/s"),
+                                       ("mean_tpot_ms", "mean TPOT (ms)"),
+                                       ("mean_ttft_ms", "mean TTFT (ms)"))):
+        for system in systems:
+            pts = sorted((r["concurrency"], r["summary"][key]) for r in runs if r["system"] == system)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    m = report["machine"]
+    isa = " ".join(f for f in m.get("cpu_flags", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    fig.suptitle(f"{report['dtype']}, {report['workload']['input_len']}-token prompts, "
+                 f"{report['workload']['output_len']} output tokens; {m.get('cpu')} x{m.get('cores')} ({isa})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "vllm" in args.systems and not Path(args.hf_model, "config.json").is_file():
+        print(f"{args.hf_model}: no checkpoint; run `make peers`", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="openai_sweep_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    runs = [r for s in args.systems for r in sweep_system(s, args, workdir)]
+    report = {"command": [Path(sys.executable).name, *sys.argv],
+              "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
+              "wall_s": time.time() - t0, "workdir": str(workdir), "machine": ob.versions(args),
+              "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
+                           "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
+                           "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
+                           "temperature": 0, "seed": args.seed},
+              "dtype": args.dtype, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(f"\n{args.dtype}:\n\n{table(runs)}\n\nwrote {out} and {out.with_suffix('.png')}; "
+          f"whole run {report['wall_s']:.0f} s")
+    return 0 if all("summary" in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
