@@ -147,6 +147,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
             layer.invariant_weight = pack_invariant_weight(w)
             del layer.weight            # as below: only the packed copy is read
             return
+        if w.dtype == torch.float32 and w.device.type == "cpu" and packing_available(w.dtype):
+            # oneDNN's float32 matmul, not MKL's (whose AVX2 path is all AMD CPUs get):
+            # see tandem.kernels.cpu.linear.
+            layer.packed_weight = pack_weight(w)
+            del layer.weight
+            return
         if w.dtype == torch.bfloat16 and w.device.type == "cpu":
             if packing_available():
                 layer.packed_weight = pack_weight(w)
