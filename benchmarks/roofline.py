@@ -2,8 +2,9 @@
 
 Measures, in one process with the engine's thread count:
 
-* **GEMM peak**: ``torch.matmul`` of two square matrices (``--gemm-size``) in the
-  dtype, best of several runs: GFLOP/s (2 n^3 per product).
+* **GEMM peak**: the product of two square matrices (``--gemm-size``) in the dtype,
+  through oneDNN's packed matmul (the engine's linear layers; ``torch.matmul``
+  where that is unavailable), best of several runs: GFLOP/s (2 n^3 per product).
 * **memory bandwidth**: a read of a tensor much larger than the caches
   (``--stream-mb``; ``tensor.sum()``, which reads each byte once): GB/s.
 * **prefill**: engine steps that run one ``--prefill-len``-token prompt (no cache
@@ -48,7 +49,12 @@ def best_time(fn, repeats: int) -> float:
 def gemm_peak_gflops(dtype, n: int, repeats: int = 5) -> float:
     import torch
 
+    from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
+
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    if packing_available(dtype):
+        packed = pack_weight(b)
+        return 2 * n ** 3 / best_time(lambda: packed_linear(a, packed), repeats) / 1e9
     return 2 * n ** 3 / best_time(lambda: torch.matmul(a, b), repeats) / 1e9
 
 
@@ -99,11 +105,14 @@ def main() -> None:
     bw = stream_gbs(args.stream_mb)
     llm = LLM(args.model, dtype=args.dtype, num_threads=threads,
               enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prefill_len))
-    model = llm.engine.runner.model
-    params = sum(t.numel() for t in model.parameters())
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
     cfg = llm.engine.model_config
+    # From the geometry: the linear layers' weights live in packed (opaque) tensors.
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    embed = cfg.vocab_size * cfg.hidden_size
+    params = cfg.num_layers * per_layer + embed * (1 if cfg.tie_word_embeddings else 2)
+    # A decode step reads every linear weight and the LM head once (not the embedding).
+    weight_bytes = (cfg.num_layers * per_layer + embed) * dtype.itemsize
     kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                           * llm.engine.runner.kv_cache.tensor.element_size())
     rows = []
@@ -123,12 +132,12 @@ def main() -> None:
                      "tokens_per_s": b / t})
     result = {"dtype": args.dtype, "threads": threads, "gemm_peak_gflops": peak,
               "stream_read_gbs": bw, "parameters": params, "weight_bytes": weight_bytes,
-              "buffer_bytes": buffers, "kv_bytes_per_token": kv_bytes_per_token, "rows": rows,
+              "kv_bytes_per_token": kv_bytes_per_token, "rows": rows,
               "machine": versions(argparse.Namespace(systems=[])),
               "command": " ".join([Path(sys.executable).name, *sys.argv])}
     print(f"\n{args.dtype}, {threads} threads: GEMM peak {peak:.1f} GFLOP/s "
           f"({args.gemm_size}^3 matmul), memory read {bw:.1f} GB/s ({args.stream_mb} MB sum); "
-          f"model {params / 1e6:.1f} M parameters, {weight_bytes / 1e6:.0f} MB of weights\n")
+          f"model {params / 1e6:.1f} M parameters, {weight_bytes / 1e6:.0f} MB of weights read per decode step\n")
     print("| step | time (ms) | achieved | of the measured peak |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['step']} | {r['ms']:.1f} | {r['achieved']} | {r['fraction_of_peak']:.0%} |")

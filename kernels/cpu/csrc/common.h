@@ -175,7 +175,7 @@ constexpr int kMaxGroup = 8;    // query heads per KV head handled in registers
 constexpr int kMaxChunks = 16;  // head_dim / 16 (head_dim <= 256)
 #endif
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // r[j] = sum of the 16 lanes of v[j], for 16 vectors at once (a transpose-and-add
 // tree: 45 shuffles and adds instead of 16 full reductions).
 inline __m512 hsum16x16(const __m512* v) {

@@ -110,9 +110,12 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t len, int
 }
 
 // AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
-// the G query rows stay in registers as float32, each K row is read once (two
-// 64-byte lines for bf16, D = 64) and scored against all G rows; the value pass
-// keeps the G x D float32 accumulators in registers.
+// the G query rows stay in registers as float32 (pre-scaled), the K rows of 16
+// tokens at a time are scored against all G rows, each score's D products summed
+// in one vector and the 16 vectors reduced together (hsum16x16: one tree
+// reduction per 16 scores instead of one horizontal sum per score); the value
+// pass keeps the G x D float32 accumulators in registers. `scores` holds G rows
+// of `stride` (len rounded up to 16) floats.
 template <typename T>
 void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
                        int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
@@ -124,21 +127,30 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c)
             qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
-    const int64_t nblk = (len + bs - 1) / bs;
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-        const T* base = kc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
-        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
-        if (blk + kAhead < nblk)
-            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
-        for (int64_t j = 0; j < n; ++j) {
-            const T* kp = base + j * row;
-            __m512 kv[kMaxChunks];
-            for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kp + 16 * c);
-            for (int64_t g = 0; g < g_size; ++g) {
-                __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-                for (int64_t c = 1; c < chunks; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-                scores[g * stride + blk * bs + j] = _mm512_reduce_add_ps(s);
+    const T* kp[16];
+    int64_t blk = 0, off = 0;   // block-table index and offset of the next token
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t0);
+        for (int64_t j = 0; j < 16; ++j) {
+            if (j < n) {
+                kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
+                if (++off == bs) { off = 0; ++blk; }
+            } else {
+                kp[j] = kp[0];   // padding lanes: scored, then ignored by the softmax
             }
+        }
+        if (off == 0 && (blk + kAhead) * bs < len)   // a new block begins: fetch one kAhead further
+            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
+                          std::min<int64_t>(bs, 16), row, d);
+        for (int64_t g = 0; g < g_size; ++g) {
+            __m512 part[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], load16(kp[j]));
+                for (int64_t c = 1; c < chunks; ++c)
+                    acc = _mm512_fmadd_ps(qv[g][c], load16(kp[j] + 16 * c), acc);
+                part[j] = acc;
+            }
+            _mm512_storeu_ps(scores + g * stride + t0, hsum16x16(part));
         }
     }
     softmax_rows512(scores, g_size, len, stride);
