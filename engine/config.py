@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.engine.model.hf_config import RopeScaling, check_hf_features, hf_rope_dict
+from tandem.engine.model.hf_config import RopeScaling, check_hf_features
 from tandem.engine.model.registry import MODEL_REGISTRY, UnsupportedModelError
 
 
@@ -77,7 +77,20 @@ class ModelConfig:
         attention_bias: the checkpoint's ``attention_bias`` (biases on the Q/K/V
             and output projections, for the architectures that read it; Qwen2 has
             Q/K/V biases whatever it says).
-        rope_scaling: the RoPE scaling, or None (plain RoPE).
+        rope_scaling: the RoPE scaling, or None (plain RoPE); of the global layers
+            when ``rope_local_theta`` is set.
+        rope_local_theta: the RoPE base of the sliding-window layers, unscaled (Gemma
+            3's local base), or None (every layer uses ``rope_theta``/``rope_scaling``).
+        layer_windows: per layer, its sliding window in tokens (a query at position
+            ``p`` sees keys ``p - w + 1 .. p``) or None for full attention; empty:
+            no layer has a window. A window of ``max_model_len`` or more never binds
+            (the layer attends fully) but still marks a sliding layer.
+        hidden_act: the gated MLP's activation, ``silu`` or ``gelu_pytorch_tanh``.
+        attn_logit_softcapping: attention scores capped to ``c * tanh(s / c)``
+            before the softmax (Gemma 2), or None.
+        final_logit_softcapping: the same on the output logits, or None.
+        query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``
+            instead of ``head_dim ** -0.5`` (Gemma), or None.
     """
 
     hidden_size: int
@@ -96,6 +109,12 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -103,7 +122,15 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if isinstance(self.rope_scaling, dict):     # read back from JSON (the GGUF cache)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows: {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
         MODEL_REGISTRY.info(self.architecture)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window (tokens), or None for full attention."""
+        return self.layer_windows[i] if self.layer_windows else None
 
     def check_plain_llama(self, who: str) -> None:
         """Refuse a model that is not numerically a plain Llama (a Llama or Mistral
@@ -123,6 +150,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             raise UnsupportedModelError("rope_scaling", f"{who} does not handle RoPE scaling "
                                         f"{self.rope_scaling.rope_type!r}")
+        if any(w is not None and w < self.max_model_len for w in self.layer_windows):
+            raise UnsupportedModelError("sliding_window", f"{who} does not handle "
+                                        "sliding-window attention")
 
     @classmethod
     def from_gguf_fields(cls, fields: dict, has_output_weight: bool) -> "ModelConfig":
@@ -191,10 +221,9 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         """:meth:`from_hf_config` on an already parsed ``config.json`` (same errors)."""
         architecture = MODEL_REGISTRY.resolve_hf(cfg)
-        rope_scaling = check_hf_features(cfg)
+        features = check_hf_features(cfg, architecture)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        rope = hf_rope_dict(cfg)[1]
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -205,15 +234,26 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             # transformers >= 5 writes the base inside "rope_parameters" only.
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_theta=features.rope_theta or 10000.0,
             max_model_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             architecture=architecture,
             attention_bias=bool(cfg.get("attention_bias", False)),
-            rope_scaling=rope_scaling,
+            rope_scaling=features.rope_scaling,
+            rope_local_theta=features.rope_local_theta,
+            layer_windows=features.layer_windows,
+            hidden_act=features.hidden_act,
+            attn_logit_softcapping=features.attn_logit_softcapping,
+            final_logit_softcapping=features.final_logit_softcapping,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar")
+            if architecture in _QUERY_PRE_ATTN_SCALAR else None,
         )
+
+
+# The architectures whose attention scale transformers takes from query_pre_attn_scalar.
+_QUERY_PRE_ATTN_SCALAR = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _opt_int(v) -> int | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels import int4_kv
 from tandem.kernels import reference as ref
@@ -50,6 +51,8 @@ class AttentionMetadata:
         max_seq_len: ``max(seq_lens)`` (tokens).
         int4_plan: with an int4 KV cache, the step's
             :class:`~tandem.kernels.int4_kv.Int4WritePlan`; None otherwise.
+        prompt_lens_cpu: ``B`` host ints, each sequence's prompt length (tokens),
+            for a model whose RoPE depends on it (``longrope``); None otherwise.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +63,7 @@ class AttentionMetadata:
     num_decodes: int
     max_seq_len: int
     int4_plan: Any = None
+    prompt_lens_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +82,13 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    supports_sliding_window: bool = False
+    """Whether :meth:`attention` takes ``window`` (a model with a sliding-window
+    layer is refused on a backend without it; see
+    :meth:`~tandem.engine.model.layers.DecoderForCausalLM.check_backend`)."""
+    supports_logit_softcap: bool = False
+    """Whether :meth:`attention` takes ``softcap`` (Gemma 2's attention logit
+    soft-capping)."""
 
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -86,6 +97,13 @@ class AttentionBackend(ABC):
                   k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend.
+
+        A backend whose :attr:`supports_sliding_window` / :attr:`supports_logit_softcap`
+        is true also takes the keywords ``window`` (int tokens or None: a query at
+        position ``p`` sees only keys at ``p - window + 1 .. p``, transformers'
+        ``sliding_window``) and ``softcap`` (float or None: scores ``s * scale``
+        become ``softcap * tanh(s * scale / softcap)`` before the mask and softmax);
+        callers pass them only when set, so other backends keep this signature.
 
         Args:
             query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``.
@@ -122,6 +140,13 @@ class AttentionBackend(ABC):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, 2F]`` -> ``[T, F]``."""
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): ``[T, 2F]`` = [gate | up] -> ``gelu_tanh(gate) * up``
+        ``[T, F]`` (torch's ``gelu(approximate="tanh")``, transformers'
+        ``gelu_pytorch_tanh``), in x's dtype. Torch ops on every backend."""
+        f = x.shape[-1] // 2
+        return F.gelu(x[..., :f], approximate="tanh") * x[..., f:]
+
 
 # numpy has no bfloat16: gather 2-byte elements as int16 (a copy moves bits, not values).
 _BITS_AS = {torch.bfloat16: torch.int16, torch.float16: torch.float16,
@@ -148,8 +173,10 @@ _DECODE_GROUP = 16   # sequences per padded group in CPU decode attention
 def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          max_seq_len: int, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged decode attention for CPU tensors (see :func:`_decode_attention_group`).
+                         v_scale: torch.Tensor | None = None, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+    """Paged decode attention for CPU tensors (see :func:`_decode_attention_group`);
+    ``window`` (tokens) and ``softcap`` as in :meth:`AttentionBackend.attention`.
 
     Large batches are sorted by context length and cut into groups of
     ``_DECODE_GROUP`` sequences, each padded only to its own longest context, so
@@ -161,7 +188,7 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     b = query.shape[0]
     if b <= _DECODE_GROUP:
         return _decode_attention_group(query, key_cache, value_cache, block_tables, seq_lens,
-                                       scale, max_seq_len, k_scale, v_scale)
+                                       scale, max_seq_len, k_scale, v_scale, window, softcap)
     lens = seq_lens.tolist()
     order = sorted(range(b), key=lens.__getitem__)
     out = torch.empty_like(query)
@@ -171,7 +198,8 @@ def decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         idx = torch.tensor(rows)
         out[idx] = _decode_attention_group(query[idx], key_cache, value_cache, block_tables[idx],
                                            seq_lens[idx], scale, max(lens[r] for r in rows),
-                                           k_scale, v_scale[idx] if per_seq else v_scale)
+                                           k_scale, v_scale[idx] if per_seq else v_scale,
+                                           window, softcap)
     return out
 
 
@@ -179,7 +207,8 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Paged decode attention for CPU tensors, same contract as
     :func:`tandem.kernels.reference.paged_decode_attention_ref` (``[B, Hq, D]``).
 
@@ -212,7 +241,12 @@ def _decode_attention_group(query: torch.Tensor, key_cache: torch.Tensor,
     q_bd.diagonal(dim1=1, dim2=3).copy_(query.view(b, hkv, g, d).permute(0, 2, 3, 1))
     scores = torch.bmm(q_bd.view(b, hq, hkv * d), k.transpose(1, 2)).float()   # [B, Hq, L]
     scores *= scale
-    pad = torch.arange(length)[None, :] >= seq_lens[:, None].long()
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(length)[None, :]
+    pad = pos >= seq_lens[:, None].long()
+    if window is not None:     # the query at seq_len - 1 sees the last `window` keys
+        pad |= pos < seq_lens[:, None].long() - window
     scores.masked_fill_(pad[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     full = torch.bmm(probs, v)                                                 # [B, Hq, Hkv*D]
@@ -226,19 +260,30 @@ class TorchAttentionBackend(AttentionBackend):
     or int4) cache by dequantizing the gathered blocks into the model dtype."""
 
     name = "torch"
+    supports_sliding_window = True
+    supports_logit_softcap = True
     _int4_token_rows = None      # the int4 per-token write; None: torch's (int4_kv)
 
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                 k_scale=None, v_scale=None):
+        return TorchAttentionBackend._torch_decode(query, key_cache, value_cache, block_tables,
+                                                   seq_lens, scale, max_seq_len, k_scale,
+                                                   v_scale)
+
+    @staticmethod
+    def _torch_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                      k_scale=None, v_scale=None, window=None, softcap=None):
+        """Decode attention in torch ops (a soft-capped one on CPU tensors only)."""
         if query.device.type == "cpu":
             return decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens,
-                                        scale, max_seq_len, k_scale, v_scale)
+                                        scale, max_seq_len, k_scale, v_scale, window, softcap)
         return ref.paged_decode_attention_ref(query, key_cache, value_cache, block_tables,
-                                              seq_lens, scale, max_seq_len, k_scale, v_scale)
+                                              seq_lens, scale, max_seq_len, k_scale, v_scale,
+                                              window)
 
     def attention(self, query, key, value, key_cache, value_cache, meta, scale,
-                  k_scale=None, v_scale=None):
+                  k_scale=None, v_scale=None, *, window=None, softcap=None):
         if key_cache.dtype == torch.uint8:
             if meta.int4_plan is None or k_scale is None:
                 raise ValueError("int4 KV cache: needs the step's write plan (meta.int4_plan) "
@@ -246,19 +291,25 @@ class TorchAttentionBackend(AttentionBackend):
             int4_kv.reshape_and_cache_int4(key, value, key_cache, value_cache, meta.slot_mapping,
                                            k_scale, meta.int4_plan, self._int4_token_rows)
             return self.attend(query, key, value, key_cache, value_cache, meta, scale, k_scale,
-                               meta.int4_plan.seq_open_entries)
+                               meta.int4_plan.seq_open_entries, window=window, softcap=softcap)
         ref.reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping,
                                   k_scale, v_scale)
         return self.attend(query, key, value, key_cache, value_cache, meta, scale,
-                           k_scale, v_scale)
+                           k_scale, v_scale, window=window, softcap=softcap)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               v_scale: torch.Tensor | None = None, *, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """:meth:`attention` after the cache write: decodes through :meth:`_decode`,
         each prefill chunk through a fused causal SDPA (its fresh K/V directly when
         nothing precedes the chunk, else its context gathered from the cache).
+
+        A sliding ``window`` or a ``softcap`` (see :meth:`AttentionBackend.attention`)
+        takes torch ops throughout: decodes through :func:`decode_attention_cpu` (on
+        CPU; elsewhere the reference, or with ``softcap`` the per-sequence path), prefill
+        chunks through a masked SDPA or, soft-capped, explicit scores.
 
         With a quantized cache every chunk reads its K/V from the cache (dequantized),
         its own tokens' included: with fp8 a token's attention then sees the same K/V
@@ -269,15 +320,23 @@ class TorchAttentionBackend(AttentionBackend):
         were full when it was computed, as in KIVI."""
         nd = meta.num_decodes
         quantized = ref._check_scales(key_cache, k_scale, v_scale)
+        plain = window is None and softcap is None
+        if plain:
+            decode = self._decode
+        else:
+            def decode(*args):
+                return TorchAttentionBackend._torch_decode(*args, window, softcap)
+            if softcap is not None and query.device.type != "cpu":
+                nd = 0          # decodes too through the per-sequence path below
         if nd == meta.num_seqs:
-            return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                scale, meta.max_seq_len, k_scale, v_scale)
+            return decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                          scale, meta.max_seq_len, k_scale, v_scale)
         out = torch.empty_like(query)
         int4 = key_cache.dtype == torch.uint8 and v_scale is not None   # v_scale: entries
         if nd:
-            out[:nd] = self._decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                    meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]),
-                                    k_scale, v_scale[:nd] if int4 else v_scale)
+            out[:nd] = decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
+                              meta.seq_lens[:nd], scale, max(meta.seq_lens_cpu[:nd]),
+                              k_scale, v_scale[:nd] if int4 else v_scale)
         qsl = meta.query_start_loc_cpu
         hq, hkv = query.shape[1], key.shape[1]
         for i in range(nd, meta.num_seqs):
@@ -293,7 +352,11 @@ class TorchAttentionBackend(AttentionBackend):
                                    open_entry=int(v_scale[i]) if int4 else -1).transpose(0, 1)
                 v = ref._gather_kv(value_cache, meta.block_tables[i], seq_len, v_scale,
                                    query.dtype, query.shape[2], is_key=False).transpose(0, 1)
-            out[start:end] = ref._causal_sdpa(q, k, v, scale, hq != hkv).transpose(0, 1)
+            if softcap is None:
+                o = ref._causal_sdpa(q, k, v, scale, hq != hkv, window)
+            else:
+                o = softcapped_attention(q, k, v, scale, softcap, window)
+            out[start:end] = o.transpose(0, 1)
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):
@@ -304,6 +367,32 @@ class TorchAttentionBackend(AttentionBackend):
 
     def silu_and_mul(self, x):
         return ref.silu_and_mul_ref(x)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         softcap: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention with soft-capped logits (Gemma 2), as transformers' eager
+    attention computes it: scores ``q k^T * scale`` in q's dtype, then
+    ``softcap * tanh(scores / softcap)``, the causal (and ``window``) mask, a float32
+    softmax rounded to q's dtype, times V.
+
+    Args:
+        q: ``[Hq, q_len, D]``, the last ``q_len`` positions of k/v ``[Hkv, S, D]``.
+        scale: softmax scale; softcap: the cap (> 0); window: see
+            :func:`tandem.kernels.reference.attention_mask`.
+
+    Returns:
+        ``[Hq, q_len, D]``.
+    """
+    hq, hkv = q.shape[0], k.shape[0]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale          # [Hq, q_len, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    hidden = ref.attention_mask(q.shape[1], k.shape[1], window, q.device)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def default_scale(head_dim: int) -> float:

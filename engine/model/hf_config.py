@@ -11,11 +11,23 @@ from dataclasses import dataclass
 
 from tandem.engine.model.registry import UnsupportedModelError
 
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
 """``RopeScaling.rope_type`` values (besides ``default``, no scaling) that
 :mod:`tandem.engine.model.rotary` implements as transformers defines them. Not yet:
-``dynamic`` (NTK scaling whose frequencies change with the running sequence length),
-``longrope`` (Phi-3: short/long factor lists)."""
+``dynamic`` (NTK scaling whose frequencies transformers recomputes from the longest
+sequence it has seen so far: state across calls that a batched engine cannot match)."""
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""``hidden_act`` / ``hidden_activation`` values of the gated MLP: SwiGLU, and
+Gemma's GeGLU with torch's tanh-approximated GELU."""
+
+SOFTCAP_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Architectures whose transformers implementation reads ``attn_logit_softcapping``
+and ``final_logit_softcapping`` (set on any other, they are refused)."""
+
+SLIDING_WINDOW_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+"""Without ``layer_types``: every n-th layer is global, the others sliding (Gemma 2
+alternates; Gemma 3's ``sliding_window_pattern`` defaults to 6)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,9 @@ class RopeScaling:
         beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate:
             ``yarn``'s ramp bounds (rotations), cos/sin scale (None: from ``factor``,
             ``mscale``, ``mscale_all_dim``) and whether the ramp bounds are rounded.
+            ``longrope`` uses ``attention_factor`` too (None: from ``factor``).
+        short_factor, long_factor: ``longrope``'s ``D/2`` per-frequency divisors for
+            sequences up to ``original_max_position_embeddings`` tokens, and longer.
     """
 
     rope_type: str
@@ -44,6 +59,13 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):      # JSON gives lists back
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
 def hf_rope_dict(cfg: dict) -> tuple[str, dict]:
@@ -55,44 +77,128 @@ def hf_rope_dict(cfg: dict) -> tuple[str, dict]:
     return "rope_parameters", {}
 
 
-def check_hf_features(cfg: dict) -> RopeScaling | None:
-    """Refuse a config.json field whose feature the registered architectures do not
-    implement, naming it; return the RoPE scaling (None for plain RoPE).
+@dataclass(frozen=True)
+class HFFeatures:
+    """What :func:`check_hf_features` reads from a config.json beyond the geometry.
 
-    Checked: ``hidden_act`` (SiLU only), ``rope_parameters`` / ``rope_scaling`` type
-    (:data:`ROPE_SCALING_TYPES`) and ``partial_rotary_factor``, ``sliding_window``
-    (with ``use_sliding_window`` and ``layer_types``: any window that can bind),
-    ``attn_logit_softcapping``, ``final_logit_softcapping``, ``mlp_bias``.
+    Attributes:
+        rope_scaling: the (global layers') RoPE scaling, or None.
+        rope_theta: the (global layers') RoPE base, or None (the caller's default).
+        rope_local_theta: the RoPE base of sliding-window layers when it differs
+            (Gemma 3's ``rope_local_base_freq``), else None.
+        layer_windows: per layer, its sliding window in tokens or None (full
+            attention); empty when no layer has a window that can bind.
+        hidden_act: one of :data:`ACTIVATIONS`.
+        attn_logit_softcapping, final_logit_softcapping: Gemma 2's caps, or None.
+    """
+
+    rope_scaling: RopeScaling | None = None
+    rope_theta: float | None = None
+    rope_local_theta: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+
+def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
+    """Refuse a config.json field whose feature ``architecture`` (the registered
+    name) does not implement, naming it; return the features it does.
+
+    Checked: ``hidden_act`` / ``hidden_activation`` (:data:`ACTIVATIONS`),
+    ``rope_parameters`` / ``rope_scaling`` type (:data:`ROPE_SCALING_TYPES`; per
+    layer type only ``sliding_attention`` / ``full_attention``, the sliding one
+    unscaled) and ``partial_rotary_factor``, ``layer_types`` (``full_attention`` and
+    ``sliding_attention`` only), ``attn_logit_softcapping`` /
+    ``final_logit_softcapping`` (:data:`SOFTCAP_ARCHITECTURES` only), ``mlp_bias``.
 
     Raises:
         UnsupportedModelError: the first such field found.
     """
+    acts = [cfg[k] for k in ("hidden_activation", "hidden_act") if cfg.get(k) is not None]
     for key in ("hidden_act", "hidden_activation"):
-        if cfg.get(key) not in (None, "silu"):
+        if cfg.get(key) is not None and cfg[key] not in ACTIVATIONS:
             raise UnsupportedModelError(key, f"activation {cfg[key]!r} is not supported "
-                                        "(the gated MLP is SiLU-gated)")
+                                        f"({', '.join(ACTIVATIONS)})")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise UnsupportedModelError(key, f"soft-capping ({cfg[key]}) is not supported")
+        if cfg.get(key) is not None and architecture not in SOFTCAP_ARCHITECTURES:
+            raise UnsupportedModelError(key, f"soft-capping ({cfg[key]}) is not supported "
+                                        f"for {architecture}")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias", "biases in the MLP are not supported")
-    layer_types = cfg.get("layer_types") or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise UnsupportedModelError("layer_types", f"layers of type {', '.join(other)} are not "
-                                    "supported (full attention only)")
-    window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True) and \
-            window < cfg.get("max_position_embeddings", 2048):
-        raise UnsupportedModelError("sliding_window", f"sliding-window attention (window "
-                                    f"{window} tokens) is not supported yet")
+    windows = hf_layer_windows(cfg, architecture)
     key, rope = hf_rope_dict(cfg)
+    local_theta = cfg.get("rope_local_base_freq")
     if any(isinstance(v, dict) for v in rope.values()):
-        raise UnsupportedModelError(key, "per-layer-type RoPE parameters are not supported")
+        other = sorted(set(rope) - {"full_attention", "sliding_attention"})
+        if other:
+            raise UnsupportedModelError(key, f"RoPE parameters for layer types {other} are "
+                                        "not supported")
+        local = rope.get("sliding_attention") or {}
+        if (local.get("rope_type") or local.get("type") or "default") != "default":
+            raise UnsupportedModelError(f"{key}.sliding_attention.rope_type", "RoPE scaling "
+                                        "of sliding-window layers is not supported")
+        local_theta = local.get("rope_theta", local_theta)
+        key, rope = f"{key}.full_attention", rope.get("full_attention") or {}
     partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise UnsupportedModelError("partial_rotary_factor",
                                     f"partial rotary embedding ({partial}) is not supported")
+    theta = cfg.get("rope_theta") or rope.get("rope_theta")
+    return HFFeatures(
+        rope_scaling=_rope_scaling(cfg, key, rope), rope_theta=theta,
+        rope_local_theta=float(local_theta) if local_theta is not None and windows else None,
+        layer_windows=windows, hidden_act=acts[0] if acts else "silu",
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"))
+
+
+def hf_layer_windows(cfg: dict, architecture: str | None = None) -> tuple[int | None, ...]:
+    """Per layer, its sliding window (tokens) or None, as transformers builds the
+    masks: Mistral windows every layer (it ignores ``layer_types``); otherwise
+    ``layer_types`` says which layers slide, else Qwen2's ``max_window_layers``
+    (layers from that index on), else :data:`SLIDING_WINDOW_PATTERNS`, else all.
+    ``use_sliding_window: false`` or a null window turns windows off. Empty when no
+    layer has a window. A window at least ``max_position_embeddings`` long is kept
+    (the layer's type still decides its RoPE base in Gemma 3); the attention layer
+    ignores it, since it cannot bind.
+
+    Raises:
+        UnsupportedModelError: a ``layer_types`` entry other than ``full_attention``
+            and ``sliding_attention`` (field ``layer_types``); a window below 1.
+    """
+    n = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or []
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise UnsupportedModelError("layer_types", f"layers of type {', '.join(other)} are not "
+                                    "supported (full_attention, sliding_attention)")
+    window = cfg.get("sliding_window")
+    if window is None or not cfg.get("use_sliding_window", True):
+        return ()
+    if window < 1:
+        raise UnsupportedModelError("sliding_window", f"a window of {window} tokens")
+    if architecture == "MistralForCausalLM":
+        sliding = [True] * n
+    elif layer_types:
+        if len(layer_types) != n:
+            raise UnsupportedModelError("layer_types", f"{len(layer_types)} entries for {n} "
+                                        "layers")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif "max_window_layers" in cfg:
+        sliding = [i >= cfg["max_window_layers"] for i in range(n)]
+    elif architecture in SLIDING_WINDOW_PATTERNS:
+        every = cfg.get("sliding_window_pattern", SLIDING_WINDOW_PATTERNS[architecture])
+        sliding = [bool((i + 1) % every) for i in range(n)]
+    else:
+        sliding = [True] * n
+    if not any(sliding):
+        return ()
+    return tuple(int(window) if s else None for s in sliding)
+
+
+def _rope_scaling(cfg: dict, key: str, rope: dict) -> RopeScaling | None:
+    """The :class:`RopeScaling` of one RoPE parameter dict (``key`` names it in errors)."""
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "default":
         return None
@@ -110,6 +216,17 @@ def check_hf_features(cfg: dict) -> RopeScaling | None:
 
     original = rope.get("original_max_position_embeddings")
     factor = rope.get("factor")
+    if rope_type == "longrope":
+        original = original or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise UnsupportedModelError(f"{key}.original_max_position_embeddings",
+                                        "RoPE scaling 'longrope' needs it")
+        if factor is None:      # as transformers: the context extension ratio
+            factor = cfg.get("max_position_embeddings", 2048) / original
+        return RopeScaling("longrope", float(factor), int(original),
+                           attention_factor=num("attention_factor", False),
+                           short_factor=tuple(map(float, num("short_factor"))),
+                           long_factor=tuple(map(float, num("long_factor"))))
     if rope_type == "yarn" and factor is None and original:
         factor = cfg.get("max_position_embeddings", 2048) / original
     if factor is None:

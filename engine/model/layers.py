@@ -11,7 +11,11 @@ quantized format) owns their storage and matmul. The hot per-layer operations
 
 Architectures differ by constructor arguments of these layers (vLLM's way), not by
 copies: :meth:`DecoderForCausalLM.attention_options` says which biases and norms a
-model's attention has; the model files (``llama.py``, ``qwen.py``) are wiring.
+model's attention has, a few class attributes say how the decoder differs (Gemma's
+embedding scale, ``(1 + w)`` norms and sandwich norms), and the rest comes from the
+:class:`ModelConfig` (per-layer sliding windows, soft-capping, the activation, the
+attention scale); the model files (``llama.py``, ``qwen.py``, ``gemma.py``,
+``phi3.py``) are wiring.
 
 Shapes: ``T`` packed tokens of the step, ``H`` hidden size, ``Hq``/``Hkv`` query
 and KV heads, ``D`` head dim, ``V`` vocab size, ``F`` FFN width.
@@ -26,7 +30,9 @@ from torch import nn
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
-from tandem.engine.model.rotary import rope_cos_sin_cache
+from tandem.engine.model.registry import UnsupportedModelError
+from tandem.engine.model.rotary import local_rope_cos_sin_cache, rope_cos_sin_cache
+from tandem.engine.model.weights import copy_checked
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 
 # Checkpoint projection -> (fused projection, shard id): the sub-matrices that
@@ -39,12 +45,26 @@ _FUSED_PROJECTIONS = {
 
 class RMSNorm(nn.Module):
     """RMSNorm's parameters (``weight`` ``[N]``, ``eps``); the backend computes it
-    (``x / rms(x) * weight``, in float32, as transformers' Llama/Qwen norms)."""
+    (``x / rms(x) * weight``, in float32, as transformers' Llama/Qwen norms).
 
-    def __init__(self, hidden_size: int, eps: float):
+    Args:
+        offset: the checkpoint stores ``w`` and the norm multiplies by ``1 + w``
+            (Gemma); ``weight`` then holds ``1 + w``, added in float32 at load.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
+
+    def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Called by :func:`~tandem.engine.model.weights.load_weights`.
+
+        Raises:
+            WeightLoadError: a shape that does not fit.
+        """
+        copy_checked(self.weight.data, 1.0 + loaded.float() if self.offset else loaded)
 
 
 class Attention(nn.Module):
@@ -58,10 +78,18 @@ class Attention(nn.Module):
         o_bias: a bias on the output projection (Llama's and Qwen3's ``attention_bias``).
         qk_norm: RMSNorm over each head's ``D`` features of Q and K before RoPE
             (Qwen3: ``q_norm`` / ``k_norm``, weight ``[D]``).
+        qk_norm_offset: the Q/K norms multiply by ``1 + w`` (Gemma 3).
+        layer_idx: the layer's index: its sliding window (``cfg.layer_windows``; one
+            of ``max_model_len`` or more is dropped, it cannot bind) and, with
+            ``cfg.rope_local_theta``, the local RoPE table for a sliding layer.
+
+    The softmax scale is ``cfg.query_pre_attn_scalar ** -0.5`` when set, else
+    ``D ** -0.5``; ``cfg.attn_logit_softcapping`` caps the scores.
     """
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False):
+                 o_bias: bool = False, qk_norm: bool = False, qk_norm_offset: bool = False,
+                 layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -69,14 +97,23 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                linear_method, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, linear_method, bias=o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.scale = default_scale(cfg.head_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset) if qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar
+                      else default_scale(cfg.head_dim))
+        window = cfg.layer_window(layer_idx)
+        self.local_rope = window is not None and cfg.rope_local_theta is not None
+        self.window = window if window is not None and window < cfg.max_model_len else None
+        self.softcap = cfg.attn_logit_softcapping
+        # Passed to the backend only when set: backends without them keep their signature.
+        self.options = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
+                        if v is not None}
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
                 cos_sin_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``h`` ``[T, H]`` -> ``[T, H]``; ``cos_sin_cache`` is this layer's RoPE table."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)                                   # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -90,32 +127,46 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = backend.rotary_embedding(positions, q, k, cos_sin_cache)
         o = backend.attention(q, k, v, key_cache, value_cache, meta, self.scale,
-                              k_scale, v_scale)                  # [T, Hq, D]
+                              k_scale, v_scale, **self.options)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``, gate and up fused into one ``[2F, H]`` matmul."""
+    """``down(act(gate(x)) * up(x))``, gate and up fused into one ``[2F, H]`` matmul;
+    ``act`` is ``cfg.hidden_act``: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
         super().__init__()
         f = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [f, f], linear_method)
         self.down_proj = Linear(f, cfg.hidden_size, linear_method)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(h)))   # [T, H]
+        gate_up = self.gate_up_proj(h)                                       # [T, 2F]
+        act = backend.gelu_tanh_and_mul(gate_up) if self.gelu else backend.silu_and_mul(gate_up)
+        return self.down_proj(act)                                           # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; with
+    ``sandwich`` norms (Gemma 2/3) the outputs of attention and MLP are normed too:
+    ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+    ``+ post_feedforward_layernorm(mlp(pre_feedforward_layernorm(.)))``."""
 
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, **attention_options):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, layer_idx: int = 0,
+                 sandwich: bool = False, norm_offset: bool = False, **attention_options):
         super().__init__()
-        self.self_attn = Attention(cfg, linear_method, **attention_options)
+        self.self_attn = Attention(cfg, linear_method, layer_idx=layer_idx,
+                                   **attention_options)
         self.mlp = GatedMLP(cfg, linear_method)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(h, eps, norm_offset)
+        self.sandwich = sandwich
+        if sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, norm_offset)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -123,13 +174,21 @@ class DecoderForCausalLM(nn.Module):
     cache: the Llama layout, which the registered architectures share.
 
     A subclass (one per architecture) says how its attention differs through
-    :meth:`attention_options`; everything else (embedding, tied or untied output
-    projection, GGUF blocks, the forward pass) is this class's.
+    :meth:`attention_options`, and how its decoder differs through the class
+    attributes below; everything else (embedding, tied or untied output projection,
+    GGUF blocks, the forward pass) is this class's.
 
     Args:
         cfg: the model's :class:`ModelConfig`.
         linear_method: the decoder layers' linear method (dense when None).
     """
+
+    scale_embeddings: bool = False
+    """Embeddings multiplied by ``sqrt(H)`` (rounded to the model dtype; Gemma)."""
+    norm_offset: bool = False
+    """Every RMSNorm multiplies by ``1 + w`` (Gemma)."""
+    sandwich_norms: bool = False
+    """Attention and MLP outputs normed too (:class:`DecoderLayer`; Gemma 2/3)."""
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:
@@ -158,9 +217,10 @@ class DecoderForCausalLM(nn.Module):
                 nn.init.normal_(table)
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         options = self.attention_options(cfg)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, linear_method, **options)
-                                          for _ in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, linear_method, i, self.sandwich_norms, self.norm_offset, **options)
+            for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         # Otherwise the output projection stays dense: it multiplies by the dense
         # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
@@ -172,6 +232,7 @@ class DecoderForCausalLM(nn.Module):
         if tied and not gguf:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache: torch.Tensor | None = None
+        self.local_cos_sin_cache: torch.Tensor | None = None
 
     # -- loading ---------------------------------------------------------------------------
     def weight_mapping(self, name: str) -> tuple[str, int | None]:
@@ -190,8 +251,61 @@ class DecoderForCausalLM(nn.Module):
 
     def init_rope(self, device: torch.device) -> None:
         """Build the float32 cos/sin table ``[max_model_len, D]`` once, with the
-        config's RoPE scaling (:func:`~tandem.engine.model.rotary.rope_cos_sin_cache`)."""
+        config's RoPE scaling (:func:`~tandem.engine.model.rotary.rope_cos_sin_cache`;
+        ``longrope``: ``[2 max_model_len, D]``, short then long), and the sliding
+        layers' table when they have their own base (``cfg.rope_local_theta``)."""
         self.cos_sin_cache = rope_cos_sin_cache(self.cfg, device)
+        if self.cfg.rope_local_theta is not None:
+            self.local_cos_sin_cache = local_rope_cos_sin_cache(self.cfg, device)
+
+    def check_backend(self, backend: AttentionBackend) -> None:
+        """Refuse a backend that lacks an attention feature this model's layers use.
+
+        Raises:
+            UnsupportedModelError: field ``sliding_window`` or
+                ``attn_logit_softcapping``, naming the backend.
+        """
+        attn = [layer.self_attn for layer in self.model.layers]
+        if any(a.window is not None for a in attn) and not backend.supports_sliding_window:
+            raise UnsupportedModelError("sliding_window", f"the {backend.name!r} attention "
+                                        "backend does not implement sliding-window attention "
+                                        "(use attention_backend torch or cpu)")
+        if any(a.softcap is not None for a in attn) and not backend.supports_logit_softcap:
+            raise UnsupportedModelError("attn_logit_softcapping", f"the {backend.name!r} "
+                                        "attention backend does not implement attention logit "
+                                        "soft-capping (use attention_backend torch or cpu)")
+
+    @property
+    def uses_prompt_lens(self) -> bool:
+        """Whether :meth:`forward` reads ``meta.prompt_lens_cpu`` (``longrope``)."""
+        s = self.cfg.rope_scaling
+        return s is not None and s.rope_type == "longrope"
+
+    def _rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Rows of the RoPE table: ``positions``, except with ``longrope`` the tokens
+        of a sequence whose prompt, or whose context after this step, is longer than
+        ``original_max_position_embeddings`` read the long half of the table.
+
+        transformers picks the long factors for a whole forward when its longest
+        sequence passes the original context: for one sequence, its prompt in the
+        prefill, its context in each decode step. Deciding per sequence by
+        ``max(prompt, context)`` gives the same choice under chunked prefill and in
+        any batch. (Blocks from the prefix cache keep the factors they were computed
+        with: a prompt within the original context that shares a prefix with a longer
+        one reads K rotated with the long factors.)"""
+        s = self.cfg.rope_scaling
+        if s is None or s.rope_type != "longrope":
+            return positions
+        lens = meta.seq_lens_cpu
+        if meta.prompt_lens_cpu is not None:
+            lens = [max(a, b) for a, b in zip(lens, meta.prompt_lens_cpu)]
+        long = torch.tensor(lens) > s.original_max_position_embeddings
+        if not bool(long.any()):
+            return positions
+        qsl = meta.query_start_loc_cpu
+        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)])
+        offset = torch.repeat_interleave(long.long(), counts) * self.cfg.max_model_len
+        return positions + offset.to(positions.device)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -219,8 +333,16 @@ class DecoderForCausalLM(nn.Module):
 
         Returns:
             Final hidden states ``[T, H]`` (after the last RMSNorm).
+
+        Raises:
+            UnsupportedModelError: ``backend`` lacks a feature the model uses
+                (:meth:`check_backend`).
         """
+        self.check_backend(backend)
         h = self.model.embed_tokens(input_ids)                   # [T, H]
+        if self.scale_embeddings:
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
+        positions = self._rope_positions(positions, meta)
         residual = None
         for i, layer in enumerate(self.model.layers):
             if residual is None:
@@ -234,16 +356,32 @@ class DecoderForCausalLM(nn.Module):
             else:
                 k_scale = None if kv_scales is None else kv_scales[i, 0]
                 v_scale = None if kv_scales is None else kv_scales[i, 1]
-            h = layer.self_attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                                self.cos_sin_cache, k_scale, v_scale)
-            h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
-                                           layer.post_attention_layernorm.eps, residual)
-            h = layer.mlp(h, backend)
+            attn = layer.self_attn
+            h = attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
+                     self.local_cos_sin_cache if attn.local_rope else self.cos_sin_cache,
+                     k_scale, v_scale)
+            if layer.sandwich:
+                h = backend.rms_norm(h, layer.post_attention_layernorm.weight,
+                                     layer.post_attention_layernorm.eps)
+                h, residual = backend.rms_norm(h, layer.pre_feedforward_layernorm.weight,
+                                               layer.pre_feedforward_layernorm.eps, residual)
+                h = layer.mlp(h, backend)
+                h = backend.rms_norm(h, layer.post_feedforward_layernorm.weight,
+                                     layer.post_feedforward_layernorm.eps)
+            else:
+                h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
+                                               layer.post_attention_layernorm.eps, residual)
+                h = layer.mlp(h, backend)
             if after_layer is not None:
                 after_layer(i)
         h, _ = backend.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` -> float32 logits ``[N, V]``."""
-        return self.lm_head(hidden).float()
+        """``[N, H]`` -> float32 logits ``[N, V]`` (soft-capped to
+        ``c * tanh(logits / c)`` with ``cfg.final_logit_softcapping``)."""
+        logits = self.lm_head(hidden)
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:        # in the model dtype, as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

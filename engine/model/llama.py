@@ -21,5 +21,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 class MistralForCausalLM(DecoderForCausalLM):
     """Mistral: Llama's layout without attention biases (transformers ignores
-    ``attention_bias`` for it). A ``sliding_window`` that can bind is refused at
-    config time (:func:`~tandem.engine.model.hf_config.check_hf_features`)."""
+    ``attention_bias`` for it). A ``sliding_window`` applies to every layer (as
+    transformers, which ignores ``layer_types`` for Mistral;
+    :func:`~tandem.engine.model.hf_config.hf_layer_windows`)."""

@@ -9,7 +9,9 @@ from tandem.engine.model.layers import DecoderForCausalLM
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2 / Qwen2.5: biases on Q, K and V (always; none on the output
-    projection), as transformers' ``Qwen2Attention``."""
+    projection), as transformers' ``Qwen2Attention``. With ``use_sliding_window``
+    the layers from ``max_window_layers`` on (``layer_types``) attend within
+    ``sliding_window`` tokens."""
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:

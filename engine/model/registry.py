@@ -127,5 +127,8 @@ MODEL_REGISTRY = ModelRegistry({
     "MistralForCausalLM": RegisteredModel("llama", "MistralForCausalLM", ("mistral",)),
     "Qwen2ForCausalLM": RegisteredModel("qwen", "Qwen2ForCausalLM", ("qwen2",)),
     "Qwen3ForCausalLM": RegisteredModel("qwen", "Qwen3ForCausalLM", ("qwen3",)),
+    "Gemma2ForCausalLM": RegisteredModel("gemma", "Gemma2ForCausalLM", ("gemma2",)),
+    "Gemma3ForCausalLM": RegisteredModel("gemma", "Gemma3ForCausalLM", ("gemma3_text",)),
+    "Phi3ForCausalLM": RegisteredModel("phi3", "Phi3ForCausalLM", ("phi3",)),
 })
 """The architectures Tandem serves (docs/models.md has the table)."""

@@ -3,8 +3,10 @@
 One table per model, ``[max_position, D]`` float32: the cosines of the ``D/2``
 frequencies, then their sines (the layout every attention backend's
 ``rotary_embedding`` reads, half-split / NeoX style). Scaling changes only the
-frequencies (``linear``, ``llama3``, ``yarn``) and, for ``yarn``, multiplies cos
-and sin by an attention factor; the rotation kernels are the same for every type.
+frequencies (``linear``, ``llama3``, ``yarn``, ``longrope``) and, for ``yarn`` and
+``longrope``, multiplies cos and sin by an attention factor; the rotation kernels
+are the same for every type. ``longrope`` has two sets of frequencies (short and
+long factors): its table holds both, short rows first (the model picks the rows).
 Each formula follows transformers' ``modeling_rope_utils`` operation for operation,
 in float32, so positions rotate to the same values as the reference.
 """
@@ -79,16 +81,41 @@ def _yarn_inv_freq(head_dim: int, base: float, s: RopeScaling,
     return inv_freq, attention_factor
 
 
-def inv_freq_and_scale(cfg: ModelConfig, device: torch.device | str = "cpu"
-                       ) -> tuple[torch.Tensor, float]:
+def _longrope_inv_freq(head_dim: int, base: float, s: RopeScaling, long: bool,
+                       device: torch.device | str) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Ding et al. 2024; Phi-3): each frequency divided by its own factor,
+    ``short_factor`` or ``long_factor``; cos/sin scaled by ``attention_factor``
+    (default ``sqrt(1 + ln(factor) / ln(original))``, 1 when ``factor <= 1``).
+
+    Raises:
+        ValueError: a factor list whose length is not ``D/2``.
+    """
+    factors = s.long_factor if long else s.short_factor
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"rope_parameters.{'long' if long else 'short'}_factor: "
+                         f"{len(factors)} factors for head_dim {head_dim} (expected "
+                         f"{head_dim // 2})")
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if s.factor <= 1.0 else math.sqrt(
+            1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
+    ext = torch.tensor(factors, dtype=torch.float32, device=device)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (ext * base ** shape), attention_factor
+
+
+def inv_freq_and_scale(cfg: ModelConfig, device: torch.device | str = "cpu",
+                       long: bool = False) -> tuple[torch.Tensor, float]:
     """The ``[D/2]`` float32 inverse frequencies of ``cfg``'s RoPE (scaled as
-    ``cfg.rope_scaling`` says) and the factor cos and sin are multiplied by (1.0
-    except for ``yarn``)."""
+    ``cfg.rope_scaling`` says; ``long``: ``longrope``'s long factors) and the factor
+    cos and sin are multiplied by (1.0 except for ``yarn`` and ``longrope``)."""
     s = cfg.rope_scaling
     if s is None:
         return _base_inv_freq(cfg.head_dim, cfg.rope_theta, device), 1.0
     if s.rope_type == "yarn":
         return _yarn_inv_freq(cfg.head_dim, cfg.rope_theta, s, device)
+    if s.rope_type == "longrope":
+        return _longrope_inv_freq(cfg.head_dim, cfg.rope_theta, s, long, device)
     inv_freq = _base_inv_freq(cfg.head_dim, cfg.rope_theta, device)
     if s.rope_type == "linear":
         return inv_freq / s.factor, 1.0
@@ -97,18 +124,36 @@ def inv_freq_and_scale(cfg: ModelConfig, device: torch.device | str = "cpu"
     raise ValueError(f"rope_scaling: unknown rope_type {s.rope_type!r}")
 
 
-def rope_cos_sin_cache(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[cfg.max_model_len, D]`` float32: ``cos`` of the ``D/2`` angles
-    ``position * inv_freq``, then their ``sin``, both times the attention factor.
-
-    Raises:
-        ValueError: a ``rope_scaling.rope_type`` this module does not implement (the
-            config refuses those first).
-    """
-    inv_freq, scale = inv_freq_and_scale(cfg, device)
-    t = torch.arange(cfg.max_model_len, dtype=torch.int64, device=device).float()
+def _table(inv_freq: torch.Tensor, scale: float, num_positions: int,
+           device: torch.device | str) -> torch.Tensor:
+    t = torch.arange(num_positions, dtype=torch.int64, device=device).float()
     freqs = torch.outer(t, inv_freq)                     # [P, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return torch.cat([cos, sin], dim=-1)
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[cfg.max_model_len, D]`` float32: ``cos`` of the ``D/2`` angles
+    ``position * inv_freq``, then their ``sin``, both times the attention factor.
+    With ``longrope``: ``[2 max_model_len, D]``, the short factors' rows, then the
+    long factors' (row ``max_model_len + p`` is position ``p``).
+
+    Raises:
+        ValueError: a ``rope_scaling.rope_type`` this module does not implement (the
+            config refuses those first); ``longrope`` factor lists of the wrong length.
+    """
+    n = cfg.max_model_len
+    table = _table(*inv_freq_and_scale(cfg, device), n, device)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope":
+        table = torch.cat([table, _table(*inv_freq_and_scale(cfg, device, long=True), n, device)])
+    return table
+
+
+def local_rope_cos_sin_cache(cfg: ModelConfig, device: torch.device | str = "cpu"
+                             ) -> torch.Tensor:
+    """``[cfg.max_model_len, D]`` float32 table of the sliding-window layers' own
+    unscaled RoPE with base ``cfg.rope_local_theta`` (Gemma 3)."""
+    return _table(_base_inv_freq(cfg.head_dim, cfg.rope_local_theta, device), 1.0,
+                  cfg.max_model_len, device)

@@ -50,6 +50,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, batch_invariant: bool = False) -> None:
         from tandem.kernels.cpu.build import load_library
         self.batch_invariant = batch_invariant
+        if batch_invariant:     # the per-token decode kernel has neither
+            self.supports_sliding_window = self.supports_logit_softcap = False
         # Whether this build has the bf16 prefill kernel: fixed per process, so
         # decided once here rather than on every layer of every step.
         self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
@@ -64,15 +66,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float,
                   k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, *, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
         """Shapes as in :meth:`AttentionBackend.attention`. Decodes read the cache in
         place; prefill chunks go through :func:`ops.paged_prefill_attention` where it
         runs (bfloat16 cache, AVX-512 BF16), else through
         :meth:`TorchAttentionBackend.attend`.
 
+        A layer with a sliding ``window`` or a ``softcap`` is written by the compiled
+        cache write and attended by :meth:`TorchAttentionBackend.attend`'s torch ops
+        (the compiled attention kernels have neither).
+
         Raises:
-            ValueError: a quantized cache in batch-invariant mode, or without scales.
+            ValueError: a quantized cache in batch-invariant mode, or without scales;
+                ``window`` or ``softcap`` in batch-invariant mode.
         """
+        if window is not None or softcap is not None:
+            if self.batch_invariant:
+                raise ValueError("batch_invariant: sliding-window and soft-capped attention "
+                                 "are not supported")
+            if key_cache.dtype == torch.uint8:
+                return super().attention(query, key, value, key_cache, value_cache, meta,
+                                         scale, k_scale, v_scale, window=window,
+                                         softcap=softcap)
+            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                                  k_scale, v_scale)
+            return self.attend(query, key, value, key_cache, value_cache, meta, scale,
+                               k_scale, v_scale, window=window, softcap=softcap)
         if key_cache.dtype == torch.uint8:
             if self.batch_invariant:
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto")

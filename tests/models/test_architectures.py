@@ -34,6 +34,35 @@ CASES = {
     "mistral-inert-window": ("MistralConfig", {"sliding_window": 256}, "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", {}, "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", {}, "Qwen3ForCausalLM"),
+    # Windows shorter than the 40- and 70-token prompts (and the 5-token prompt's
+    # 17 tokens within them): the issue's Mistral, and Qwen2's sliding layers from
+    # max_window_layers on.
+    "mistral-window": ("MistralConfig", {"sliding_window": 24}, "MistralForCausalLM"),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 20,
+                                     "max_window_layers": 1}, "Qwen2ForCausalLM"),
+    # Gemma 2: caps low enough to bend the scores and logits, a query scalar unlike
+    # head_dim; layer 0 slides (window 24), layer 1 is global.
+    "gemma2": ("Gemma2Config", {"sliding_window": 24, "query_pre_attn_scalar": 32,
+                                "attn_logit_softcapping": 5.0,
+                                "final_logit_softcapping": 3.0}, "Gemma2ForCausalLM"),
+    # Gemma 3: sliding layer with the local base, global layer with its own base
+    # and linear scaling.
+    "gemma3": ("Gemma3TextConfig", {
+        "sliding_window": 24, "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}},
+        "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", {}, "Phi3ForCausalLM"),
+    # original context 32: the 5-token prompt stays within it (short factors), the
+    # 40- and 70-token ones start past it (long factors throughout, chunked or not).
+    "phi3-longrope": ("Phi3Config", {
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
+        "Phi3ForCausalLM"),
 }
 
 
@@ -101,3 +130,24 @@ def test_bad_prompt_forms_are_refused_by_name(tiny_llama, prompt, message):
     with pytest.raises(ValueError, match=message):
         tiny_llama.generate([prompt], GREEDY)
     assert not tiny_llama.engine.has_unfinished_requests()
+
+
+def test_gemma2_final_logit_softcapping_shapes_logprobs(tmp_path):
+    """Greedy ids cannot see the final soft-cap (tanh keeps the order): the
+    log-probabilities do, and equal transformers' (whose logits are capped)."""
+    import torch
+
+    config_class, overrides, _ = CASES["gemma2"]
+    hf = save_tiny_checkpoint(tmp_path, config_class, **overrides)
+    prompt = _prompts()[1]
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    want = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    got = [lp.logprob for lp in out.logprobs]
+    assert got == pytest.approx([want[i, t].item() for i, t in enumerate(out.token_ids)],
+                                abs=1e-4)
+    # capped at 3: no logit beyond +-3, so no token is far less likely than the best
+    assert float(want.min()) > -2 * 3.0 - float(torch.logsumexp(torch.zeros(VOCAB), 0))

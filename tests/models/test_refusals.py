@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.llm import LLM
@@ -23,36 +24,61 @@ def _refused(tmp_path, config: dict) -> UnsupportedModelError:
     return info.value
 
 
-def test_mistral_with_a_sliding_window_is_refused_at_load(tmp_path):
-    """The issue's case: transformers' own Mistral checkpoint with a 24-token window
-    was served as Llama (wrong tokens past 24 positions)."""
-    save_tiny_checkpoint(tmp_path, "MistralConfig", sliding_window=24)
-    with pytest.raises(UnsupportedModelError, match=r"^sliding_window: .*window 24 tokens") as info:
-        LLM(str(tmp_path), dtype="float32", num_blocks=8)
+def test_sliding_windows_per_layer_are_read_from_the_config():
+    """Mistral windows every layer; Qwen2 the layers from ``max_window_layers`` on
+    (and none without ``use_sliding_window``); ``layer_types`` decides where present;
+    a window as long as the context is kept (it marks the layer) but cannot bind."""
+    def windows(**cfg):
+        return ModelConfig.from_hf_dict(LLAMA | cfg).layer_windows
+
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    assert windows(**mistral, sliding_window=24) == (24, 24)
+    assert windows(**mistral, sliding_window=None) == ()
+    assert windows(**qwen2, use_sliding_window=True, sliding_window=32,
+                   max_window_layers=1) == (None, 32)
+    assert windows(**qwen2, use_sliding_window=False, sliding_window=32) == ()
+    assert windows(sliding_window=16,
+                   layer_types=["full_attention", "sliding_attention"]) == (None, 16)
+    assert windows(**mistral, sliding_window=256) == (256, 256)
+
+
+def test_a_layer_type_without_an_implementation_is_refused(tmp_path):
+    err = _refused(tmp_path, LLAMA | {"sliding_window": 16, "layer_types": [
+        "chunked_attention", "full_attention"]})
+    assert err.field == "layer_types" and "chunked_attention" in str(err)
+
+
+def test_a_backend_without_sliding_windows_or_soft_capping_is_refused_by_name(tmp_path):
+    """The Triton kernels have neither: a model that needs them is refused on that
+    backend (naming the field), never run with them ignored."""
+    from tandem.engine.model.layers import DecoderForCausalLM
+    from tandem.kernels.attention_backend import TorchAttentionBackend
+
+    class NoWindows(TorchAttentionBackend):
+        name = "plain"
+        supports_sliding_window = supports_logit_softcap = False
+
+    def model(**cfg):
+        with torch.device("meta"):
+            return DecoderForCausalLM(ModelConfig.from_hf_dict(LLAMA | cfg))
+
+    windowed = model(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    windowed.check_backend(TorchAttentionBackend())
+    with pytest.raises(UnsupportedModelError, match="'plain' attention backend") as info:
+        windowed.check_backend(NoWindows())
     assert info.value.field == "sliding_window"
-
-
-def test_a_window_that_cannot_bind_is_not_refused(tmp_path):
-    """A window as long as the context never masks anything (Mistral v0.2+ writes
-    ``null``; Qwen2 writes a window with ``use_sliding_window: false``)."""
-    assert ModelConfig.from_hf_dict(LLAMA | {"model_type": "mistral", "architectures": [
-        "MistralForCausalLM"], "sliding_window": 256}).architecture == "MistralForCausalLM"
-    assert ModelConfig.from_hf_dict(LLAMA | {"architectures": ["Qwen2ForCausalLM"],
-                                             "use_sliding_window": False,
-                                             "sliding_window": 32}).architecture == "Qwen2ForCausalLM"
-
-
-def test_per_layer_sliding_attention_is_refused(tmp_path):
-    """Qwen2 with ``use_sliding_window``: transformers writes ``layer_types``."""
-    save_tiny_checkpoint(tmp_path, "Qwen2Config", use_sliding_window=True, sliding_window=16,
-                         max_window_layers=1)
-    err = _refused(tmp_path, json.loads((tmp_path / "config.json").read_text()))
-    assert err.field == "layer_types" and "sliding_attention" in str(err)
+    capped = model(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                   attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedModelError) as info:
+        capped.check_backend(NoWindows())
+    assert info.value.field == "attn_logit_softcapping"
+    model(sliding_window=256).check_backend(NoWindows())     # cannot bind: no window
 
 
 @pytest.mark.parametrize("key, rope", [
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0]}),
+    ("rope_parameters", {"rope_type": "su", "rope_theta": 1e4, "short_factor": [1.0]}),
     ("rope_scaling", {"type": "dynamic", "factor": 2.0}),       # transformers 4's spelling
 ])
 def test_unknown_rope_scaling_type_is_refused(tmp_path, key, rope):
@@ -74,12 +100,27 @@ def test_partial_rotary_embedding_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
-def test_soft_capping_is_refused(tmp_path, key):
+def test_soft_capping_is_refused_where_transformers_does_not_read_it(tmp_path, key):
+    """Gemma 2/3 cap; on a Llama the field would be ignored by transformers too, so
+    it is refused rather than guessed."""
     err = _refused(tmp_path, LLAMA | {key: 30.0})
     assert err.field == key and "soft-capping" in str(err)
 
 
-@pytest.mark.parametrize("key, act", [("hidden_act", "gelu_pytorch_tanh"),
+def test_longrope_needs_both_factor_lists(tmp_path):
+    err = _refused(tmp_path, LLAMA | {"original_max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8}})
+    assert err.field == "rope_parameters.long_factor"
+
+
+def test_scaled_rope_of_sliding_layers_is_refused(tmp_path):
+    err = _refused(tmp_path, LLAMA | {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}})
+    assert err.field == "rope_parameters.sliding_attention.rope_type"
+
+
+@pytest.mark.parametrize("key, act", [("hidden_act", "gelu"), ("hidden_act", "relu"),
                                       ("hidden_activation", "gelu")])
 def test_unknown_activation_is_refused(tmp_path, key, act):
     err = _refused(tmp_path, LLAMA | {key: act})
@@ -91,9 +132,10 @@ def test_mlp_bias_is_refused(tmp_path):
 
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):
-    """A real Gemma 2 checkpoint, and a config with only an unknown ``model_type``."""
-    save_tiny_checkpoint(tmp_path, "Gemma2Config")
-    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM") as info:
+    """A real Qwen3-MoE checkpoint, and a config with only an unknown ``model_type``."""
+    save_tiny_checkpoint(tmp_path, "Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32)
+    with pytest.raises(UnsupportedModelError, match="Qwen3MoeForCausalLM") as info:
         LLM(str(tmp_path), dtype="float32", num_blocks=8)
     assert info.value.field == "architectures"
     err = _refused(tmp_path, {k: v for k, v in LLAMA.items() if k != "architectures"}
