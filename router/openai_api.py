@@ -6,7 +6,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``.
 Request fields follow the OpenAI API plus vLLM's extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``).
+``skip_special_tokens``, ``include_stop_str_in_output``) and structured outputs:
+``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` on both
+endpoints, at most one per request (docs/structured_outputs.md).
 
 A request is converted to the gRPC API's ``GenerateRequest`` and checked by the
 same :class:`~tandem.router.validation.RequestValidator`, so both front ends
@@ -48,8 +51,8 @@ from pydantic_core import PydanticCustomError
 from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, RequestFailed,
                                         ServiceUnavailable)
-from tandem.router.validation import (MAX_PROMPT_BYTES, InvalidRequestError, RequestValidator,
-                                      ValidatedRequest)
+from tandem.router.validation import (CONSTRAINT_FIELDS, MAX_PROMPT_BYTES, InvalidRequestError,
+                                      RequestValidator, ValidatedRequest)
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 
@@ -113,6 +116,11 @@ class _Sampling(BaseModel):
     user: Text | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -139,7 +147,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -239,11 +246,15 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-def _param_name(field: str, chat: bool, uses_completion_tokens: bool = False) -> str:
+def _param_name(field: str, chat: bool, uses_completion_tokens: bool = False,
+                constraint_param: str | None = None) -> str:
     """A validator field path (``sampling.top_p``, ``chat.messages[0].role``) as the
-    OpenAI request's field name (``top_p``, ``messages[0].role``)."""
+    OpenAI request's field name (``top_p``, ``messages[0].role``); a constraint's
+    (``sampling.json_schema``) as ``constraint_param``, the field that carried it."""
     if field.startswith("sampling."):
         name = field.removeprefix("sampling.")
+        if name in CONSTRAINT_FIELDS and constraint_param is not None:
+            return constraint_param
         if name == "logprobs":
             return "top_logprobs" if chat else "logprobs"
         if name == "max_tokens" and uses_completion_tokens:
@@ -309,6 +320,65 @@ def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None
     if logprobs is not None:
         _set(sp, "logprobs", logprobs, "logprobs")
     return sp
+
+
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+# An engine's structured-outputs field (a worker's refusal) -> the request field.
+_ENGINE_CONSTRAINT_PARAMS = {"structured_outputs.json": "guided_json",
+                             "structured_outputs.regex": "guided_regex",
+                             "structured_outputs.choice": "guided_choice",
+                             "structured_outputs.grammar": "guided_grammar",
+                             "structured_outputs.json_object": "response_format"}
+
+
+def _set_constraint(sp: pb.SamplingParams, r: _Sampling) -> str | None:
+    """Fill ``sp``'s ``constraint`` from ``response_format`` or a ``guided_*`` field.
+
+    Returns:
+        The request field that set it (for error messages), or None.
+
+    Raises:
+        APIError: 400 naming the field: two constraints, an unknown
+            ``response_format`` type, a ``json_schema`` without its ``schema``.
+    """
+    found: list[tuple[str, str, Any]] = []       # (request field, proto field, value)
+    rf = r.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
+                                    "is required", "response_format")
+            found.append(("response_format", "json_schema", schema))
+        elif kind != "text":
+            raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
+                                f"'json_schema', got {kind!r}", "response_format")
+    for name, proto_field in _GUIDED.items():
+        value = getattr(r, name)
+        if value is not None:
+            found.append((name, proto_field, value))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise APIError(400, f"{found[1][0]}: only one of response_format (json_object or "
+                            "json_schema), guided_json, guided_regex, guided_choice and "
+                            f"guided_grammar may be set, got {found[0][0]} too", found[1][0])
+    param, proto_field, value = found[0]
+    if proto_field == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value, ensure_ascii=False)
+    try:
+        if proto_field == "choice":
+            sp.choice.choices.extend(value)
+        else:
+            setattr(sp, proto_field, value)
+    except (ValueError, TypeError):
+        raise APIError(400, f"{param}: {value!r} is not valid here", param) from None
+    return param
 
 
 def _refuse_unsupported(r: _Sampling) -> None:
@@ -602,18 +672,20 @@ class OpenAIServer:
             param, _, message = str(exc).partition(": ")
             raise APIError(400, f"{param}: {message}", param) from None
 
-    def _invalid(self, exc: InvalidRequestError, chat: bool, completion_tokens=False) -> APIError:
-        param = _param_name(exc.field, chat, completion_tokens)
+    def _invalid(self, exc: InvalidRequestError, chat: bool, completion_tokens=False,
+                 constraint_param: str | None = None) -> APIError:
+        param = _param_name(exc.field, chat, completion_tokens, constraint_param)
         if self.metrics:
             self.metrics.invalid_request(exc.field)
         return APIError(400, f"{param}: {exc.message}", param)
 
     def _validate(self, req: pb.GenerateRequest, chat: bool, fill_max_tokens: bool,
-                  completion_tokens: bool = False) -> ValidatedRequest:
+                  completion_tokens: bool = False,
+                  constraint_param: str | None = None) -> ValidatedRequest:
         try:
             return self.validator.validate(req, fill_max_tokens=fill_max_tokens)
         except InvalidRequestError as exc:
-            raise self._invalid(exc, chat, completion_tokens) from None
+            raise self._invalid(exc, chat, completion_tokens, constraint_param) from None
 
     @contextlib.asynccontextmanager
     async def _running(self, requests: list[ValidatedRequest]):
@@ -680,6 +752,9 @@ class OpenAIServer:
             return exc
         if isinstance(exc, InvalidParameterError):
             field = getattr(exc, "field", None)
+            if field in _ENGINE_CONSTRAINT_PARAMS:     # compiled by a worker, refused there
+                param = _ENGINE_CONSTRAINT_PARAMS[field]
+                return APIError(400, f"{param}: {exc.message}", param)
             return APIError(400, str(exc), field)
         if isinstance(exc, WorkerError):       # its text is the worker's, for the log only
             logger.warning("HTTP request: %s", exc)
@@ -740,6 +815,7 @@ class OpenAIServer:
             raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
                                 f"got {len(prompts)}", "prompt")
         sampling = _sampling_message(body, body.max_tokens, body.logprobs)
+        constraint_param = _set_constraint(sampling, body)
         if body.echo and body.logprobs is not None:     # the prompt's own, as vLLM echoes them
             sampling.prompt_logprobs = body.logprobs
         base = uuid.uuid4().hex
@@ -755,7 +831,8 @@ class OpenAIServer:
                 except (ValueError, TypeError):
                     raise APIError(400, "prompt: token ids must be in [0, 2^32)",
                                    "prompt") from None
-            out.append(self._validate(req, chat=False, fill_max_tokens=False))
+            out.append(self._validate(req, chat=False, fill_max_tokens=False,
+                                      constraint_param=constraint_param))
         return out, prompts
 
     def _prompt_text(self, v: ValidatedRequest) -> str:
@@ -873,9 +950,6 @@ class OpenAIServer:
         _refuse_unsupported(body)
         if body.tools:
             raise APIError(400, "tools: tool calling is not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported",
-                           "response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
         if not body.messages:
@@ -891,12 +965,14 @@ class OpenAIServer:
             if exc.param == "max_tokens" and uses_completion:
                 exc.param = "max_completion_tokens"
             raise
+        constraint_param = _set_constraint(sampling, body)
         req = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=sampling,
                                  priority=body.priority, stream=body.stream)
         for i, m in enumerate(body.messages):
             req.chat.messages.append(pb.ChatMessage(role=m.role, content=_message_text(m, i)))
         return self._validate(req, chat=True, fill_max_tokens=max_tokens is None,
-                              completion_tokens=uses_completion)
+                              completion_tokens=uses_completion,
+                              constraint_param=constraint_param)
 
     def _chat_logprobs(self, logprobs) -> dict:
         def entry(token_id: int, lp: float) -> dict:

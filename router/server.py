@@ -40,7 +40,8 @@ from tandem.router.auth import APIKeyStore
 from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
 from tandem.router.stream import SampleStream
 from tandem.router.tls import TLSConfig
-from tandem.router.validation import InvalidRequestError, RequestValidator
+from tandem.router.validation import (InvalidRequestError, RequestValidator,
+                                      constraint_field_path)
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -75,6 +76,9 @@ def refused_field_path(exc: InvalidParameterError, input_field: str | None) -> s
     """
     if exc.field in _SAMPLING_FIELDS:
         return f"sampling.{exc.field}"
+    constraint = constraint_field_path(exc.field)
+    if constraint is not None:
+        return constraint
     if exc.field == "prompt_token_ids":
         return input_field
     return None

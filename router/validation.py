@@ -23,7 +23,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
+from tandem.engine.sampling.sampling_params import (InvalidParameterError, SamplingParams,
+                                                    StructuredOutputsParams)
 from tandem.engine.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -42,6 +43,19 @@ _OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
 _PLAIN_FIELDS = ("min_p", "presence_penalty", "frequency_penalty",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens")
 _DEFAULT_MAX_TOKENS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}["max_tokens"]
+# The proto's `constraint` oneof field -> StructuredOutputsParams' field.
+CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar", "json_object": "json_object"}
+_CONSTRAINT_PROTO_NAMES = {v: k for k, v in CONSTRAINT_FIELDS.items()}
+
+
+def constraint_field_path(engine_field: str) -> str | None:
+    """The proto path (``sampling.json_schema``) of an engine's structured-outputs
+    field (``structured_outputs.json``); None for any other field."""
+    head, _, kind = engine_field.partition(".")
+    if head != "structured_outputs":
+        return None
+    return f"sampling.{_CONSTRAINT_PROTO_NAMES.get(kind, 'constraint')}"
 
 
 class InvalidRequestError(ValueError):
@@ -186,10 +200,31 @@ class RequestValidator:
         kwargs["stop"] = tuple(sampling.stop)
         kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
         try:
+            kwargs["structured_outputs"] = self._constraint(sampling)
             return SamplingParams(**kwargs)
         except InvalidParameterError as e:
-            raise InvalidRequestError(f"sampling.{e.field}",
-                                      str(e).removeprefix(f"{e.field}: ")) from None
+            path = constraint_field_path(e.field) or f"sampling.{e.field}"
+            raise InvalidRequestError(path, str(e).removeprefix(f"{e.field}: ")) from None
+
+    @staticmethod
+    def _constraint(sampling) -> StructuredOutputsParams | None:
+        """The ``constraint`` oneof as engine parameters, parsed by the grammar backend
+        (cheap: no tokenizer; the engine compiles it for its vocabulary).
+
+        Raises:
+            InvalidParameterError: ``field`` ``structured_outputs.<kind>``.
+        """
+        kind = sampling.WhichOneof("constraint")
+        if kind is None:
+            return None
+        value = getattr(sampling, kind)
+        if kind == "choice":
+            value = tuple(value.choices)
+        params = StructuredOutputsParams(**{CONSTRAINT_FIELDS[kind]: value})
+        from tandem.engine.sampling.grammar import check_structured_outputs  # imports xgrammar
+
+        check_structured_outputs(params)
+        return params
 
     def _tokenize(self, request, kind: str) -> list[int]:
         if kind == "prompt" and len(request.prompt.encode()) > MAX_PROMPT_BYTES:

@@ -19,6 +19,7 @@ from tandem.engine.model.model_files import resolve_model
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
                                              kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
+from tandem.engine.sampling.grammar import StructuredOutputManager, get_grammar_backend_class
 from tandem.engine.scheduling.request import Request, RequestStatus, TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -124,9 +125,14 @@ class LLMEngine:
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
                                                  transfer_timeout_s=transfer_timeout_s,
                                                  kv_scales=self.kv_cache.scales)
+        tok, vocab_size = self.tokenizer, self.model_config.vocab_size
+        self.structured_outputs = StructuredOutputManager(
+            lambda: get_grammar_backend_class()(tok, vocab_size), vocab_size, tok.eos_token_id)
+        """Compiled grammars and the matchers of constrained requests (structured outputs)."""
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
                                   self.kv_cache_manager.get_block_ids, self.device,
-                                  kv_connector=self.kv_connector)
+                                  kv_connector=self.kv_connector,
+                                  structured_outputs=self.structured_outputs)
         self._ids = itertools.count()
         self.last_step_ran = False    # whether the last step() scheduled anything
         self.proposer = None
@@ -165,6 +171,10 @@ class LLMEngine:
         With ``params.prompt_logprobs`` the prompt is computed here whole (no
         prefix-cache hits) and its logprobs fill :attr:`Request.prompt_logprobs`.
 
+        With ``params.structured_outputs`` the constraint is compiled here (cached
+        by its text), so one that cannot compile is refused before it is queued;
+        a resumed request's matcher replays its ``output_token_ids``.
+
         One sample of a parallel-sampling request resumes alone (``n == 1`` with
         ``sample_index`` i): a seeded one draws from sample i's stream
         (``sampling_params.sample_seed(i)``), so it goes on as sample i of the
@@ -184,6 +194,9 @@ class LLMEngine:
                 ``kv_transfer_params``, with ids out of the vocabulary or as many
                 as ``max_tokens``; ``output_logprobs`` of another length;
                 ``sample_index`` negative, or not 0 with ``n > 1``.
+                ``structured_outputs`` that does not compile (within
+                :data:`~tandem.engine.sampling.grammar.COMPILE_TIMEOUT_S`):
+                ``field`` ``structured_outputs.<json|regex|choice|grammar>``.
             ValueError: ``request_id`` is already in use.
         """
         ids = [int(t) for t in prompt_token_ids]
@@ -213,6 +226,8 @@ class LLMEngine:
                 params = dataclasses.replace(params, prompt_logprobs=None)
         elif output_logprobs:
             raise InvalidParameterError("output_logprobs", "given without output_token_ids")
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_id
         first = Request(rid, ids, params, eos_token_id=eos, priority=priority,

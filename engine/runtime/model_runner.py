@@ -14,6 +14,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.kv.kv_connector import KVConnector, KVSave
 from tandem.engine.model.layers import DecoderForCausalLM
 from tandem.engine.scheduling.request import Request, TokenLogprobs
+from tandem.engine.sampling.grammar import StructuredOutputManager
 from tandem.engine.sampling.sampler import SampleResult, Sampler, gather_logprobs
 from tandem.engine.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
 from tandem.kernels import int4_kv
@@ -360,18 +361,22 @@ class ModelRunner:
         kv_connector: a producer engine's connector: a request whose prompt completes
             in a step and that carries a ticket has each layer's KV sent from inside
             the forward pass, right after that layer is written.
+        structured_outputs: the engine's grammar matchers (constrained requests'
+            rows are masked by its sampler).
     """
 
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  block_table_fn, device: torch.device, seed: int = 0,
-                 kv_connector: KVConnector | None = None):
+                 kv_connector: KVConnector | None = None,
+                 structured_outputs: StructuredOutputManager | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_table_fn = block_table_fn
         self.device = device
         self.kv_connector = kv_connector
-        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.sampler = Sampler(torch.Generator().manual_seed(seed),
+                               structured_outputs=structured_outputs)
 
     def prepare(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
@@ -394,6 +399,10 @@ class ModelRunner:
                 ids = req.all_token_ids[start:end]
             chunks.append((ids, start, self.block_table_fn(req.request_id)))
         input_ids, positions, meta = pack_chunks(chunks, self.kv_cache.block_size, self.device)
+        if getattr(self.model, "uses_prompt_lens", False):
+            # longrope: the RoPE factors depend on the prompt's length
+            meta = dataclasses.replace(meta, prompt_lens_cpu=[s.request.num_prompt_tokens
+                                                              for s in ordered])
         return input_ids, positions, meta, ordered
 
     @torch.inference_mode()

@@ -16,15 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.sampling.grammar import StructuredOutputManager, constrain_row
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class SampleResult:
-    """The sampled token of one row, with optional log-probabilities."""
+    """The sampled token of one row, with optional log-probabilities.
+
+    ``grammar_ended``: the request's structured-output grammar is complete with
+    this token; the request stops here (finish reason ``stop``).
+    """
 
     token_id: int
     logprobs: TokenLogprobs | None
+    grammar_ended: bool = False
 
 
 class Sampler:
@@ -36,15 +42,24 @@ class Sampler:
     2**64``: the ``n`` samples of one seeded prompt differ, each reproduces, and
     no seed overflows) and kept until :meth:`free`. Unseeded requests share ``generator``.
 
+    Requests with ``sampling_params.structured_outputs`` have their rows masked to
+    what their grammar allows (after penalties, before temperature and top-k/p)
+    by ``structured_outputs``, which holds their matchers until :meth:`free`.
+
     Args:
         generator: the source of randomness for unseeded requests.
         seed_salt: XORed into every seeded request's seed, so that two samplers
             (a draft model's and the target's) give a request independent streams.
+        structured_outputs: the engine's grammar matchers; None: constraints are
+            not applied (a draft model's sampler: its drafts are verified against
+            the grammar by the target's).
     """
 
-    def __init__(self, generator: torch.Generator | None = None, seed_salt: int = 0):
+    def __init__(self, generator: torch.Generator | None = None, seed_salt: int = 0,
+                 structured_outputs: StructuredOutputManager | None = None):
         self.generator = generator or torch.Generator().manual_seed(0)
         self.seed_salt = seed_salt
+        self.structured_outputs = structured_outputs
         # request id -> that seeded request's generator. Ids are unique among
         # an engine's live requests (the scheduler refuses a reused one), and
         # the engine frees an entry when its request finishes.
@@ -69,9 +84,15 @@ class Sampler:
         return gen
 
     def free(self, request_id: str) -> bool:
-        """Drop a finished request's generator. Returns whether one was held
-        (False for unseeded, greedy or never-sampled requests)."""
+        """Drop a finished request's generator (and grammar matcher). Returns whether
+        a generator was held (False for unseeded, greedy or never-sampled requests)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.free(request_id)
         return self._generators.pop(request_id, None) is not None
+
+    def _constrained(self, request) -> bool:
+        return (self.structured_outputs is not None
+                and request.sampling_params.structured_outputs is not None)
 
     def skip_draws(self, request: Request, vocab_size: int, num_draws: int) -> None:
         """Advance ``request``'s generator past ``num_draws`` sampled tokens.
@@ -112,11 +133,16 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits
-        if any(needs_processing(r) for r in requests):
+        constrained = [i for i, r in enumerate(requests) if self._constrained(r)]
+        if constrained or any(needs_processing(r) for r in requests):
             processed = logits.clone()
             for i, r in enumerate(requests):
                 if needs_processing(r):
                     apply_penalties_and_masks(processed[i], r)
+        if constrained:
+            allowed = self.structured_outputs.allowed([requests[i] for i in constrained])
+            for j, i in enumerate(constrained):
+                constrain_row(processed[i], allowed[j], logits[i])
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
         if len(greedy_rows) == len(requests):       # all greedy: no row gather
@@ -128,12 +154,15 @@ class Sampler:
         for i, r in enumerate(requests):
             if not r.sampling_params.greedy:
                 token_ids[i] = _sample_row(processed[i], r, self.generator_for(r))
+        ended = [False] * len(requests)
+        for i in constrained:
+            ended[i] = self.structured_outputs.accept(requests[i], token_ids[i])
         results = []
         for i, r in enumerate(requests):
             lp = None
             if raw_logprobs is not None and r.sampling_params.logprobs is not None:
                 lp = _row_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
-            results.append(SampleResult(token_ids[i], lp))
+            results.append(SampleResult(token_ids[i], lp, ended[i]))
         return results
 
     def verify(self, logits: torch.Tensor, request: Request, draft_token_ids,
@@ -157,6 +186,11 @@ class Sampler:
           as ``len(result)`` target samples (Leviathan et al. 2023, Alg. 1 and
           Appendix A.1; Chen et al. 2023, Alg. 2).
 
+        A constrained request (``structured_outputs``) has row ``j`` masked to what
+        its grammar allows after the drafts before ``j``: a draft outside the
+        grammar is rejected (greedy: it cannot be the argmax; sampled: its target
+        probability is 0), and the chosen tokens advance its matcher.
+
         Randomness comes from the request's generator (:meth:`generator_for`):
         one uniform per draft examined, then one ``V``-exponential race, so a
         seeded request reproduces whatever else is batched with it.
@@ -175,12 +209,18 @@ class Sampler:
         drafts = [int(t) for t in draft_token_ids]
         p = request.sampling_params
         tokens: list[int] = []
+        allowed = None
+        if self._constrained(request):
+            allowed = self.structured_outputs.allowed([request], drafts)
         if p.greedy:
             processed = logits
-            if needs_processing(request) or needs_processing(DraftHistory(request, drafts)):
+            if (allowed is not None or needs_processing(request)
+                    or needs_processing(DraftHistory(request, drafts))):
                 processed = logits.clone()
                 for j in range(len(drafts) + 1):
                     apply_penalties_and_masks(processed[j], DraftHistory(request, drafts[:j]))
+                    if allowed is not None:
+                        constrain_row(processed[j], allowed[j], logits[j])
             best = processed.argmax(dim=-1).tolist()
             for j, d in enumerate(drafts):
                 tokens.append(best[j])
@@ -193,9 +233,11 @@ class Sampler:
             for j in range(len(drafts) + 1):
                 view = DraftHistory(request, drafts[:j])
                 row = logits[j]
-                if needs_processing(view):
+                if needs_processing(view) or allowed is not None:
                     row = row.clone()
                     apply_penalties_and_masks(row, view)
+                    if allowed is not None:
+                        constrain_row(row, allowed[j], logits[j])
                 probs = processed_probs(row, p)
                 if j == len(drafts):                 # all accepted: the bonus token
                     tokens.append(draw_proportional(probs, gen))
@@ -217,12 +259,18 @@ class Sampler:
                     residual = probs     # p <= q nowhere strictly: a rejection had probability 0
                 tokens.append(draw_proportional(residual, gen))
                 break
+        ended = [False] * len(tokens)
+        if allowed is not None:
+            for j, t in enumerate(tokens):
+                ended[j] = self.structured_outputs.accept(request, t)
+                if ended[j]:
+                    break      # the request stops at this token: the rest are dropped
         results = []
         want = p.logprobs
         raw = torch.log_softmax(logits[:len(tokens)], dim=-1) if want is not None else None
         for j, t in enumerate(tokens):
             lp = _row_logprobs(raw[j], t, want) if raw is not None else None
-            results.append(SampleResult(t, lp))
+            results.append(SampleResult(t, lp, ended[j]))
         return results
 
 

@@ -6,16 +6,21 @@ vLLM or SGLang finds what they expect.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 """Largest seed: seeds are unsigned 64-bit integers, as ``torch.Generator`` keeps them."""
 _INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs",
                "prompt_logprobs")
+MAX_CONSTRAINT_CHARS = 1 << 16
+"""Longest JSON schema, regex or grammar text (characters), and longest sum of the
+choices of a ``choice`` constraint: compile work grows with it."""
+MAX_CHOICES = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty")
 
@@ -32,6 +37,102 @@ class InvalidParameterError(ValueError):
         # Rebuilt from its own arguments when it crosses Ray (pickled): the default
         # would call __init__ with the formatted text alone.
         return type(self), (self.field, self.message)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one field is set. The engine compiles it into a grammar over the
+    tokenizer's vocabulary (:mod:`tandem.engine.sampling.grammar`) and masks every
+    token that would leave the grammar; once the grammar is complete only the
+    end-of-sequence token remains, and the request stops (finish reason ``stop``).
+
+    Attributes:
+        json: a JSON schema, kept as JSON text (a dict, list or bool is serialized
+            at construction, key order kept: properties are generated in schema order).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings (a non-empty sequence).
+        grammar: an EBNF grammar (GBNF dialect, start rule ``root``).
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+
+    Raises:
+        InvalidParameterError: none or several fields set, a schema that is not
+            JSON, a wrong type, or a text over :data:`MAX_CONSTRAINT_CHARS`;
+            ``field`` is ``structured_outputs.<name>``. Whether it compiles is
+            checked by the engine (and the router) against the backend.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+            except (TypeError, ValueError) as e:
+                raise InvalidParameterError("structured_outputs.json",
+                                            f"not serializable as JSON: {e}") from None
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise InvalidParameterError("structured_outputs.choice",
+                                            "must be a list of strings, got one string")
+            object.__setattr__(self, "choice", _sequence("structured_outputs.choice", self.choice))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidParameterError` naming the first bad field."""
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError(
+                "structured_outputs", "exactly one of json, regex, choice, grammar or "
+                                      f"json_object must be set, got {given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise InvalidParameterError("structured_outputs.json_object",
+                                        f"must be a bool, got {self.json_object!r}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise InvalidParameterError(f"structured_outputs.{name}",
+                                            "must be a non-empty string")
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise InvalidParameterError(
+                    f"structured_outputs.{name}",
+                    f"must be at most {MAX_CONSTRAINT_CHARS} characters, got {len(value)}")
+        if self.json is not None:
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise InvalidParameterError("structured_outputs.json",
+                                            f"not valid JSON: {e}") from None
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise InvalidParameterError("structured_outputs.choice",
+                                            f"must hold 1..{MAX_CHOICES} strings, "
+                                            f"got {len(self.choice)}")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise InvalidParameterError("structured_outputs.choice",
+                                            "every choice must be a non-empty string")
+            if sum(map(len, self.choice)) > MAX_CONSTRAINT_CHARS:
+                raise InvalidParameterError(
+                    "structured_outputs.choice",
+                    f"the choices must be at most {MAX_CONSTRAINT_CHARS} characters together")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity of the constraint: the compiled-grammar cache key."""
+        return (self.kind, getattr(self, self.kind))
 
 
 @dataclass(frozen=True)
@@ -79,6 +180,10 @@ class SamplingParams:
             Same distribution as ``logprobs``: the raw model's ``log_softmax``,
             without temperature or penalties. Such a request takes no prefix-cache
             hits (cached positions would have no logits).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or
+            grammar (:class:`StructuredOutputsParams`; a dict of its fields is
+            accepted too); None: free text. The grammar's mask is applied after
+            penalties, and wins over ``min_tokens`` once the grammar is complete.
     """
 
     n: int = 1
@@ -98,6 +203,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ once, at build time (NumPy
@@ -112,6 +218,16 @@ class SamplingParams:
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else _sequence("stop", stop)
         object.__setattr__(self, "stop", stop)
+        so = self.structured_outputs
+        if isinstance(so, dict):     # e.g. rebuilt from dataclasses.asdict (the journal)
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise InvalidParameterError("structured_outputs", str(e)) from None
+            object.__setattr__(self, "structured_outputs", so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidParameterError("structured_outputs",
+                                        f"must be a StructuredOutputsParams, got {so!r}")
         self.validate()
 
     def validate(self) -> None:

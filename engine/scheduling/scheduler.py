@@ -473,12 +473,17 @@ class Scheduler:
 
     def _append_token(self, req: Request, res) -> None:
         """Append one sampled token; finish the request on EOS, a stop token id,
-        ``max_tokens`` or the context limit."""
+        the end of its structured-output grammar (whatever ``ignore_eos`` and
+        ``min_tokens`` say: nothing may follow it), ``max_tokens`` or the context limit."""
         req.output_token_ids.append(res.token_id)
         if res.logprobs is not None:
             req.output_logprobs.append(res.logprobs)
         p = req.sampling_params
         t = res.token_id
+        if getattr(res, "grammar_ended", False):
+            req.stop_reason = None
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            return
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and t == req.eos_token_id:
                 req.stop_reason = None
