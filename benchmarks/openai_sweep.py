@@ -53,7 +53,7 @@ def sweep_system(system: str, args, workdir: Path) -> list[dict]:
                 run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts,
                        "startup_s": server.startup_s, "server_cmd": server.cmd}
                 try:
-                    run.update(ob.run_client(system, server, a, workdir, f"_c{c}"))
+                    run.update(slim(ob.run_client(system, server, a, workdir, f"_c{c}")))
                 except Exception as exc:        # recorded; the next concurrency still runs
                     run["error"] = f"{type(exc).__name__}: {exc}"
                     print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
@@ -62,6 +62,20 @@ def sweep_system(system: str, args, workdir: Path) -> list[dict]:
         runs.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
         print(f"==== {system}: FAILED {exc}", flush=True)
     return runs
+
+
+KEPT_PER_REQUEST = ("ttfts", "latencies", "output_lens", "errors")
+
+
+def slim(run: dict) -> dict:
+    """A run's record without the per-token data (generated texts, every ITL): the
+    summary, goodput and per-request TTFT, latency and length stay."""
+    run = dict(run)
+    run.pop("generated_texts", None)
+    full = run.get("vllm_bench_result") or {}
+    run["vllm_bench_result"] = {k: v for k, v in full.items()
+                                if not isinstance(v, list) or k in KEPT_PER_REQUEST}
+    return run
 
 
 def table(runs: list[dict]) -> str:

@@ -208,3 +208,43 @@ def test_a_router_that_stops_polling_has_its_requests_aborted(base):
         assert all(not s.deltas for s in loop.poll(0.2, "router-a"))
     finally:
         loop.shutdown()
+
+
+def test_build_runs_the_engine_on_the_loop_thread_below_the_others(base):
+    """EngineLoop.build: the engine is built on the loop's own thread, where its steps
+    run (torch's OpenMP runtime keeps a thread team per thread that starts parallel
+    work, and slows every region down once there are more such threads than cores;
+    see EngineLoop.build), and that thread runs ``nice`` lower than the caller's."""
+    import os
+    import threading
+
+    from tandem.engine.llm import LLMEngine
+    from tandem.engine.runtime.engine_loop import EngineLoop
+
+    built_on = {}
+
+    def make():
+        built_on["tid"] = threading.get_native_id()
+        return LLMEngine(base.config, weights_from=base.engine)
+
+    caller_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loop = EngineLoop.build(make, "decode-0", "decode", nice=3, idle_wait_s=0.05)
+    try:
+        tid = loop.call(threading.get_native_id).result(30)
+        assert built_on["tid"] == tid != threading.get_native_id()
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, caller_nice + 3)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller_nice
+        reqs = loop.call(loop.engine.add_request, [1, 2, 3],
+                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)).result(30)
+        deadline = time.monotonic() + 60
+        while not reqs[0].is_finished and time.monotonic() < deadline:
+            loop.poll(1.0)
+        assert len(reqs[0].output_token_ids) == 4
+    finally:
+        loop.shutdown()
+
+    def broken():
+        raise ValueError("model: no such file")
+
+    with pytest.raises(ValueError, match="no such file"):     # raised in the caller
+        EngineLoop.build(broken, "decode-1", "decode")
