@@ -109,6 +109,28 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t len, int
     }
 }
 
+// The K rows of head `h` for tokens t0 .. t0 + 15 (lanes past `len` repeat the
+// first: scored, then ignored by the softmax), walking the block table from
+// (blk, off), which it advances; when a new block begins, the block kAhead
+// further on is prefetched.
+template <typename T>
+inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_t len,
+                         int64_t t0, int64_t& blk, int64_t& off, int64_t h, int64_t row,
+                         int64_t d, int64_t bs) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t j = 0; j < 16; ++j) {
+        if (j < n) {
+            kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
+            if (++off == bs) { off = 0; ++blk; }
+        } else {
+            kp[j] = kp[0];
+        }
+    }
+    if (off == 0 && (blk + kAhead) * bs < len)
+        prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
+                      std::min<int64_t>(bs, 16), row, d);
+}
+
 // AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
 // the G query rows stay in registers as float32 (pre-scaled), the K rows of 16
 // tokens at a time are scored against all G rows, each score's D products summed
@@ -130,18 +152,7 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
     const T* kp[16];
     int64_t blk = 0, off = 0;   // block-table index and offset of the next token
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, len - t0);
-        for (int64_t j = 0; j < 16; ++j) {
-            if (j < n) {
-                kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
-                if (++off == bs) { off = 0; ++blk; }
-            } else {
-                kp[j] = kp[0];   // padding lanes: scored, then ignored by the softmax
-            }
-        }
-        if (off == 0 && (blk + kAhead) * bs < len)   // a new block begins: fetch one kAhead further
-            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
-                          std::min<int64_t>(bs, 16), row, d);
+        next_16_keys(kp, kc, table, len, t0, blk, off, h, row, d, bs);
         for (int64_t g = 0; g < g_size; ++g) {
             __m512 part[16];
             for (int64_t j = 0; j < 16; ++j) {
@@ -174,18 +185,7 @@ void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
     const bf16* kp[16];
     int64_t blk = 0, off = 0;   // block-table index and offset of the next token
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, len - t0);
-        for (int64_t j = 0; j < 16; ++j) {
-            if (j < n) {
-                kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
-                if (++off == bs) { off = 0; ++blk; }
-            } else {
-                kp[j] = kp[0];   // padding lanes: scored, then ignored by the softmax
-            }
-        }
-        if (off == 0 && (blk + kAhead) * bs < len)   // a new block begins: fetch one kAhead further
-            prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
-                          std::min<int64_t>(bs, 16), row, d);
+        next_16_keys(kp, kc, table, len, t0, blk, off, h, row, d, bs);
         for (int64_t g = 0; g < g_size; ++g) {
             __m512 part[16];
             for (int64_t j = 0; j < 16; ++j) {
