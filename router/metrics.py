@@ -147,6 +147,16 @@ class Metrics:
         self.spec_decode_num_accepted_tokens = Counter(
             "tandem:spec_decode_num_accepted_tokens",
             "Speculative decoding: draft tokens accepted.", w, registry=r)
+        self.structured_output_compiles = Counter(
+            "tandem:structured_output_compiles",
+            "Structured outputs: grammars compiled (not answered from the cache).", w, registry=r)
+        self.structured_output_cache_hits = Counter(
+            "tandem:structured_output_cache_hits",
+            "Structured outputs: grammar compiles answered from the compiled-grammar cache.",
+            w, registry=r)
+        self.structured_output_compile_seconds = Counter(
+            "tandem:structured_output_compile_seconds",
+            "Structured outputs: wall time spent compiling grammars (seconds).", w, registry=r)
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
             "tandem:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted, by position in the draft (0: first).",
@@ -269,6 +279,7 @@ class Metrics:
             self.num_preemptions.labels(*labels, kind)
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
                        self.engine_step_seconds, self.step_delivery_seconds,
+                       *self._structured_output_counters,
                        *(self._spec_counters if role != "prefill" else ())):
             metric.labels(*labels)
         self.worker_restarts.labels(self.model_name, worker_id)
@@ -285,6 +296,12 @@ class Metrics:
     def _spec_counters(self) -> tuple:
         return (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                 self.spec_decode_num_accepted_tokens)
+
+    @property
+    def _structured_output_counters(self) -> tuple:
+        """Every role compiles: a prefill worker samples a constrained first token."""
+        return (self.structured_output_compiles, self.structured_output_cache_hits,
+                self.structured_output_compile_seconds)
 
     def follow(self, registry) -> None:
         """Keep the workers' series in step with ``registry`` (a
@@ -328,7 +345,7 @@ class Metrics:
                        self.num_requests_swapped, self.kv_cache_usage_perc,
                        self.prefix_cache_queries, self.prefix_cache_hits, self.iteration_tokens,
                        self.engine_step_seconds, self.step_delivery_seconds,
-                       *self._spec_counters):
+                       *self._spec_counters, *self._structured_output_counters):
             _remove(metric, *labels)
         for pos in range(len(totals.get("spec_per_pos", ()))):
             _remove(self.spec_decode_num_accepted_tokens_per_pos, *labels, str(pos))
@@ -502,7 +519,12 @@ class Metrics:
                 ("spec_draft_tokens", s.spec_decode_num_draft_tokens,
                  self.spec_decode_num_draft_tokens, ()),
                 ("spec_accepted", s.spec_decode_num_accepted_tokens,
-                 self.spec_decode_num_accepted_tokens, ())):
+                 self.spec_decode_num_accepted_tokens, ()),
+                ("so_compiles", s.structured_output_compiles,
+                 self.structured_output_compiles, ()),
+                ("so_hits", s.structured_output_cache_hits, self.structured_output_cache_hits, ()),
+                ("so_seconds", s.structured_output_compile_seconds,
+                 self.structured_output_compile_seconds, ())):
             diff = value - last.get(name, 0)
             if diff > 0:
                 counter.labels(*labels, *extra).inc(diff)

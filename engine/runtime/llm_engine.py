@@ -425,4 +425,7 @@ class LLMEngine:
             spec_decode_num_draft_tokens=sch.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=sch.spec_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(
-                sch.spec_stats.num_accepted_tokens_per_pos))
+                sch.spec_stats.num_accepted_tokens_per_pos),
+            structured_output_compiles=self.structured_outputs.num_compiles,
+            structured_output_cache_hits=self.structured_outputs.num_cache_hits,
+            structured_output_compile_seconds=self.structured_outputs.compile_seconds)

@@ -110,6 +110,10 @@ class WorkerStats:
             steps with drafts, draft tokens verified, of those accepted.
         spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in
             the draft (index 0: the first draft).
+        structured_output_compiles, structured_output_cache_hits: grammar compiles
+            run, and compiles answered from the compiled-grammar cache (totals).
+        structured_output_compile_seconds: wall time spent compiling grammars
+            (seconds, total).
     """
 
     worker_id: str
@@ -133,6 +137,9 @@ class WorkerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    structured_output_compiles: int = 0
+    structured_output_cache_hits: int = 0
+    structured_output_compile_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

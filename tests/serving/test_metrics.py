@@ -78,6 +78,8 @@ def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, 
         want += [key(f"tandem:prefix_cache_{n}_total", **w) for n in ("queries", "hits")]
         want += [key(f"tandem:{h}_{n}", **w) for n in ("count", "sum") for h in (
             "iteration_tokens_total", "engine_step_seconds", "step_delivery_seconds")]
+        want += [key(f"tandem:structured_output_{n}_total", **w) for n in (
+            "compiles", "cache_hits", "compile_seconds")]
         want += [key("tandem:worker_restarts_total", worker=wid)]
         if role == "prefill":
             want += [key(f"tandem:kv_transfer_{n}", worker=wid) for n in (

@@ -66,6 +66,29 @@ def test_openai_sdk_json_schema_regex_and_choice(api, cluster):
     jsonschema.validate(json.loads(text), SCHEMAS[5])
     counts = cluster.wait_idle()
     assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values())
+    # Both workers compiled (or found cached) each of the 8 grammars: the prefill worker
+    # samples the first token under it, the decode worker goes on from there.
+    m = _scrape(cluster)
+    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        labels = (("model_name", "SmolLM2-135M-Instruct"), ("role", role), ("worker", wid))
+        compiles = m[("tandem:structured_output_compiles_total", labels)]
+        hits = m[("tandem:structured_output_cache_hits_total", labels)]
+        assert compiles >= 1 and compiles + hits >= 8, (wid, compiles, hits)
+        assert m[("tandem:structured_output_compile_seconds_total", labels)] > 0
+
+
+def _scrape(cluster) -> dict:
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    time.sleep(1.5)          # one more stats round from every worker
+    url = f"http://127.0.0.1:{cluster.server.server.http_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_bad_constraints_are_refused_by_name(api, cluster):
