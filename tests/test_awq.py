@@ -206,6 +206,21 @@ def quantized(tmp_path_factory, calibration_text, tokenizer):
     return out, stats
 
 
+@pytest.fixture(scope="module", autouse=True)
+def plain_float32_weights():
+    """These tests load other weights into live float32 layers in place and read them
+    back, which needs the layers' plain ``weight``: keep float32 dense layers on
+    ``F.linear`` (not packed for oneDNN, whose packed copy would not follow an
+    in-place load). bfloat16 packing is unchanged."""
+    import tandem.engine.model.linear as linear_module
+
+    real = linear_module.packing_available
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_module, "packing_available",
+                   lambda dtype=torch.bfloat16: dtype != torch.float32 and real(dtype))
+        yield
+
+
 @pytest.fixture(scope="module")
 def dense_llm():
     """A float32 engine of the default model without prefix caching: the tests load

@@ -8,6 +8,7 @@ logprobs, freed blocks, swap, the KV-transfer handshake).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -339,10 +340,12 @@ def test_fp8_remote_prefill_decodes_the_same_tokens_and_refuses_a_model_dtype_pe
         n = len(req.kv_load_ticket["dst_block_ids"])
         assert producer.kv_connector.kv_transfer_bytes == n * 30 * 2 * 16 * 3 * 64
         consumer.start_decode("r1", done.output_token_ids[0])
-        for _ in range(100):
-            if req.is_finished:
-                break
-            consumer.step()
+        # The KV lands on the consumer's receive thread: step until the request ends
+        # (a step while the load is still in flight does nothing).
+        deadline = time.monotonic() + 60
+        while not req.is_finished and time.monotonic() < deadline:
+            if not consumer.step():
+                time.sleep(0.005)
         assert req.output_token_ids == want
         for e in (producer, consumer):
             while e.has_unfinished_requests():

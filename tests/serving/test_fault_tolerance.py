@@ -209,9 +209,10 @@ def test_zombie_prefill_writes_nothing_after_its_transfer_was_given_up(cluster, 
     forward pass computes them); the decode side's load times out and frees the
     reserved blocks, the router has the decode worker prefill the prompt itself, and
     other requests take blocks meanwhile (prefilled on the decode workers once their
-    remote prefill times out too). SIGCONT: the late layers are dropped (counted
-    on the decode side), no output changes. (tests/test_kv_fencing.py pins the exact
-    reuse of the very blocks in one process.)"""
+    remote prefill times out too). SIGCONT: no output changes; late layers that still
+    arrive are dropped (counted on the decode side; printed, since whether any arrive
+    is a race). (tests/test_kv_fencing.py pins the exact reuse of the very blocks, and
+    the drop of late layers, in one process.)"""
     srv = cluster.server.server
     long_prompt = " ".join(f"item{i}" for i in range(700))      # ~1.4k tokens
     ref = _ids(cluster.generate(greedy(long_prompt, 8)))
@@ -240,8 +241,15 @@ def test_zombie_prefill_writes_nothing_after_its_transfer_was_given_up(cluster, 
     assert a.code == grpc.StatusCode.OK and a.tokens == ref
     for s in others:
         assert s.code == grpc.StatusCode.OK and s.tokens == baseline[s.prompt], s.prompt
-    late = _wait(lambda: sum(c["kv_layers_dropped"] for c in decode_counts()) - dropped, 30,
-                 "the zombie's late layers to arrive")
+    # Whether the zombie's remaining layers arrive at all is a race: the decode side's
+    # receive of the next layer may time out while the sender is stopped, breaking the
+    # pair first (then nothing more arrives). Either way nothing reached the cache:
+    # the outputs above are unchanged, and tests/test_kv_fencing.py pins the drop of
+    # late layers exactly, in one process.
+    deadline, late = time.monotonic() + 15, 0
+    while time.monotonic() < deadline and not late:
+        late = sum(c["kv_layers_dropped"] for c in decode_counts()) - dropped
+        time.sleep(0.5)
     print(f"\nzombie prefill: {late} late KV layers dropped on the decode side")
     # The stopped worker kept its lease (stopped < TTL): still in service, same generation.
     assert all(_handle(cluster, p.worker_id).generation == p.generation for p in prefill)
