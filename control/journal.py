@@ -423,7 +423,10 @@ class JournalWriter:
                 except Exception as exc:
                     results = [exc] * len(ops)
                 self.batches += 1
-                self._after(ops, results)
+                try:
+                    self._after(ops, results)
+                except Exception:        # never leave flush() waiting on a dead task
+                    logger.exception("request journal: handling a batch's results failed")
                 self._applied += taken
                 async with self._applied_cond:
                     self._applied_cond.notify_all()
