@@ -147,25 +147,22 @@ class UnquantizedLinearMethod(LinearMethodBase):
             layer.invariant_weight = pack_invariant_weight(w)
             del layer.weight            # as below: only the packed copy is read
             return
-        if w.dtype == torch.float32 and w.device.type == "cpu" and packing_available(w.dtype):
-            # oneDNN's float32 matmul, not MKL's (whose AVX2 path is all AMD CPUs get):
-            # see tandem.kernels.cpu.linear.
-            layer.packed_weight = pack_weight(w)
-            del layer.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
-        if w.dtype == torch.bfloat16 and w.device.type == "cpu":
-            if packing_available():
-                layer.packed_weight = pack_weight(w)
-            elif invariant_linear_available():
-                # No native bfloat16 dot product for oneDNN (no AVX-512): torch
-                # emulates bfloat16 GEMMs (about 14 GFLOP/s on 2 AVX2 cores) and the
-                # compiled float32-FMA kernel is 4-5x faster on the same weights.
-                layer.invariant_weight = pack_invariant_weight(w)
-            else:
-                return
-            # The packed copy is all apply() reads: drop this layer's plain one (a
-            # tied weight stays alive through the module it is shared with).
-            del layer.weight
+        if packing_available(w.dtype):
+            # oneDNN's packed matmul; for float32 also instead of MKL's sgemm, whose
+            # AVX2 path is all AMD CPUs get (see tandem.kernels.cpu.linear).
+            layer.packed_weight = pack_weight(w)
+        elif w.dtype == torch.bfloat16 and invariant_linear_available():
+            # No native bfloat16 dot product for oneDNN (no AVX-512): torch
+            # emulates bfloat16 GEMMs (about 14 GFLOP/s on 2 AVX2 cores) and the
+            # compiled float32-FMA kernel is 4-5x faster on the same weights.
+            layer.invariant_weight = pack_invariant_weight(w)
+        else:
+            return
+        # The packed copy is all apply() reads: drop this layer's plain one (a tied
+        # weight stays alive through the module it is shared with).
+        del layer.weight
 
     def apply(self, layer, x):
         if layer.invariant_weight is not None:

@@ -60,7 +60,7 @@ class EngineLoop:
         self.publish_deltas = publish_deltas
         if engine.kv_connector is not None:
             engine.kv_connector.notify = self._wake.set
-        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self._thread: threading.Thread | None = None   # set by start() or build()
         self.error: BaseException | None = None
         self._last_stats = None
         self.kv_event_sink: Callable[[tuple], None] | None = None
@@ -68,6 +68,8 @@ class EngineLoop:
         append them to the cluster state's stream); must not raise."""
 
     def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -130,7 +132,8 @@ class EngineLoop:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the loop thread before the next step (``fn`` is
