@@ -89,6 +89,25 @@ def gguf_checkpoint(files, native: bool = False
     return cfg, iter(tensors.items())
 
 
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every ``meta`` parameter and buffer of ``model`` uninitialised storage on
+    ``device``, floating-point ones directly in ``dtype`` (what ``to_empty(device)``
+    then ``.to(dtype)`` gives, without allocating and converting float32 copies
+    first, and without ``to_empty``'s per-tensor meta-stride bookkeeping: together
+    ~0.3 s of a worker's start on the default model)."""
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                           device=device)
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(fresh(p), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = fresh(b)
+
+
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                batch_invariant: bool = False,
                activation_quantization: str = "none") -> tuple[nn.Module, ModelConfig]:
@@ -135,7 +154,7 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     linear_method = linear_method_for(files, quantization)
     with torch.device("meta"):
         model = MODEL_REGISTRY.model_class(cfg.architecture)(cfg, linear_method)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     for module in model.modules():
         # Packed layers hold no float parameter for .to(dtype) to convert: tell them
         # the dtype their outputs (and any dense fallback) take.

@@ -3,6 +3,7 @@ execute -> update."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -55,6 +56,14 @@ class LLMEngine:
         # process's (see tandem.engine.runtime.threads.apply_thread_settings).
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
+        pending_tokenizer = None
+        if tokenizer is None and weights_from is None:
+            # Loading the tokenizer is mostly importing transformers (~1 s of Python);
+            # the model load is mostly memory copies that release the GIL: overlap them
+            # (a worker's restart time, docs/control_plane.md).
+            loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+            pending_tokenizer = loader.submit(Tokenizer, self.model_files)
+            loader.shutdown(wait=False)     # its thread ends with the task
         if weights_from is not None:
             wc = weights_from.config
             if (weights_from.model_files, wc.dtype, weights_from.device, wc.quantization,
@@ -70,6 +79,8 @@ class LLMEngine:
                                                        self.device, config.quantization,
                                                        config.batch_invariant,
                                                        config.activation_quantization)
+        if pending_tokenizer is not None:
+            tokenizer = pending_tokenizer.result()
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
         cc = config.cache
         kv_dtype = kv_cache_torch_dtype(cc.kv_cache_dtype, config.torch_dtype)
