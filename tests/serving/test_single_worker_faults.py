@@ -10,6 +10,7 @@ float32) serves the module's tests in order. Recovery times are printed (``-s``)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -62,7 +63,14 @@ def _metric(text: str, series: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    yield from serving(serve_config("disaggregated", transfer_timeout_s=8.0))
+    """n-gram speculation is on (3 draft tokens), so the resumed requests also carry
+    speculative decoding across the replacement."""
+    from tandem.engine.config import SpeculativeConfig
+
+    config = serve_config("disaggregated", transfer_timeout_s=8.0)
+    config = dataclasses.replace(config, engine=dataclasses.replace(
+        config.engine, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)))
+    yield from serving(config)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +105,12 @@ def test_kill_the_only_decode_worker_requests_wait_and_resume(cluster, baseline)
     assert _metric(text, 'tandem:requests_waiting_for_worker{model_name="SmolLM2-135M-Instruct"}') == 0
     assert _metric(text, WAITS % "timed_out") == 0
     assert srv.supervisor.recoveries[-1].worker_id == "decode-0"
+    # The replacement's counters start at zero and only the resumed requests ran on
+    # it: they were decoded with speculation there too.
+    drafts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("tandem:spec_decode_num_drafts_total{")
+              and 'worker="decode-0"' in line]
+    assert drafts and drafts[0] > 0, drafts
     _assert_idle(cluster)
 
 
