@@ -42,7 +42,7 @@ def _request_fields() -> tuple[str, ...]:
     from tandem.v1 import tandem_pb2 as pb
 
     d = pb.GenerateRequest.DESCRIPTOR
-    return tuple(f.name for f in d.fields) + tuple(o.name for o in d.oneofs)
+    return tuple(f.name for f in d.fields) + tuple(o.name for o in d.oneofs) + ("request",)
 
 
 # Closed label sets. Their series exist at 0 from start-up, as in vLLM, so that
@@ -53,7 +53,8 @@ PREEMPTION_KINDS = ("swap", "recompute")
 """``kind`` values of ``tandem:num_preemptions``."""
 REQUEST_FIELDS = _request_fields()
 """``field`` values of ``tandem:invalid_requests``: the top-level fields (and the
-``input`` oneof) of ``GenerateRequest``, which is what a refusal's field path starts with."""
+``input`` oneof) of ``GenerateRequest``, which is what a refusal's field path starts with,
+and ``request`` for bytes that are no request message at all."""
 RATE_LIMIT_REASONS = ("rate", "concurrency")
 """``reason`` values of ``tandem:requests_rate_limited``."""
 ABORT_SOURCES = ("grpc_cancel", "http_disconnect", "worker")

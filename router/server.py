@@ -160,17 +160,19 @@ class TandemService(pb_grpc.TandemServicer):
                                 f"{retry_after_seconds(verdict.retry_after_s)} s)")
         return key_id
 
-    @staticmethod
-    async def _parse(message_class, data: bytes, context):
+    async def _parse(self, message_class, data: bytes, context):
         """``data`` (a request's bytes) as a ``message_class``; aborts the call with
-        ``INVALID_ARGUMENT`` (``"request: ..."``) when they are not one, e.g. a
-        truncated message, a wrong wire type or a string field holding invalid UTF-8.
-        Parsing here rather than in the transport's deserializer is what lets the
-        client hear that: grpc.aio answers a deserializer's exception with
+        ``INVALID_ARGUMENT`` (``"request: ..."``, counted in
+        ``tandem:invalid_requests`` with field ``request``) when they are not one, e.g.
+        a truncated message, a wrong wire type or a string field holding invalid
+        UTF-8. Parsing here rather than in the transport's deserializer is what lets
+        the client hear that: grpc.aio answers a deserializer's exception with
         ``UNKNOWN`` and the exception's class and text."""
         try:
             return message_class.FromString(data)
         except DecodeError:
+            if self.metrics:
+                self.metrics.invalid_request("request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid {message_class.DESCRIPTOR.full_name} "
                                 "message")

@@ -289,6 +289,7 @@ UNDECODABLE = [
                          ids=[f"{c[0]}: {c[2]}" for c in UNDECODABLE])
 def test_an_undecodable_message_is_invalid_argument(server, method, message, payload):
     # Before: UNKNOWN, "Unexpected <class 'google.protobuf.message.DecodeError'>: ..."
+    counted = _invalid_requests(server)
     path = f"/tandem.v1.Tandem/{method}"
     call = server.channel.unary_stream(path) if method == "Generate" else \
         server.channel.unary_unary(path)          # no serializers: the bytes as they are
@@ -299,7 +300,14 @@ def test_an_undecodable_message_is_invalid_argument(server, method, message, pay
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
     assert err.details() == f"request: not a valid tandem.v1.{message} message"
     assert_clean(err.details())
+    assert _invalid_requests(server) == counted + 1      # counted like any refusal
     still_serves(server)
+
+
+def _invalid_requests(server) -> float:
+    """``tandem:invalid_requests_total{field="request"}`` now."""
+    return next(float(line.split()[-1]) for line in server.metrics_text().splitlines()
+                if line.startswith("tandem:invalid_requests_total{") and 'field="request"' in line)
 
 
 # -- rate-limit refusals (in process: a stand-in orchestrator and limiter) --------------------
