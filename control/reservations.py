@@ -64,9 +64,11 @@ class Reservations(ABC):
 
     @abstractmethod
     def refresh(self, pool: str, entries: Sequence[tuple[str, str]], ttl_s: float = 60.0) -> None:
-        """Push the expiry of existing ``(worker_id, request_id)`` reservations to ``ttl_s`` from now.
-
-        Missing (released or expired) ones are not re-created.
+        """Keep ``(worker_id, request_id)`` reserved: expiry pushed to ``ttl_s`` from now,
+        re-created when missing. A router refreshes only its requests still in flight,
+        so a missing one was lost with the state (Redis flushed or restarted) or
+        expired while the router could not reach it, and is counted again from here.
+        (A router that released one while its refresh ran releases it again.)
 
         Raises:
             ValueError: ``ttl_s`` is not positive.
@@ -132,9 +134,7 @@ class InProcessReservations(Reservations):
         with self._lock:
             now = self._clock()
             for worker_id, request_id in entries:
-                live = self._live(pool, worker_id, now)
-                if request_id in live:
-                    live[request_id] = now + ttl_s
+                self._live(pool, worker_id, now)[request_id] = now + ttl_s
 
     def inflight(self, pool: str, worker_ids: Sequence[str]) -> dict[str, int]:
         with self._lock:
@@ -174,10 +174,8 @@ return best - 1
 _REFRESH = _PRELUDE + """
 local ttl = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  if redis.call('ZSCORE', key, ARGV[1 + i]) then
-    redis.call('ZADD', key, 'XX', now + ttl, ARGV[1 + i])
-    extend(key, ttl)
-  end
+  redis.call('ZADD', key, now + ttl, ARGV[1 + i])
+  extend(key, ttl)
 end
 return 0
 """

@@ -259,6 +259,11 @@ class Cluster:
                 try:
                     await asyncio.to_thread(self.reservations.refresh, "decode", entries,
                                             RESERVATION_TTL_S)
+                    # Refresh re-creates what is missing (lost with a Redis flush):
+                    # what ended or moved while it ran is released again.
+                    for owner, rid in entries:
+                        if self._owner.get(rid) != owner:
+                            self._release(owner, rid)
                 except Exception as exc:
                     logger.warning("refreshing reservations failed: %s", exc)
 

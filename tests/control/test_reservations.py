@@ -84,20 +84,22 @@ def test_in_process_expiry_and_refresh_exact():
     res.reserve("decode", equal(["w0"]), "a", ttl_s=10)
     res.reserve("decode", equal(["w0"]), "b", ttl_s=10)
     clock.now += 5
-    res.refresh("decode", [("w0", "a"), ("w0", "ghost")], ttl_s=10)    # a -> 1015
+    res.refresh("decode", [("w0", "a")], ttl_s=10)                     # a -> 1015
     clock.now += 5                                                     # b expired at 1010
     assert res.inflight("decode", ["w0"]) == {"w0": 1}
     assert res.reserve("decode", equal(["w0", "w1"]), "c", ttl_s=10) == "w1"
     clock.now += 5                                                     # a expired at 1015
     assert res.inflight("decode", ["w0", "w1"]) == {"w0": 0, "w1": 1}
     assert res.reserve("decode", equal(["w1", "w0"]), "d") == "w0"
+    res.refresh("decode", [("w0", "lost")], ttl_s=10)                  # missing: re-created
+    assert res.inflight("decode", ["w0"]) == {"w0": 2}
 
 
 def test_redis_expiry_and_refresh_by_the_redis_clock(state):
     res = RedisReservations(state)
     res.reserve("decode", equal(["w0"]), "a", ttl_s=0.4)
     res.reserve("decode", equal(["w0"]), "b", ttl_s=0.4)
-    res.refresh("decode", [("w0", "a"), ("w0", "ghost")], ttl_s=5.0)
+    res.refresh("decode", [("w0", "a")], ttl_s=5.0)
     time.sleep(0.5)
     assert res.inflight("decode", ["w0"]) == {"w0": 1}                # b expired
     # Ordered by expiry; b is not counted, but only a reserve drops it.
@@ -106,7 +108,21 @@ def test_redis_expiry_and_refresh_by_the_redis_clock(state):
     assert state.redis.zrange(state.key("inflight", "decode", "w0"), 0, -1) == ["a"]   # dropped
     key = state.key("inflight", "decode", "w0")
     assert 4000 < state.redis.pttl(key) <= 5000          # the set lives as long as its latest member
-    assert state.redis.zscore(key, "ghost") is None
+
+
+def test_redis_refresh_recreates_what_a_flush_lost(state):
+    """After a flush, the routers' in-flight requests are counted again at their next
+    refresh, instead of being invisible to select-and-reserve until they end."""
+    res = RedisReservations(state)
+    for rid in ("a", "b"):
+        res.reserve("decode", equal(["w0"]), rid, ttl_s=5.0)
+    res.reserve("decode", equal(["w1"]), "c", ttl_s=5.0)
+    state.redis.flushdb()
+    assert res.inflight("decode", ["w0", "w1"]) == {"w0": 0, "w1": 0}
+    res.refresh("decode", [("w0", "a"), ("w0", "b"), ("w1", "c")], ttl_s=5.0)
+    assert res.inflight("decode", ["w0", "w1"]) == {"w0": 2, "w1": 1}
+    assert 4000 < state.redis.pttl(state.key("inflight", "decode", "w0")) <= 5000
+    assert res.reserve("decode", equal(["w0", "w1"]), "d") == "w1"
 
 
 def test_an_abandoned_redis_set_expires_with_its_members(state):
