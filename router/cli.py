@@ -193,6 +193,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (0 = any free port)")
     _add_http_arg(p, 8000)
+    _add_tool_args(p)
     p.add_argument("--ray-address", default=None, help="existing Ray cluster (default: embedded)")
     p.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
@@ -262,6 +263,26 @@ def _add_http_arg(p: argparse.ArgumentParser, default: int) -> None:
 
 def _http_port(args) -> int | None:
     return None if args.http_port < 0 else args.http_port
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    from tandem.router.tool_parsers import TOOL_PARSERS
+
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice='auto' on the HTTP API: tool calls are read from "
+                        "the output by --tool-call-parser (needs it)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the output format of the model's tool calls (hermes: Hermes/Qwen "
+                        "<tool_call> JSON; llama3_json: Llama 3 JSON)")
+
+
+def _tool_config(args) -> dict:
+    """ServeConfig's tool-calling fields from the flags (vLLM's pair: both or neither
+    for tool_choice='auto')."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
+    return {"enable_auto_tool_choice": args.enable_auto_tool_choice,
+            "tool_call_parser": args.tool_call_parser}
 
 
 def _http_banner(server) -> str:
@@ -340,7 +361,7 @@ def _serve_config(args):
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
                        autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout,
                        worker_wait_timeout_s=args.worker_wait_timeout,
-                       engine_nice=args.engine_nice)
+                       engine_nice=args.engine_nice, **_tool_config(args))
 
 
 def _cmd_serve(args) -> int:
@@ -363,7 +384,8 @@ def _cmd_router(args) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                       http_port=_http_port(args), ray_address=args.ray_address,
                       routing_policy=args.routing_policy, redis_url=args.redis_url,
-                      engine=EngineConfig(model=args.model), **_security_config(args))
+                      engine=EngineConfig(model=args.model), **_security_config(args),
+                      **_tool_config(args))
 
     def banner(server) -> str:
         return f"tandem: router {server.router_id} on {args.host}:{server.port} " \
@@ -644,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50052, help="gRPC port (0 = any free port)")
     r.add_argument("--metrics-port", type=int, default=None)
     _add_http_arg(r, 8001)
+    _add_tool_args(r)
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster (default: the one the cluster state names)")
     r.add_argument("--routing-policy", default="prefix_aware",

@@ -82,6 +82,10 @@ class ServeConfig:
             :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.build`). On a
             machine with no core to spare (the 2-core CPU one) 5 keeps the token
             stream smooth; 0 leaves the engine at the process's priority.
+        enable_auto_tool_choice, tool_call_parser: ``tool_choice="auto"`` on the HTTP
+            API, tool calls read from the output by the named parser
+            (:data:`~tandem.router.tool_parsers.TOOL_PARSERS`: ``hermes``,
+            ``llama3_json``); both are needed, as in vLLM.
     """
 
     mode: str = "disaggregated"
@@ -110,6 +114,8 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     worker_wait_timeout_s: float = 60.0
     engine_nice: int = 5
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -137,6 +143,12 @@ class ServeConfig:
         for name in ("drain_timeout_s", "worker_wait_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.tool_call_parser is not None:
+            from tandem.router.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)        # an unknown name: ValueError
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser to be set")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
@@ -370,7 +382,9 @@ class RouterServer:
         open_paths = ("/metrics",) if self.config.auth_health else ("/health", "/metrics")
         return OpenAIServer(orchestrator, tokenizer, model_info, self.metrics,
                             healthy=lambda: self.cluster.healthy, api_keys=self.config.api_keys,
-                            limiter=self.limiter, open_paths=open_paths)
+                            limiter=self.limiter, open_paths=open_paths,
+                            tool_call_parser=self.config.tool_call_parser
+                            if self.config.enable_auto_tool_choice else None)
 
     @property
     def security_summary(self) -> str:

@@ -9,7 +9,10 @@ Request fields follow the OpenAI API plus vLLM's extras (``top_k``, ``min_p``,
 ``skip_special_tokens``, ``include_stop_str_in_output``) and structured outputs:
 ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` on both
-endpoints, at most one per request (docs/structured_outputs.md).
+endpoints, at most one per request (docs/structured_outputs.md). Chat completions take
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` and answer ``tool_calls``
+(docs/tool_calling.md; :mod:`tandem.router.tool_calling`,
+:mod:`tandem.router.tool_parsers`).
 
 A request is converted to the gRPC API's ``GenerateRequest`` and checked by the
 same :class:`~tandem.router.validation.RequestValidator`, so both front ends
@@ -51,6 +54,9 @@ from pydantic_core import PydanticCustomError
 from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, RequestFailed,
                                         ServiceUnavailable)
+from tandem.router.tool_calling import (ToolPlan, ToolRequestError, plan_tools, template_message,
+                                        template_tools)
+from tandem.router.tool_parsers import ToolCallStream, extract_tool_calls
 from tandem.router.validation import (CONSTRAINT_FIELDS, MAX_PROMPT_BYTES, InvalidRequestError,
                                       RequestValidator, ValidatedRequest)
 from tandem.router.worker_client import WorkerError
@@ -137,6 +143,10 @@ class ChatMessage(BaseModel):
 
     role: Text
     content: Text | list[dict[str, Any]] | None = None
+    # Tool calling: an assistant turn's calls, a tool turn's answer to one of them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Text | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -147,6 +157,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -431,11 +443,17 @@ class OpenAIServer:
             (``anonymous`` without keys), else 429 with ``Retry-After``. Should
             Redis be unreachable, requests are admitted (and a warning logged).
         open_paths: paths served without a key.
+        tool_call_parser: the parser (``hermes``, ``llama3_json``) that reads tool calls
+            out of ``tool_choice="auto"`` outputs; None refuses ``auto`` (400), as vLLM
+            does without ``--enable-auto-tool-choice``.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
 
     def __init__(self, orchestrator: Orchestrator, tokenizer, model_info: dict, metrics=None,
                  healthy=lambda: True, api_keys=None, limiter=None,
-                 open_paths=("/health", "/metrics")):
+                 open_paths=("/health", "/metrics"), tool_call_parser: str | None = None):
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.info = model_info
@@ -446,6 +464,11 @@ class OpenAIServer:
         self.api_keys = api_keys
         self.limiter = limiter
         self.open_paths = tuple(open_paths)
+        if tool_call_parser is not None:
+            from tandem.router.tool_parsers import get_tool_parser
+
+            get_tool_parser(tool_call_parser)
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self.app = self._build_app()
         self._server = None
@@ -665,6 +688,53 @@ class OpenAIServer:
         _check_size("messages", sum(len(m["content"].encode()) for m in conversation))
         try:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except TemplateError as exc:       # the template refused the conversation
+            raise APIError(400, f"messages: rejected by the chat template: {exc}",
+                           "messages") from None
+        except ValueError as exc:          # "messages...: why"
+            param, _, message = str(exc).partition(": ")
+            raise APIError(400, f"{param}: {message}", param) from None
+
+    def _tool_chat_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        """The prompt of a chat request with tools or tool turns: the conversation and
+        the tools through the chat template, with the checks the validator makes of
+        chat text (roles, no control tokens) applied to every string it renders.
+
+        Raises:
+            APIError: 400 naming the field (``messages[1].tool_calls[0].function.arguments``,
+                ``tools``).
+        """
+        from jinja2 import TemplateError  # comes with transformers' chat templates
+
+        v = self.validator
+        tools = template_tools(plan.tools)
+        tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
+        conversation, size = [], len(tools_text.encode())
+        try:
+            if tools:
+                v.check_chat_text("tools", tools_text)
+            for i, m in enumerate(body.messages):
+                text = _message_text(m, i)
+                v.check_chat_role(f"messages[{i}].role", m.role)
+                v.check_chat_text(f"messages[{i}].content", text)
+                for name in ("tool_call_id", "name"):
+                    if getattr(m, name):
+                        v.check_chat_text(f"messages[{i}].{name}", getattr(m, name))
+                if m.tool_calls:
+                    calls_text = json.dumps(m.tool_calls, ensure_ascii=False)
+                    v.check_chat_text(f"messages[{i}].tool_calls", calls_text)
+                    size += len(calls_text.encode())
+                size += len(text.encode())
+                conversation.append(template_message(m.role, text, m.tool_calls,
+                                                     m.tool_call_id, m.name, i))
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        _check_size("messages", size)
+        try:
+            return self.tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
+                                                      tools=tools)
         except TemplateError as exc:       # the template refused the conversation
             raise APIError(400, f"messages: rejected by the chat template: {exc}",
                            "messages") from None
@@ -945,11 +1015,18 @@ class OpenAIServer:
             yield {**base, "choices": [], "usage": usage.body()}
 
     # -- chat ------------------------------------------------------------------------------
-    def _chat_request(self, body: ChatCompletionRequest) -> ValidatedRequest:
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        try:
+            return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                              self.tool_call_parser)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def _chat_request(self, body: ChatCompletionRequest,
+                      plan: ToolPlan | None = None) -> ValidatedRequest:
         self._check_model(body.model)
         _refuse_unsupported(body)
-        if body.tools:
-            raise APIError(400, "tools: tool calling is not supported", "tools")
+        plan = plan or self._tool_plan(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
         if not body.messages:
@@ -966,10 +1043,23 @@ class OpenAIServer:
                 exc.param = "max_completion_tokens"
             raise
         constraint_param = _set_constraint(sampling, body)
+        if plan.schema is not None:
+            # A forced tool choice is a JSON-schema constraint (vLLM's).
+            if constraint_param is not None:
+                raise APIError(400, f"tool_choice: {plan.mode!r} cannot be combined with "
+                                    f"{constraint_param}", "tool_choice")
+            sampling.json_schema = json.dumps(plan.schema, ensure_ascii=False)
+            constraint_param = "tools"
         req = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=sampling,
                                  priority=body.priority, stream=body.stream)
-        for i, m in enumerate(body.messages):
-            req.chat.messages.append(pb.ChatMessage(role=m.role, content=_message_text(m, i)))
+        if plan.tools or any(m.tool_calls or m.tool_call_id is not None for m in body.messages):
+            # Tools and tool turns reach the template only here (the gRPC chat message
+            # has role and content): the prompt goes on as token ids.
+            req.token_ids.ids.extend(self._tool_chat_ids(body, plan))
+        else:
+            for i, m in enumerate(body.messages):
+                req.chat.messages.append(pb.ChatMessage(role=m.role,
+                                                        content=_message_text(m, i)))
         return self._validate(req, chat=True, fill_max_tokens=max_tokens is None,
                               completion_tokens=uses_completion,
                               constraint_param=constraint_param)
@@ -983,12 +1073,14 @@ class OpenAIServer:
                             for lp in logprobs]}
 
     async def _chat(self, body: ChatCompletionRequest, request):
-        v = self._chat_request(body)
+        self._check_model(body.model)          # an unknown model first: 404 before any 400
+        plan = self._tool_plan(body)
+        v = self._chat_request(body, plan)
         self._check_serving()
         rid, created = v.request_id, int(time.time())
         key_id = await self._admit(request, rid)
         if body.stream:
-            return self._sse(self._chat_stream(body, v, request, rid, created),
+            return self._sse(self._chat_stream(body, v, request, rid, created, plan),
                              on_close=lambda: self._release(key_id, rid))
         try:
             finals = await self._collect([v], request)
@@ -1000,14 +1092,17 @@ class OpenAIServer:
         for j in range(body.n):
             s = finals[(0, j)]
             usage.add_sample(s)
-            choices.append({"index": j,
-                            "message": {"role": "assistant", "content": "".join(s.pieces)},
+            message, finish_reason = _chat_message("".join(s.pieces), s.finish_reason, plan)
+            choices.append({"index": j, "message": message,
                             "logprobs": self._chat_logprobs(s.logprobs) if body.logprobs else None,
-                            "finish_reason": s.finish_reason, "stop_reason": _stop_reason(s)})
+                            "finish_reason": finish_reason, "stop_reason": _stop_reason(s)})
         return {"id": rid, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
 
-    async def _chat_stream(self, body, v, request, rid, created):
+    async def _chat_stream(self, body, v, request, rid, created, plan: ToolPlan | None = None):
+        # Per sample: reads tool calls out of its deltas (None: plain content).
+        tool_streams = {j: ToolCallStream(plan.parser, plan.max_calls) for j in range(body.n)} \
+            if plan is not None and plan.parser is not None else {}
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
         usage = _Usage()
@@ -1036,10 +1131,17 @@ class OpenAIServer:
                     role_sent = True
                     for chunk in role_chunks():
                         yield chunk
-                delta = {"content": upd.text} if upd.text or not finished else {}
+                finish_reason = upd.finish_reason
+                if tool_streams:
+                    delta, finish_reason = _tool_delta(tool_streams[s.index], upd.text,
+                                                       finish_reason)
+                    if not (delta or finished or body.logprobs):
+                        continue               # held back: may start a tool call
+                else:
+                    delta = {"content": upd.text} if upd.text or not finished else {}
                 choice = {"index": s.index, "delta": delta,
                           "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
-                          "finish_reason": upd.finish_reason}
+                          "finish_reason": finish_reason}
                 if finished:
                     choice["stop_reason"] = _stop_reason(upd)
                     usage.add_sample(s)
@@ -1087,6 +1189,37 @@ def _stop_reason(s) -> int | str | None:
     (None for EOS, length, abort; never a worker's error text). ``s``: a sample or
     the update that finished it."""
     return s.stop_reason if s.finish_reason == "stop" else None
+
+
+def _chat_message(text: str, finish_reason: str | None,
+                  plan: ToolPlan) -> tuple[dict, str | None]:
+    """A finished sample's ``message`` and ``finish_reason``: with tool calls found in
+    ``text`` (``plan``'s parser), ``content`` is the text before them (None if none),
+    ``tool_calls`` the calls and the finish reason ``tool_calls``."""
+    if plan.parser is not None:
+        content, calls = extract_tool_calls(plan.parser, text, plan.max_calls)
+        if calls:
+            return ({"role": "assistant", "content": content,
+                     "tool_calls": [c.to_openai() for c in calls]}, "tool_calls")
+    return {"role": "assistant", "content": text}, finish_reason
+
+
+def _tool_delta(stream: ToolCallStream, text: str,
+                finish_reason: str | None) -> tuple[dict, str | None]:
+    """A chunk's ``delta`` and ``finish_reason`` for ``text`` (a sample's new text) read
+    by its :class:`ToolCallStream`; ``finish_reason`` not None: the sample ended."""
+    content, calls = stream.feed(text) if text else ("", [])
+    if finish_reason is not None:
+        more, more_calls = stream.finish()
+        content, calls = content + more, calls + more_calls
+        if stream.complete:               # as the non-streaming answer decides it
+            finish_reason = "tool_calls"
+    delta: dict = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta, finish_reason
 
 
 def _check_failed(s) -> None:

@@ -256,21 +256,38 @@ class RequestValidator:
             return ids
         return self._apply_chat_template(request.chat.messages)
 
+    @staticmethod
+    def check_chat_role(field: str, role: str) -> None:
+        """Refuse a chat message role that is not 1-32 letters, digits, '_' or '-'
+        starting with a letter.
+
+        Raises:
+            InvalidRequestError: naming ``field``.
+        """
+        if not _ROLE.fullmatch(role):
+            raise InvalidRequestError(
+                field, "must be 1-32 letters, digits, '_' or '-' starting with a letter "
+                       f"(e.g. 'user'), got {role!r}")
+
+    def check_chat_text(self, field: str, text: str) -> None:
+        """Refuse text bound for a chat template that holds one of the tokenizer's added
+        tokens (``<|im_end|>``): tokenized as the real control token it could forge turns.
+
+        Raises:
+            InvalidRequestError: naming ``field``.
+        """
+        found = self._control_tokens.search(text) if self._control_tokens else None
+        if found:
+            raise InvalidRequestError(
+                field, f"must not contain the control token {found.group()!r} "
+                       "(send a token_ids or prompt request to write control tokens)")
+
     def _apply_chat_template(self, messages) -> list[int]:
         from jinja2 import TemplateError  # comes with transformers' chat templates
 
         for i, m in enumerate(messages):
-            if not _ROLE.fullmatch(m.role):
-                raise InvalidRequestError(
-                    f"chat.messages[{i}].role",
-                    "must be 1-32 letters, digits, '_' or '-' starting with a letter "
-                    f"(e.g. 'user'), got {m.role!r}")
-            found = self._control_tokens.search(m.content) if self._control_tokens else None
-            if found:
-                raise InvalidRequestError(
-                    f"chat.messages[{i}].content",
-                    f"must not contain the control token {found.group()!r} "
-                    "(send a token_ids or prompt request to write control tokens)")
+            self.check_chat_role(f"chat.messages[{i}].role", m.role)
+            self.check_chat_text(f"chat.messages[{i}].content", m.content)
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(conversation)

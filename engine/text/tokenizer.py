@@ -81,10 +81,13 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(token_ids))
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) under
         the model's chat template.
+
+        ``tools`` (OpenAI ``{"type": "function", "function": {...}}`` objects) go to the
+        template as its ``tools`` variable; a template that does not use it ignores them.
 
         Raises:
             ValueError: no messages, a message without role/content, or the model
@@ -100,6 +103,7 @@ class Tokenizer:
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content: must be a string")
         text = self._tok.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools else None)
         # The template writes its own special tokens; do not add a second BOS.
         return self.encode(text, add_special_tokens=False)
