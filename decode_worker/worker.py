@@ -16,25 +16,23 @@ A plain class with async methods: Ray makes it an actor
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
-from tandem.engine.runtime.engine_loop import EngineLoop
+from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.runtime.outputs import StepOutput, WorkerRequest, WorkerStats
+from tandem.engine.runtime.outputs import WorkerRequest
+from tandem.engine.runtime.worker_common import node_ip_address
 from tandem.engine.scheduling.request import TokenLogprobs
-from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
-                                                  node_ip_address, pin_cpus)
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeWorker:
-    """Decode (or colocated) worker around one :class:`LLMEngine`.
+class DecodeWorker(EngineWorker):
+    """Decode (or colocated) worker around one :class:`LLMEngine`; what every worker
+    answers the same way (``info``, ``fence``, ``poll``, ``stats``, ``abort``, ...)
+    is :class:`~tandem.engine.runtime.engine_worker.EngineWorker`'s.
 
     Args:
         worker_id: e.g. ``decode-0``.
@@ -57,36 +55,12 @@ class DecodeWorker:
                  cpus: list[int] | None = None, kv_transport: str | None = "gloo",
                  transfer_timeout_s: float = 60.0, control: ControlConfig | None = None,
                  weights_from: LLMEngine | None = None, engine_nice: int = 0):
-        self.worker_id, self.role, self.config = worker_id, role, config
-        self.cpus = pin_cpus(cpus)
-        apply_thread_settings(config)     # this actor is its process's entry point
-        # Built on the loop's thread: see EngineLoop.build.
-        self.loop = EngineLoop.build(lambda: LLMEngine(
+        super().__init__(worker_id, role, config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport if role == "decode" else None,
             transfer_timeout_s=transfer_timeout_s, enable_kv_events=True,
-            weights_from=weights_from), worker_id, role, nice=engine_nice)
-        self.engine = self.loop.engine
-        self._fence = Fence(worker_id)
+            weights_from=weights_from), engine_nice)
         self.control = start_worker_control(control, worker_id, role, self._static_info(),
                                             self._fence, self.loop)
-
-    async def _call(self, fn, *args):
-        return await asyncio.wrap_future(self.loop.call(fn, *args))
-
-    # -- control plane ------------------------------------------------------------------------
-    async def info(self) -> dict:
-        """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
-        plus this worker's KV layout, node address, pid, cores and generation (its
-        incarnation in the cluster state; 0 without one)."""
-        return {**self._static_info(),
-                "generation": self.control.generation if self.control is not None else 0}
-
-    def _static_info(self) -> dict:
-        connector = self.engine.kv_connector
-        return {**model_info(self.engine, self.config), "worker_id": self.worker_id,
-                "role": self.role, "pid": os.getpid(), "cpus": self.cpus,
-                "node_ip": node_ip_address(),
-                "kv_layout": connector.layout() if connector is not None else None}
 
     async def open_kv_channel(self, peer_id: str, peer_generation: int = 0) -> dict:
         """Listen (on this node's address) for prefill worker ``peer_id``'s KV, from its
@@ -96,24 +70,15 @@ class DecodeWorker:
         return await self._call(self.engine.kv_connector.open_channel, peer_id,
                                 node_ip_address(), peer_generation)
 
-    async def fence(self, reason: str) -> None:
-        """Take no new requests (e.g. this worker lost its lease): :meth:`add_request`
-        raises :class:`WorkerFencedError` until :meth:`unfence`. Requests it already
-        has keep running (the router migrates them)."""
-        self._fence.fence(reason)
-
-    async def unfence(self) -> None:
-        """Take new requests again."""
-        self._fence.unfence()
-
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request: WorkerRequest) -> None:
         """Queue a request: computed here, or (with ``kv_transfer_params``) prefilled
         by a prefill worker, its KV ticket published once blocks are reserved.
 
-        Its deltas go to the poll of ``request.router_id`` only. A resumed request (``output_token_ids``, migrated from a worker that died)
-        continues after those tokens; they count as published, so its deltas
-        carry only new tokens (``num_output_tokens`` counts all).
+        Its deltas go to the poll of ``request.router_id`` only. A resumed request
+        (``output_token_ids``, migrated from a worker that died) continues after
+        those tokens; they count as published, so its deltas carry only new tokens
+        (``num_output_tokens`` counts all).
 
         Raises:
             InvalidParameterError: the engine refuses it (field named).
@@ -150,33 +115,7 @@ class DecodeWorker:
         may wait ``timeout_s`` more seconds (see :meth:`LLMEngine.extend_kv_load`)."""
         return await self._call(self.engine.extend_kv_load, request_id, timeout_s)
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is (waiting, reserved, running); frees its blocks."""
-        return await self._call(self.engine.abort_request, request_id)
-
-    # -- outputs and stats ---------------------------------------------------------------------
-    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
-        """Step outputs since ``subscriber``'s (a router id's) last poll: the deltas of
-        its requests, every step's stats and KV events; waits up to ``timeout_s`` for
-        the first. A router that stops polling for the loop's subscriber timeout has
-        its requests aborted (see :meth:`EngineLoop.poll`)."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
-
-    async def stats(self) -> WorkerStats:
-        return await self._call(self.engine.stats, self.worker_id, self.role)
-
-    async def check_invariants(self) -> dict:
-        """Run the engine's invariant checks; return block and queue counts and the
-        late KV layers dropped so far (``kv_layers_dropped``; tests)."""
-        def check() -> dict:
-            connector = self.engine.kv_connector
-            return {**block_counts(self.engine), "kv_layers_dropped":
-                    connector.num_dropped_layers if connector is not None else 0}
-        return await self._call(check)
-
-    async def shutdown(self) -> None:
-        if self.control is not None:
-            self.control.close()
-        self.loop.shutdown()
-        if self.engine.kv_connector is not None:
-            self.engine.kv_connector.close()
+    def _invariant_extras(self) -> dict:
+        """Late KV layers dropped so far (``kv_layers_dropped``)."""
+        connector = self.engine.kv_connector
+        return {"kv_layers_dropped": connector.num_dropped_layers if connector is not None else 0}

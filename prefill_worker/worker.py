@@ -18,22 +18,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
-from tandem.engine.runtime.engine_loop import EngineLoop
+from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.runtime.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
-from tandem.engine.runtime.threads import apply_thread_settings
-from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
-                                                  node_ip_address, pin_cpus)
+from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
+from tandem.engine.runtime.worker_common import node_ip_address
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillWorker:
-    """Prefill worker around one :class:`LLMEngine`.
+class PrefillWorker(EngineWorker):
+    """Prefill worker around one :class:`LLMEngine`; what every worker answers the
+    same way (``info``, ``fence``, ``poll``, ``stats``, ``abort``, ...) is
+    :class:`~tandem.engine.runtime.engine_worker.EngineWorker`'s.
 
     Args:
         worker_id: e.g. ``prefill-0``.
@@ -54,33 +53,12 @@ class PrefillWorker:
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0,
                  control: ControlConfig | None = None, weights_from: LLMEngine | None = None,
                  engine_nice: int = 0):
-        self.worker_id, self.config = worker_id, config
-        self.cpus = pin_cpus(cpus)
-        apply_thread_settings(config)     # this actor is its process's entry point
-        # Built on the loop's thread: see EngineLoop.build.
-        self.loop = EngineLoop.build(lambda: LLMEngine(
+        super().__init__(worker_id, "prefill", config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s,
-            enable_kv_events=True, weights_from=weights_from), worker_id, "prefill",
-            publish_deltas=False, nice=engine_nice)
-        self.engine = self.loop.engine
-        self._fence = Fence(worker_id)
+            enable_kv_events=True, weights_from=weights_from), engine_nice,
+            publish_deltas=False)
         self.control = start_worker_control(control, worker_id, "prefill", self._static_info(),
                                             self._fence, self.loop)
-
-    async def _call(self, fn, *args):
-        return await asyncio.wrap_future(self.loop.call(fn, *args))
-
-    async def info(self) -> dict:
-        """Model and cache facts plus KV layout, node address, pid, cores and generation
-        (its incarnation in the cluster state; 0 without one)."""
-        return {**self._static_info(),
-                "generation": self.control.generation if self.control is not None else 0}
-
-    def _static_info(self) -> dict:
-        return {**model_info(self.engine, self.config),
-                "kv_layout": self.engine.kv_connector.layout(), "worker_id": self.worker_id,
-                "role": "prefill", "pid": os.getpid(), "cpus": self.cpus,
-                "node_ip": node_ip_address()}
 
     async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict,
                          generation: int = 0) -> None:
@@ -100,16 +78,6 @@ class PrefillWorker:
         one). Requests for that peer then fail with ``KVTransferError`` until
         :meth:`connect_kv` runs again. Returns whether there was a pair."""
         return await self._call(self.engine.kv_connector.close_channel, peer_id)
-
-    async def fence(self, reason: str) -> None:
-        """Take no new prefills (e.g. this worker lost its lease): :meth:`prefill` raises
-        :class:`WorkerFencedError` until :meth:`unfence`. Prefills already running
-        finish."""
-        self._fence.fence(reason)
-
-    async def unfence(self) -> None:
-        """Take new prefills again."""
-        self._fence.unfence()
 
     async def prefill(self, request: WorkerRequest) -> RequestDelta:
         """Run the prompt, stream its KV to the ticket's decode worker, sample the
@@ -141,32 +109,6 @@ class PrefillWorker:
             raise KVTransferError(f"{self.worker_id}: {delta.stop_reason}")
         return delta
 
-    async def abort(self, request_id: str) -> bool:
-        def abort() -> bool:
-            self.loop.untrack(request_id)
-            return self.engine.abort_request(request_id)
-        return await self._call(abort)
-
-    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
-        """Stats and KV cache events since ``subscriber``'s (a router id's) last poll
-        (no token deltas: the first token returns from :meth:`prefill`); waits up to
-        ``timeout_s`` for the first. A router that stops polling has its prefills
-        aborted."""
-        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
-
-    async def stats(self) -> WorkerStats:
-        return await self._call(self.engine.stats, self.worker_id, "prefill")
-
-    async def check_invariants(self) -> dict:
-        """Run the engine's invariant checks; return block and queue counts and the KV
-        bytes sent so far (tests)."""
-        def check():
-            return {**block_counts(self.engine),
-                    "kv_transfer_bytes": self.engine.kv_connector.kv_transfer_bytes}
-        return await self._call(check)
-
-    async def shutdown(self) -> None:
-        if self.control is not None:
-            self.control.close()
-        self.loop.shutdown()
-        self.engine.kv_connector.close()
+    def _invariant_extras(self) -> dict:
+        """KV bytes sent so far (``kv_transfer_bytes``)."""
+        return {"kv_transfer_bytes": self.engine.kv_connector.kv_transfer_bytes}

@@ -17,14 +17,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from tandem.control.reservations import InProcessReservations, Reservations
 
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.router.registry import WorkerHandle, WorkerRegistry
 from tandem.router.routing import RoutingPolicy
-from tandem.router.worker_client import call_worker
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +159,6 @@ class Cluster:
         """
         return self.policy.pick_prefill(_serving(self.registry.alive("prefill")), prompt_token_ids)
 
-    async def call(self, w: WorkerHandle, method: str, *args: Any) -> Any:
-        """Call ``method`` on worker ``w``; errors are typed as
-        :func:`~tandem.router.worker_client.call_worker` says."""
-        return await call_worker(w.worker_id, w.actor, method, *args)
-
     # -- request queues -----------------------------------------------------------------------
     def register(self, request_id: str, worker: WorkerHandle) -> asyncio.Queue:
         """The queue of ``request_id``'s deltas from ``worker`` (its reserved decode worker)."""
@@ -271,7 +265,7 @@ class Cluster:
         routes_deltas = w.role != "prefill"     # a prefill worker's results return by call
         while True:
             try:
-                steps = await self.call(w, "poll", 1.0, self.router_id)
+                steps = await w.client.poll(1.0, self.router_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

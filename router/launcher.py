@@ -358,7 +358,7 @@ class RouterServer:
             # An idle worker sends no step outputs, so the stats of its last step would
             # stand for ever: ask it (a stopped or busy one keeps its last stats).
             try:
-                return await asyncio.wait_for(self.cluster.call(w, "stats"), interval_s / 2)
+                return await asyncio.wait_for(w.client.stats(), interval_s / 2)
             except Exception:
                 return w.stats
 
@@ -561,9 +561,9 @@ class TandemServer(RouterServer):
         ``prefill`` to it (the layouts are checked first: KVLayoutMismatchError names
         the fields). The channel accepts only transfers carrying ``prefill``'s
         generation (KV fencing)."""
-        rdv = await decode.actor.open_kv_channel.remote(prefill.worker_id, prefill.generation)
-        await prefill.actor.connect_kv.remote(decode.worker_id, rdv, decode.info["kv_layout"],
-                                              prefill.generation)
+        rdv = await decode.client.open_kv_channel(prefill.worker_id, prefill.generation)
+        await prefill.client.connect_kv(decode.worker_id, rdv, decode.info["kv_layout"],
+                                        prefill.generation)
 
     async def _start_worker(self, worker_id: str) -> WorkerHandle:
         """Spawn a worker and wait for its first answer.
@@ -777,7 +777,7 @@ class TandemServer(RouterServer):
         """Requests ``w`` still has: running or waiting in its engine, reserved on it
         by any router (decode), or sent to it by this router (prefill)."""
         try:
-            stats = await self.cluster.call(w, "stats")
+            stats = await w.client.stats()
             running = stats.num_running + stats.num_waiting + stats.num_swapped
         except Exception as exc:       # gone already: nothing left to wait for
             logger.debug("stats of %s: %s", w.worker_id, exc)

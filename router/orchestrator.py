@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 from tandem.control.journal import InProcessJournal, JournalWriter, RequestJournal
 from tandem.engine.kv.kv_connector import KVTransferParams
@@ -249,7 +249,7 @@ class Orchestrator:
         if att.number >= MAX_MIGRATIONS:
             raise ServiceUnavailable(f"the request's decode worker {lost_id} failed")
         if att.prefill is not None and att.prefill.alive:
-            self._spawn(self._try(att.prefill, "abort", rid))   # never prefill for the dead
+            self._spawn(self._try(att.prefill.client.abort(rid)))   # never prefill for the dead
         decode = await self._reserve_successor(v, rid, att.decode)
         logger.warning("request %s: decode worker %s lost after %d tokens; migrating to %s",
                        rid, lost_id, len(samples[0].token_ids), decode.worker_id)
@@ -368,13 +368,13 @@ class Orchestrator:
     async def _add(self, w: WorkerHandle, reqs: list[WorkerRequest]) -> None:
         """Add ``reqs`` to ``w``; all or none: if one is refused, those added are
         aborted and the first error is raised."""
-        results = await asyncio.gather(*(self.cluster.call(w, "add_request", r) for r in reqs),
+        results = await asyncio.gather(*(w.client.add_request(r) for r in reqs),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r, res in zip(reqs, results):
                 if not isinstance(res, BaseException):
-                    await self._try(w, "abort", r.request_id)
+                    await self._try(w.client.abort(r.request_id))
             raise errors[0]
 
     def _lost(self, w: WorkerHandle, exc: BaseException):
@@ -413,7 +413,7 @@ class Orchestrator:
                 pass
         prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
         t0 = time.perf_counter()
-        call = asyncio.ensure_future(cluster.call(prefill, "prefill", dataclasses.replace(
+        call = asyncio.ensure_future(prefill.client.prefill(dataclasses.replace(
             req, kv_transfer_params=KVTransferParams(decode.worker_id, ticket, att.number))))
         # Retrieved however this ends (a client that leaves mid-prefill abandons it).
         call.add_done_callback(_ignore_result)
@@ -435,7 +435,7 @@ class Orchestrator:
                     raise _WorkerLost(item.worker_id)
                 queue.put_nowait(item)    # the decode worker's own delta: handled below
             if not call.done():
-                self._spawn(self._try(prefill, "abort", rid))
+                self._spawn(self._try(prefill.client.abort(rid)))
                 raise WorkerError(prefill.worker_id, "prefill",
                                   "worker gone" if prefill_down.done() and
                                   not prefill_down.cancelled() else "stalled past the KV transfer timeout")
@@ -449,7 +449,7 @@ class Orchestrator:
                 self.metrics.kv_transfer_failed(prefill.worker_id)
             if isinstance(exc, WorkerDiedError):
                 cluster.mark_dead(prefill, exc)
-            await self._call_decode(att, "start_decode", rid, None)
+            await self._call_decode(att, att.decode.client.start_decode(rid, None))
             return
         finally:
             prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)
@@ -461,10 +461,10 @@ class Orchestrator:
         for ev in self._consume(None, rid, samples, first, trace):
             yield ev
         if samples[0].finished:      # the first token ended it (EOS, stop string, max_tokens 1)
-            await self._call_decode(att, "abort", rid)
+            await self._call_decode(att, att.decode.client.abort(rid))
             return
-        await self._call_decode(att, "start_decode", rid, first.new_token_ids[0],
-                                first.new_logprobs[0] if first.new_logprobs else None)
+        await self._call_decode(att, att.decode.client.start_decode(
+            rid, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None))
 
     async def _wait_prefill(self, call: asyncio.Future, lost: asyncio.Future,
                             prefill_down: asyncio.Future, prefill: WorkerHandle,
@@ -495,12 +495,13 @@ class Orchestrator:
                 extended_at = now
                 # The decode side's own timeout (the transfer timeout, about ours) must
                 # not fire on a prompt that is queued, not stalled.
-                self._spawn(self._try(decode, "extend_kv_load", rid, timeout))
+                self._spawn(self._try(decode.client.extend_kv_load(rid, timeout)))
 
-    async def _call_decode(self, att: _Attempt, method: str, *args):
-        """A call to the attempt's decode worker; a gone worker raises :class:`_WorkerLost`."""
+    async def _call_decode(self, att: _Attempt, call: Awaitable):
+        """Await ``call``, a call to the attempt's decode worker
+        (``att.decode.client.<method>(...)``); a gone worker raises :class:`_WorkerLost`."""
         try:
-            return await self.cluster.call(att.decode, method, *args)
+            return await call
         except (WorkerDiedError, WorkerFencedError) as exc:
             self._lost(att.decode, exc)
 
@@ -557,21 +558,25 @@ class Orchestrator:
         except Exception:     # never added: nothing to abort
             return
         if att.prefill is not None and att.prefill.alive:
-            await self._try(att.prefill, "abort", rid)
+            await self._try(att.prefill.client.abort(rid))
         if not att.decode.alive:
             return
-        await self._try(att.decode, "abort", rid)
+        await self._try(att.decode.client.abort(rid))
         for s in unfinished:
             if s.index:
-                await self._try(att.decode, "abort", f"{rid}#{s.index}")
+                await self._try(att.decode.client.abort(f"{rid}#{s.index}"))
 
     async def _abort_sample(self, sample_rid: str) -> None:
         for w in self.cluster.decode:
             if w.alive:
-                await self._try(w, "abort", sample_rid)
+                await self._try(w.client.abort(sample_rid))
 
-    async def _try(self, w: WorkerHandle, method: str, *args) -> None:
+    @staticmethod
+    async def _try(call: Awaitable) -> None:
+        """Await ``call`` (a worker call whose failure changes nothing: an abort, an
+        extension), logging a failure (a :class:`WorkerError` names the worker and
+        the method)."""
         try:
-            await self.cluster.call(w, method, *args)
+            await call
         except Exception as exc:
-            logger.warning("%s of %s on %s failed: %s", method, args[0], w.worker_id, exc)
+            logger.warning("worker call failed: %s: %s", type(exc).__name__, exc)

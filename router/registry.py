@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 from tandem.engine.runtime.outputs import WorkerStats
+from tandem.router.worker_client import WorkerClient
 
 ROLES = ("prefill", "decode", "colocated")
 DECODE_ROLES = ("decode", "colocated")
@@ -60,6 +61,11 @@ class WorkerHandle:
     draining: bool = False
     last_output_at: float | None = None
     last_step_s: float = 0.0
+
+    @property
+    def client(self) -> WorkerClient:
+        """Typed calls to this worker (:class:`~tandem.router.worker_client.WorkerClient`)."""
+        return WorkerClient(self.worker_id, self.actor)
 
     @property
     def block_size(self) -> int | None:

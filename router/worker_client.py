@@ -1,5 +1,5 @@
-"""Calls from the router to its workers, and the one place where errors that cross Ray
-become typed exceptions.
+"""Calls from the router to its workers (:class:`WorkerClient`, one typed method per
+worker method), and the one place where errors that cross Ray become typed exceptions.
 
 A worker method that raises one of the exceptions the router acts on
 (:data:`TYPED_ERRORS`) reaches the caller as that exception itself; a worker
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.engine.runtime.outputs import RequestDelta, StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.runtime.worker_common import WorkerFencedError
+from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
@@ -89,3 +91,81 @@ async def call_worker(worker_id: str, actor: Any, method: str, *args: Any) -> An
         if isinstance(cause, TYPED_ERRORS):
             raise cause from None
         raise WorkerError(worker_id, method, summary(cause)) from None
+
+
+class WorkerClient:
+    """The router's typed view of one worker: each method awaits the worker method of
+    the same name (:class:`~tandem.decode_worker.worker.DecodeWorker`,
+    :class:`~tandem.prefill_worker.worker.PrefillWorker`) through
+    :func:`call_worker`, so every one raises as that function says: one of
+    :data:`TYPED_ERRORS`, :class:`WorkerDiedError` or :class:`WorkerError`.
+    Role-specific methods exist on that role's workers only.
+
+    Args:
+        worker_id: the worker (named in errors).
+        actor: its Ray actor handle, or an in-process worker object.
+    """
+
+    __slots__ = ("worker_id", "actor")
+
+    def __init__(self, worker_id: str, actor: Any):
+        self.worker_id, self.actor = worker_id, actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await call_worker(self.worker_id, self.actor, method, *args)
+
+    # -- every worker --------------------------------------------------------------------------
+    async def info(self) -> dict:
+        """Model and cache facts, KV layout, node address, pid, cores, generation."""
+        return await self._call("info")
+
+    async def fence(self, reason: str) -> None:
+        await self._call("fence", reason)
+
+    async def unfence(self) -> None:
+        await self._call("unfence")
+
+    async def poll(self, timeout_s: float, subscriber: str) -> list[StepOutput]:
+        """Step outputs for ``subscriber`` (a router id), waiting up to ``timeout_s``."""
+        return await self._call("poll", timeout_s, subscriber)
+
+    async def stats(self) -> WorkerStats:
+        return await self._call("stats")
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` wherever it is on the worker; frees its blocks."""
+        return await self._call("abort", request_id)
+
+    async def check_invariants(self) -> dict:
+        return await self._call("check_invariants")
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown")
+
+    # -- decode (and colocated) workers ----------------------------------------------------------
+    async def add_request(self, request: WorkerRequest) -> None:
+        await self._call("add_request", request)
+
+    async def start_decode(self, request_id: str, first_token_id: int | None,
+                           first_logprobs: TokenLogprobs | None = None) -> None:
+        await self._call("start_decode", request_id, first_token_id, first_logprobs)
+
+    async def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
+        return await self._call("extend_kv_load", request_id, timeout_s)
+
+    async def open_kv_channel(self, peer_id: str, peer_generation: int) -> dict:
+        """The rendezvous prefill worker ``peer_id`` (incarnation ``peer_generation``)
+        joins to send its KV here."""
+        return await self._call("open_kv_channel", peer_id, peer_generation)
+
+    # -- prefill workers -----------------------------------------------------------------------
+    async def prefill(self, request: WorkerRequest) -> RequestDelta:
+        """Run the prompt, stream its KV, return the first token's delta."""
+        return await self._call("prefill", request)
+
+    async def connect_kv(self, peer_id: str, rendezvous: dict, decode_layout: dict,
+                         generation: int) -> None:
+        await self._call("connect_kv", peer_id, rendezvous, decode_layout, generation)
+
+    async def close_kv_channel(self, peer_id: str) -> bool:
+        return await self._call("close_kv_channel", peer_id)

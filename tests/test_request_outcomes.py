@@ -15,10 +15,28 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.engine.runtime.outputs import RequestDelta
 from tandem.router.metrics import ABORT_SOURCES, Metrics
-from tandem.router.orchestrator import FAIL_WITH_SIBLINGS, Orchestrator, ServiceUnavailable
+from tandem.router.orchestrator import FAIL_WITH_SIBLINGS, Orchestrator
 from tandem.router.registry import WorkerHandle
 from tandem.router.validation import RequestValidator
+from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
+
+
+class _Worker:
+    """The stand-in worker object (called in-process through the router's typed
+    client): records which of its methods were called."""
+
+    def __init__(self, cluster: "_Cluster"):
+        self.cluster = cluster
+
+    async def add_request(self, request) -> None:
+        self.cluster.calls.append("add_request")
+        if self.cluster.add_error is not None:
+            raise self.cluster.add_error
+
+    async def abort(self, request_id) -> bool:
+        self.cluster.calls.append("abort")
+        return True
 
 
 class _Cluster:
@@ -29,7 +47,7 @@ class _Cluster:
     disaggregated = False
 
     def __init__(self, add_error: BaseException | None = None):
-        self.worker = WorkerHandle("colocated-0", "colocated", None)
+        self.worker = WorkerHandle("colocated-0", "colocated", _Worker(self))
         self.decode = [self.worker]
         self.add_error = add_error
         self.calls: list[str] = []
@@ -46,10 +64,6 @@ class _Cluster:
     def unregister(self, rid):
         self.queue = None
 
-    async def call(self, w, method, *args):
-        self.calls.append(method)
-        if method == "add_request" and self.add_error is not None:
-            raise self.add_error
 
     def deliver(self, tokens=(7,), finish_reason=None):
         self.queue.put_nowait(RequestDelta(self.rid, tuple(tokens), finish_reason=finish_reason))
@@ -178,9 +192,9 @@ def test_a_request_that_finished_is_no_abort_however_late_its_client_leaves(toke
 
 def test_a_failure_is_an_error_not_an_abort(tokenizer, request_):
     async def run():
-        cluster = _Cluster(add_error=ServiceUnavailable("no decode worker is alive"))
+        cluster = _Cluster(add_error=RuntimeError("the engine broke"))
         orch, metrics = _orchestrator(tokenizer, cluster)
-        with pytest.raises(ServiceUnavailable):
+        with pytest.raises(WorkerError, match="colocated-0.add_request: RuntimeError: the engine broke"):
             async for _ in orch.generate(request_, "grpc_cancel"):
                 pass
         await _settle(orch)

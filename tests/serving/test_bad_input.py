@@ -199,35 +199,36 @@ def test_the_largest_seed_with_n_samples_wraps_and_reproduces(server):
 # -- failures behind the front door --------------------------------------------------------
 
 class _AddRequestPatch:
-    """Routes the router's add_request calls through ``replace(call, worker, request)``
-    (``call`` the original :meth:`Cluster.call`) until :meth:`restore`."""
+    """Routes the router's add_request calls through ``replace(add, client, request)``
+    (``add`` the original :meth:`WorkerClient.add_request`, ``client`` the worker's
+    typed client) until :meth:`restore`."""
 
-    def __init__(self, cluster):
-        self.cluster, self.original = cluster, cluster.call
+    def __init__(self):
+        from tandem.router.worker_client import WorkerClient
+
+        self.cls, self.original = WorkerClient, WorkerClient.add_request
 
     def route(self, replace) -> None:
         original = self.original
 
-        async def call(w, method, *args):
-            if method == "add_request":
-                return await replace(original, w, *args)
-            return await original(w, method, *args)
-        self.cluster.call = call
+        async def add_request(client, request):
+            return await replace(original, client, request)
+        self.cls.add_request = add_request
 
     def restore(self) -> None:
-        self.cluster.call = self.original
+        self.cls.add_request = self.original
 
 
 @pytest.fixture
 def add_request(server):
-    patch = _AddRequestPatch(server.server.server.cluster)
+    patch = _AddRequestPatch()
     yield patch
     patch.restore()
 
 
 def test_an_error_raised_on_the_worker_is_unavailable_without_its_traceback(server, add_request):
-    async def corrupt(call, w, req):           # the worker's int() fails on a str id
-        return await call(w, "add_request", dataclasses.replace(req, prompt_token_ids=("x",)))
+    async def corrupt(add, client, req):       # the worker's int() fails on a str id
+        return await add(client, dataclasses.replace(req, prompt_token_ids=("x",)))
     add_request.route(corrupt)
     err = refused(server, _request(request_id="worker-fails", sampling=S(max_tokens=2)))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -238,9 +239,9 @@ def test_an_error_raised_on_the_worker_is_unavailable_without_its_traceback(serv
 
 
 def test_a_worker_refusal_names_the_proto_field(server, add_request):
-    async def too_long(call, w, req):          # past the worker's context window
+    async def too_long(add, client, req):      # past the worker's context window
         ids = (20,) * (MAX_MODEL_LEN - 1)
-        return await call(w, "add_request", dataclasses.replace(req, prompt_token_ids=ids))
+        return await add(client, dataclasses.replace(req, prompt_token_ids=ids))
     add_request.route(too_long)
     err = refused(server, _request(sampling=S(max_tokens=2)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -250,8 +251,8 @@ def test_a_worker_refusal_names_the_proto_field(server, add_request):
 
 
 def test_a_typed_error_the_router_does_not_expect_is_internal(server, add_request):
-    async def wrong_call(call, w, req):        # the worker raises KeyError, through Ray
-        return await call(w, "start_decode", "no-such-request", 5)
+    async def wrong_call(add, client, req):    # the worker raises KeyError, through Ray
+        return await client.start_decode("no-such-request", 5)
     add_request.route(wrong_call)
     err = refused(server, _request(request_id="typed-error", sampling=S(max_tokens=2)))
     assert err.code() == grpc.StatusCode.INTERNAL
@@ -261,7 +262,7 @@ def test_a_typed_error_the_router_does_not_expect_is_internal(server, add_reques
 
 
 def test_an_unexpected_router_error_is_internal_and_logged(server, add_request, caplog):
-    async def crash(call, w, req):
+    async def crash(add, client, req):
         raise RuntimeError('Traceback (most recent call last):\n  File "/srv/tandem/x.py"')
     add_request.route(crash)
     with caplog.at_level("ERROR", logger="tandem.router.server"):

@@ -1,0 +1,129 @@
+"""What both worker adapters share: one :class:`LLMEngine` on its loop thread behind a
+Ray actor's async methods.
+
+:class:`EngineWorker` pins the process, builds the engine on its loop's thread
+(:meth:`EngineLoop.build`), and answers the methods every worker has the same way:
+``info``, ``fence`` / ``unfence``, ``poll``, ``stats``, ``abort``,
+``check_invariants``, ``shutdown``. The role adapters
+(:class:`~tandem.decode_worker.worker.DecodeWorker`,
+:class:`~tandem.prefill_worker.worker.PrefillWorker`) add their own methods and
+start their control-plane client (the engine layer does not import the control
+plane). The router calls all of them through
+:class:`~tandem.router.worker_client.WorkerClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.runtime.engine_loop import EngineLoop
+from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.runtime.outputs import StepOutput, WorkerStats
+from tandem.engine.runtime.threads import apply_thread_settings
+from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
+                                                  node_ip_address, pin_cpus)
+
+
+class EngineWorker:
+    """The part of a worker that does not depend on its role.
+
+    Args:
+        worker_id: e.g. ``decode-0``.
+        role: ``prefill``, ``decode`` or ``colocated``.
+        config: the engine configuration.
+        cpus: cores to pin this process to (None: leave as is).
+        make_engine: builds the engine (called on the loop's thread).
+        engine_nice: added to the nice value of the engine's threads (see
+            :meth:`EngineLoop.build`).
+        publish_deltas: whether the loop publishes token deltas to pollers (a
+            prefill worker returns its one token by call instead).
+
+    Attributes:
+        control: the control-plane client the subclass starts (an object with
+            ``generation`` and ``close()``), or None for a worker no cluster state
+            knows (tests, GPU checks).
+    """
+
+    def __init__(self, worker_id: str, role: str, config: EngineConfig,
+                 cpus: list[int] | None, make_engine: Callable[[], LLMEngine],
+                 engine_nice: int = 0, publish_deltas: bool = True):
+        self.worker_id, self.role, self.config = worker_id, role, config
+        self.cpus = pin_cpus(cpus)
+        apply_thread_settings(config)     # this actor is its process's entry point
+        # Built on the loop's thread: see EngineLoop.build.
+        self.loop = EngineLoop.build(make_engine, worker_id, role,
+                                     publish_deltas=publish_deltas, nice=engine_nice)
+        self.engine = self.loop.engine
+        self._fence = Fence(worker_id)
+        self.control: Any = None
+
+    async def _call(self, fn, *args):
+        """``fn(*args)`` on the engine loop's thread (between steps)."""
+        return await asyncio.wrap_future(self.loop.call(fn, *args))
+
+    # -- control plane ------------------------------------------------------------------------
+    async def info(self) -> dict:
+        """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
+        plus this worker's KV layout (None without a KV connector), node address,
+        pid, cores and generation (its incarnation in the cluster state; 0 without
+        one)."""
+        return {**self._static_info(),
+                "generation": self.control.generation if self.control is not None else 0}
+
+    def _static_info(self) -> dict:
+        connector = self.engine.kv_connector
+        return {**model_info(self.engine, self.config), "worker_id": self.worker_id,
+                "role": self.role, "pid": os.getpid(), "cpus": self.cpus,
+                "node_ip": node_ip_address(),
+                "kv_layout": connector.layout() if connector is not None else None}
+
+    async def fence(self, reason: str) -> None:
+        """Take no new requests (e.g. this worker lost its lease): adding one raises
+        :class:`~tandem.engine.runtime.worker_common.WorkerFencedError` until
+        :meth:`unfence`. Requests it already has keep running."""
+        self._fence.fence(reason)
+
+    async def unfence(self) -> None:
+        """Take new requests again."""
+        self._fence.unfence()
+
+    # -- requests ------------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (waiting, reserved, running, being
+        prefilled); frees its blocks. Returns whether the engine had it."""
+        def abort() -> bool:
+            self.loop.untrack(request_id)
+            return self.engine.abort_request(request_id)
+        return await self._call(abort)
+
+    # -- outputs and stats ---------------------------------------------------------------------
+    async def poll(self, timeout_s: float = 1.0, subscriber: str = "") -> list[StepOutput]:
+        """Step outputs since ``subscriber``'s (a router id's) last poll: the token
+        deltas of its requests (none on a prefill worker: the first token returns
+        by call), every step's stats and KV events; waits up to ``timeout_s``
+        seconds for the first. A router that stops polling for the loop's
+        subscriber timeout has its requests aborted (see :meth:`EngineLoop.poll`)."""
+        return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
+
+    async def stats(self) -> WorkerStats:
+        return await self._call(self.engine.stats, self.worker_id, self.role)
+
+    async def check_invariants(self) -> dict:
+        """Run the engine's invariant checks; return block and queue counts plus the
+        role's own counters (:meth:`_invariant_extras`; tests)."""
+        return await self._call(lambda: {**block_counts(self.engine),
+                                         **self._invariant_extras()})
+
+    def _invariant_extras(self) -> dict:
+        return {}
+
+    async def shutdown(self) -> None:
+        """Stop the control-plane client, the engine loop and the KV connector."""
+        if self.control is not None:
+            self.control.close()
+        self.loop.shutdown()
+        if self.engine.kv_connector is not None:
+            self.engine.kv_connector.close()
