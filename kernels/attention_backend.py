@@ -282,6 +282,13 @@ class TorchAttentionBackend(AttentionBackend):
                                               seq_lens, scale, max_seq_len, k_scale, v_scale,
                                               window)
 
+    def _decode_windowed(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         max_seq_len, k_scale=None, v_scale=None, window=None, softcap=None):
+        """Decodes of a layer with a sliding ``window`` or a ``softcap``: torch ops."""
+        return TorchAttentionBackend._torch_decode(query, key_cache, value_cache, block_tables,
+                                                   seq_lens, scale, max_seq_len, k_scale,
+                                                   v_scale, window, softcap)
+
     def attention(self, query, key, value, key_cache, value_cache, meta, scale,
                   k_scale=None, v_scale=None, *, window=None, softcap=None):
         if key_cache.dtype == torch.uint8:
@@ -306,10 +313,11 @@ class TorchAttentionBackend(AttentionBackend):
         each prefill chunk through a fused causal SDPA (its fresh K/V directly when
         nothing precedes the chunk, else its context gathered from the cache).
 
-        A sliding ``window`` or a ``softcap`` (see :meth:`AttentionBackend.attention`)
-        takes torch ops throughout: decodes through :func:`decode_attention_cpu` (on
-        CPU; elsewhere the reference, or with ``softcap`` the per-sequence path), prefill
-        chunks through a masked SDPA or, soft-capped, explicit scores.
+        A sliding ``window`` or a ``softcap`` (see :meth:`AttentionBackend.attention`):
+        decodes through :meth:`_decode_windowed` (torch ops: :func:`decode_attention_cpu`
+        on CPU; elsewhere the reference, or with ``softcap`` the per-sequence path;
+        the ``cpu`` backend's compiled kernel for unquantized caches), prefill chunks
+        through a masked SDPA or, soft-capped, explicit scores.
 
         With a quantized cache every chunk reads its K/V from the cache (dequantized),
         its own tokens' included: with fp8 a token's attention then sees the same K/V
@@ -325,7 +333,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode = self._decode
         else:
             def decode(*args):
-                return TorchAttentionBackend._torch_decode(*args, window, softcap)
+                return self._decode_windowed(*args, window, softcap)
             if softcap is not None and query.device.type != "cpu":
                 nd = 0          # decodes too through the per-sequence path below
         if nd == meta.num_seqs:

@@ -62,6 +62,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
                                           seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
 
+    def _decode_windowed(self, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                         max_seq_len, k_scale=None, v_scale=None, window=None, softcap=None):
+        """Decodes of a sliding-window or soft-capped layer: the compiled decode kernel
+        (it starts each sequence's context ``window`` tokens back and caps the
+        scores) for a cache in the query's dtype; a quantized cache's through torch."""
+        if key_cache.dtype == query.dtype:
+            return ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                              seq_lens, scale, window=window, softcap=softcap)
+        return super()._decode_windowed(query, key_cache, value_cache, block_tables, seq_lens,
+                                        scale, max_seq_len, k_scale, v_scale, window, softcap)
+
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float,
@@ -74,8 +85,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         :meth:`TorchAttentionBackend.attend`.
 
         A layer with a sliding ``window`` or a ``softcap`` is written by the compiled
-        cache write and attended by :meth:`TorchAttentionBackend.attend`'s torch ops
-        (the compiled attention kernels have neither).
+        cache write; its decodes take the compiled decode kernel (which has both),
+        its prefill chunks :meth:`TorchAttentionBackend.attend`'s torch ops (the
+        compiled prefill kernel has neither).
 
         Raises:
             ValueError: a quantized cache in batch-invariant mode, or without scales;

@@ -110,8 +110,9 @@ def _compile(compiler: str, path: Path, verbose: bool) -> Path:
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
+    # ..., scale, window (tokens, 0: none), softcap (0: none), threads
     "decode_attention": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                         _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+                         _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _INT],
     "reshape_and_cache": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
     "rotary_embedding": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT],

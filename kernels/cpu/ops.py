@@ -87,7 +87,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, *, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention reading K/V blocks in place (no gathered copy).
 
     For every (sequence, KV head) pair the ``Hq / Hkv`` query heads that share the
@@ -111,15 +112,30 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
             open-block K store ``[S, BS, Hkv, D]`` (query dtype) and ``[B]`` int64
             entries (-1: the last block is full), whose open last blocks' K are read
             from it; ignored otherwise.
+        window: a sliding window (tokens): each sequence attends only its last
+            ``window`` cached tokens (transformers' ``sliding_window``); None: all.
+            Caches in the query's dtype only.
+        softcap: scores ``s * scale`` become ``softcap * tanh(s * scale / softcap)``
+            before the softmax (Gemma 2's ``attn_logit_softcapping``); None: off.
+            Caches in the query's dtype only.
 
     Returns:
         ``[B, Hq, D]`` in the query's dtype.
 
     Raises:
         ValueError: non-contiguous caches, non-int32 tables or lengths, a quantized
-            cache without (or with misshapen) scales.
+            cache without (or with misshapen) scales; ``window`` or ``softcap`` with
+            a quantized cache, a window below 1 or a cap not above 0.
     """
     b, hq, d = query.shape
+    if window is not None or softcap is not None:
+        if key_cache.dtype != query.dtype:
+            raise ValueError("window/softcap: the decode kernel takes them for caches in "
+                             f"the query's dtype only, not {key_cache.dtype}")
+        if window is not None and window < 1:
+            raise ValueError(f"window: must be at least 1 token, got {window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap: must be positive, got {softcap}")
     nb, bs, hkv, _ = key_cache.shape
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache/value_cache: must be contiguous")
@@ -163,7 +179,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     _fn("decode_attention", query.dtype)(
         out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
         key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), b, hq, hkv, d, bs, scale, torch.get_num_threads())
+        lens.data_ptr(), b, hq, hkv, d, bs, scale, window or 0, softcap or 0.0,
+        torch.get_num_threads())
     return out
 
 

@@ -45,6 +45,38 @@ def test_decode_attention(paged_kv, dtype, hq, hkv, d, bs):
     assert_matches(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (6, 2, 48, 16), (6, 2, 40, 4)])
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (17, None), (200, None),
+                                            (None, 3.0), (7, 2.0)])
+def test_decode_attention_window_and_softcap(paged_kv, dtype, hq, hkv, d, bs, window, softcap):
+    """Windows shorter than, across and past the contexts (starting inside a block),
+    and soft-capped scores, in every tier, against the torch decode path."""
+    from tandem.kernels.attention_backend import decode_attention_cpu
+
+    lens = [1, 5, 16, 17, 100, 33]
+    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(d + bs)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = decode_attention_cpu(q.float(), kclean.float(), vclean.float(), tables, seq_lens,
+                                d ** -0.5, max(lens), window=window, softcap=softcap)
+    got = ops.paged_decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5, window=window,
+                                     softcap=softcap)
+    assert_matches(got, want, dtype)
+
+
+def test_decode_attention_window_needs_a_plain_cache(paged_kv):
+    kc, vc, _, _, tables = paged_kv([3], 2, 32, 16, torch.float32, torch.device("cpu"))
+    q, lens = torch.randn(1, 4, 32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="window: must be at least 1"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, 0.2, window=0)
+    with pytest.raises(ValueError, match="softcap: must be positive"):
+        ops.paged_decode_attention(q, kc, vc, tables, lens, 0.2, softcap=-1.0)
+    with pytest.raises(ValueError, match="query's dtype only"):
+        ops.paged_decode_attention(q.bfloat16(), kc, vc, tables, lens, 0.2, window=2)
+
+
 def test_decode_attention_strided_query_and_out(paged_kv):
     """Rows of a fused QKV output and of a larger output buffer are strided views."""
     lens = [3, 40]

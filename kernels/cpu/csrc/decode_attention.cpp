@@ -3,6 +3,10 @@
 // head_dim % 32 == 0), AVX-512F float32 math (head_dim % 16 == 0), AVX2 + FMA
 // float32 math (head_dim % 8 == 0, CPUs without AVX-512), portable loops. The
 // tier depends on the CPU and the model's shape only, never on the batch.
+// A sliding window (a query at position p sees keys p - window + 1 .. p) starts a
+// sequence's context inside its block table: the tiers walk the `len` tokens from
+// in-block offset `off0` of the first block they are given. Soft-capping
+// (Gemma 2) bends the scaled scores to cap * tanh(s / cap) before the softmax.
 // C ABI for ../ops.py: pointers, sizes and row strides in elements.
 
 #include "common.h"
@@ -11,17 +15,28 @@
 namespace tandem_cpu {
 namespace {
 
+// In place: rows r < `rows` of `x` (row r at x + r * stride, `len` scores) become
+// cap * tanh(x / cap); nothing when cap is 0 (no soft-capping).
+inline void softcap_rows(float* x, int64_t rows, int64_t len, int64_t stride, float cap) {
+    if (cap == 0.0f) return;
+    const float inv = 1.0f / cap;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t t = 0; t < len; ++t) x[r * stride + t] = cap * std::tanh(x[r * stride + t] * inv);
+}
+
 // One (sequence, KV head) pair of paged decode attention: the G query heads that
 // share KV head `h` attend over the sequence's `len` cached tokens. Two passes
 // over the blocks: scores (then an exact float32 softmax), then the weighted sum
 // of values. Portable version; the AVX-512 one below is used where available.
 template <typename T>
 void decode_one_generic(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
-                        int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
-                        int64_t bs, float scale, float* scores, float* acc) {
+                        int64_t off0, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                        int64_t d, int64_t bs, float scale, float softcap, float* scores,
+                        float* acc) {
     const int64_t row = hkv * d;   // elements of one token in a cache block
     for (int64_t t = 0; t < len; ++t) {
-        const T* kp = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        const int64_t p = off0 + t;
+        const T* kp = kc + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row + h * d;
         for (int64_t g = 0; g < g_size; ++g) {
             const T* qg = q + (h * g_size + g) * d;
             float s = 0.0f;
@@ -29,10 +44,12 @@ void decode_one_generic(T* out, const T* q, const T* kc, const T* vc, const int3
             scores[g * len + t] = s * scale;
         }
     }
+    softcap_rows(scores, g_size, len, len, softcap);
     softmax_rows(scores, g_size, len);
     for (int64_t i = 0; i < g_size * d; ++i) acc[i] = 0.0f;
     for (int64_t t = 0; t < len; ++t) {
-        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+        const int64_t p = off0 + t;
+        const T* vp = vc + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row + h * d;
         for (int64_t g = 0; g < g_size; ++g) {
             const float p = scores[g * len + t];
             for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p * to_float(vp[i]);
@@ -77,24 +94,26 @@ inline void softmax_rows512(float* x, int64_t rows, int64_t len, int64_t stride)
 // heads of KV head h, float32 accumulators in registers, blocks prefetched kAhead
 // ahead. `p` holds G rows of `stride` softmax weights.
 template <typename T>
-void weighted_values(T* out, const T* vc, const int32_t* table, int64_t len, int64_t h,
-                     int64_t g_size, int64_t hkv, int64_t d, int64_t bs, const float* p,
-                     int64_t stride) {
+void weighted_values(T* out, const T* vc, const int32_t* table, int64_t off0, int64_t len,
+                     int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
+                     const float* p, int64_t stride) {
     const int64_t row = hkv * d, chunks = d / 16;
     __m512 acc[kMaxGroup][kMaxChunks];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-    const int64_t nblk = (len + bs - 1) / bs;
+    const int64_t end = off0 + len;          // in the table's token positions
+    const int64_t nblk = (end + bs - 1) / bs;
     for (int64_t blk = 0; blk < nblk; ++blk) {
         const T* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
-        const int64_t n = blk == nblk - 1 ? len - blk * bs : bs;
+        const int64_t j0 = blk == 0 ? off0 : 0;
+        const int64_t n = blk == nblk - 1 ? end - blk * bs : bs;
         if (blk + kAhead < nblk)
             prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
             __m512 vv[kMaxChunks];
             for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(base + j * row + 16 * c);
             for (int64_t g = 0; g < g_size; ++g) {
-                const __m512 pj = _mm512_set1_ps(p[g * stride + blk * bs + j]);
+                const __m512 pj = _mm512_set1_ps(p[g * stride + blk * bs + j - off0]);
                 for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
             }
         }
@@ -112,11 +131,11 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t len, int
 // The K rows of head `h` for tokens t0 .. t0 + 15 (lanes past `len` repeat the
 // first: scored, then ignored by the softmax), walking the block table from
 // (blk, off), which it advances; when a new block begins, the block kAhead
-// further on is prefetched.
+// further on is prefetched (`end`: the table position after the last token).
 template <typename T>
 inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_t len,
-                         int64_t t0, int64_t& blk, int64_t& off, int64_t h, int64_t row,
-                         int64_t d, int64_t bs) {
+                         int64_t end, int64_t t0, int64_t& blk, int64_t& off, int64_t h,
+                         int64_t row, int64_t d, int64_t bs) {
     const int64_t n = std::min<int64_t>(16, len - t0);
     for (int64_t j = 0; j < 16; ++j) {
         if (j < n) {
@@ -126,7 +145,7 @@ inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_
             kp[j] = kp[0];
         }
     }
-    if (off == 0 && (blk + kAhead) * bs < len)
+    if (off == 0 && (blk + kAhead) * bs < end)
         prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
                       std::min<int64_t>(bs, 16), row, d);
 }
@@ -140,8 +159,8 @@ inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_
 // of `stride` (len rounded up to 16) floats.
 template <typename T>
 void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
-                       int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d,
-                       int64_t bs, float scale, float* scores,
+                       int64_t off0, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                       int64_t d, int64_t bs, float scale, float softcap, float* scores,
                        int64_t stride) {
     const int64_t row = hkv * d;
     const int64_t chunks = d / 16;
@@ -150,9 +169,9 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
         for (int64_t c = 0; c < chunks; ++c)
             qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
     const T* kp[16];
-    int64_t blk = 0, off = 0;   // block-table index and offset of the next token
+    int64_t blk = 0, off = off0;   // block-table index and offset of the next token
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        next_16_keys(kp, kc, table, len, t0, blk, off, h, row, d, bs);
+        next_16_keys(kp, kc, table, len, off0 + len, t0, blk, off, h, row, d, bs);
         for (int64_t g = 0; g < g_size; ++g) {
             __m512 part[16];
             for (int64_t j = 0; j < 16; ++j) {
@@ -164,8 +183,9 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
             _mm512_storeu_ps(scores + g * stride + t0, hsum16x16(part));
         }
     }
+    softcap_rows(scores, g_size, len, stride, softcap);
     softmax_rows512(scores, g_size, len, stride);
-    weighted_values<T>(out, vc, table, len, h, g_size, hkv, d, bs, scores, stride);
+    weighted_values<T>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
 }
 #endif  // __AVX512F__
 
@@ -175,17 +195,18 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
 // one tree reduction; exact float32 softmax; values accumulated in float32.
 // `scores` holds G rows of `stride` (len rounded up to 16) floats.
 void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
-                     const int32_t* table, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
-                     int64_t d, int64_t bs, float scale, float* scores, int64_t stride) {
+                     const int32_t* table, int64_t off0, int64_t len, int64_t h,
+                     int64_t g_size, int64_t hkv, int64_t d, int64_t bs, float scale,
+                     float softcap, float* scores, int64_t stride) {
     const int64_t row = hkv * d, pairs = d / 32;
     __m512bh qb[kMaxGroup][kMaxChunks / 2];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < pairs; ++c)
             qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * g_size + g) * d + 32 * c);
     const bf16* kp[16];
-    int64_t blk = 0, off = 0;   // block-table index and offset of the next token
+    int64_t blk = 0, off = off0;   // block-table index and offset of the next token
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        next_16_keys(kp, kc, table, len, t0, blk, off, h, row, d, bs);
+        next_16_keys(kp, kc, table, len, off0 + len, t0, blk, off, h, row, d, bs);
         for (int64_t g = 0; g < g_size; ++g) {
             __m512 part[16];
             for (int64_t j = 0; j < 16; ++j) {
@@ -198,8 +219,9 @@ void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
                              _mm512_mul_ps(hsum16x16(part), _mm512_set1_ps(scale)));
         }
     }
+    softcap_rows(scores, g_size, len, stride, softcap);
     softmax_rows512(scores, g_size, len, stride);
-    weighted_values<bf16>(out, vc, table, len, h, g_size, hkv, d, bs, scores, stride);
+    weighted_values<bf16>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
 }
 #endif  // __AVX512BF16__
 
@@ -227,14 +249,15 @@ inline __m256 hsum8x8(const __m256* v) {
 // The value pass for CW chunks (8 floats each) of the head dim starting at chunk
 // c0: G x CW float32 accumulators in registers, tokens summed in order.
 template <typename T, int CW>
-void values_avx2(float* acc, const T* vc, const int32_t* table, int64_t len, int64_t h,
-                 int64_t g_size, int64_t row, int64_t d, int64_t bs, const float* p,
+void values_avx2(float* acc, const T* vc, const int32_t* table, int64_t off0, int64_t len,
+                 int64_t h, int64_t g_size, int64_t row, int64_t d, int64_t bs, const float* p,
                  int64_t c0) {
     __m256 a[kMaxGroup2][CW];
     for (int64_t g = 0; g < g_size; ++g)
         for (int c = 0; c < CW; ++c) a[g][c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-        const T* vp = vc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d + 8 * c0;
+        const int64_t pos = off0 + t;
+        const T* vp = vc + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row + h * d + 8 * c0;
         __m256 v[CW];
         for (int c = 0; c < CW; ++c) v[c] = load8(vp + 8 * c);
         for (int64_t g = 0; g < g_size; ++g) {
@@ -256,8 +279,9 @@ void values_avx2(float* acc, const T* vc, const int32_t* table, int64_t len, int
 // vectors, which the tree keeps apart).
 template <typename T>
 void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
-                     int64_t len, int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
-                     float scale, float* scores, float* acc) {
+                     int64_t off0, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                     int64_t d, int64_t bs, float scale, float softcap, float* scores,
+                     float* acc) {
     const int64_t row = hkv * d, chunks = d / 8;
     alignas(32) float qf[kMaxGroup2 * kMaxChunks2 * 8];
     for (int64_t g = 0; g < g_size; ++g)
@@ -268,7 +292,7 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
         const int64_t n = std::min<int64_t>(8, len - t0);
         const T* kp[8];
         for (int64_t i = 0; i < n; ++i) {
-            const int64_t t = t0 + i;
+            const int64_t t = off0 + t0 + i;
             kp[i] = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
         }
         for (int64_t g = 0; g < g_size; ++g) {
@@ -286,18 +310,19 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
             for (int64_t i = 0; i < n; ++i) scores[g * len + t0 + i] = r[i];
         }
     }
+    softcap_rows(scores, g_size, len, len, softcap);
     softmax_rows(scores, g_size, len);
     const int cw = g_size <= 3 ? 4 : (g_size <= 6 ? 2 : 1);
     for (int64_t c0 = 0; c0 < chunks;) {
         const int64_t left = chunks - c0;
         if (cw >= 4 && left >= 4) {
-            values_avx2<T, 4>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2<T, 4>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 4;
         } else if (cw >= 2 && left >= 2) {
-            values_avx2<T, 2>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2<T, 2>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 2;
         } else {
-            values_avx2<T, 1>(acc, vc, table, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2<T, 1>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 1;
         }
     }
@@ -308,38 +333,43 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
 }
 #endif  // AVX2 without AVX-512
 
+// One (sequence, KV head) pair: the sequence's `full_len` cached tokens, of which
+// only the last `window` are attended when `window` > 0.
 template <typename T>
-void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
-                int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs, float scale,
-                std::vector<float>& buf) {
+void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* full_table,
+                int64_t full_len, int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
+                float scale, int64_t window, float softcap, std::vector<float>& buf) {
+    const int64_t first = window > 0 && full_len > window ? full_len - window : 0;
+    const int32_t* table = full_table + first / bs;
+    const int64_t off0 = first % bs, len = full_len - first;
     const int64_t stride = (len + 15) / 16 * 16;
     buf.resize(static_cast<size_t>(g_size * (stride + d)));
     float* scores = buf.data();   // [G, len]: rows of `stride` floats (generic: of `len`)
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
         if (d % 32 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
-            decode_one_bf16(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
-                            stride);
+            decode_one_bf16(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
+                            softcap, scores, stride);
             return;
         }
     }
 #endif
 #if defined(__AVX512F__)
     if (d % 16 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
-        decode_one_avx512<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
-                             stride);
+        decode_one_avx512<T>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
+                             softcap, scores, stride);
         return;
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     if (d % 8 == 0 && d / 8 <= kMaxChunks2 && g_size <= kMaxGroup2) {
-        decode_one_avx2<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
-                           scores + g_size * len);
+        decode_one_avx2<T>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
+                           softcap, scores, scores + g_size * len);
         return;
     }
 #endif
-    decode_one_generic<T>(out, q, kc, vc, table, len, h, g_size, hkv, d, bs, scale, scores,
-                          scores + g_size * len);
+    decode_one_generic<T>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
+                          softcap, scores, scores + g_size * len);
 }
 
 // fn(s, h, buf) for every (sequence s, KV head h) pair of a batch of `b` sequences
@@ -362,12 +392,12 @@ template <typename T>
 void decode_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
                       const T* vc, const int32_t* tables, int64_t table_stride,
                       const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t bs, float scale, int num_threads) {
+                      int64_t bs, float scale, int64_t window, float softcap, int num_threads) {
     const int64_t g_size = hq / hkv;
     for_each_sequence_head(seq_lens, b, hq, hkv, d, num_threads,
                            [&](int64_t s, int64_t h, std::vector<float>& buf) {
         decode_one<T>(out + s * out_stride, q + s * q_stride, kc, vc, tables + s * table_stride,
-                      seq_lens[s], h, g_size, hkv, d, bs, scale, buf);
+                      seq_lens[s], h, g_size, hkv, d, bs, scale, window, softcap, buf);
     });
 }
 
@@ -554,10 +584,12 @@ using tandem_cpu::bf16;
     extern "C" void tandem_decode_attention_##SUFFIX(                                            \
         void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
         const void* vc, const int32_t* tables, int64_t table_stride, const int32_t* seq_lens,    \
-        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int nt) {        \
+        int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, int64_t window, \
+        float softcap, int nt) {                                                                  \
         tandem_cpu::decode_attention<T>(static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,  \
                             static_cast<const T*>(kc), static_cast<const T*>(vc), tables,        \
-                            table_stride, seq_lens, b, hq, hkv, d, bs, scale, nt);               \
+                            table_stride, seq_lens, b, hq, hkv, d, bs, scale, window, softcap,   \
+                            nt);                                                                  \
     }                                                                                             \
     extern "C" void tandem_decode_attention_fp8_##SUFFIX(                                        \
         void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,          \
