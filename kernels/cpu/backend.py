@@ -50,8 +50,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, batch_invariant: bool = False) -> None:
         from tandem.kernels.cpu.build import load_library
         self.batch_invariant = batch_invariant
-        if batch_invariant:     # the per-token decode kernel has neither
-            self.supports_sliding_window = self.supports_logit_softcap = False
         # Whether this build has the bf16 prefill kernel: fixed per process, so
         # decided once here rather than on every layer of every step.
         self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
@@ -89,20 +87,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
         its prefill chunks :meth:`TorchAttentionBackend.attend`'s torch ops (the
         compiled prefill kernel has neither).
 
+        In batch-invariant mode every query token of such a layer, too, goes through
+        the decode kernel over its own context, with the window and the cap.
+
         Raises:
-            ValueError: a quantized cache in batch-invariant mode, or without scales;
-                ``window`` or ``softcap`` in batch-invariant mode.
+            ValueError: a quantized cache in batch-invariant mode, or without scales.
         """
         if window is not None or softcap is not None:
-            if self.batch_invariant:
-                raise ValueError("batch_invariant: sliding-window and soft-capped attention "
-                                 "are not supported")
+            if self.batch_invariant and key_cache.dtype != query.dtype:
+                raise ValueError("batch_invariant: needs kv_cache_dtype auto")
             if key_cache.dtype == torch.uint8:
                 return super().attention(query, key, value, key_cache, value_cache, meta,
                                          scale, k_scale, v_scale, window=window,
                                          softcap=softcap)
             ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
                                   k_scale, v_scale)
+            if self.batch_invariant:
+                return self.attend_per_token(query, key_cache, value_cache, meta, scale,
+                                             window=window, softcap=softcap)
             return self.attend(query, key, value, key_cache, value_cache, meta, scale,
                                k_scale, v_scale, window=window, softcap=softcap)
         if key_cache.dtype == torch.uint8:
@@ -137,17 +139,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def attend_per_token(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
         """Attention of the batch-invariant mode, after the cache write: every query
         token ``[T, Hq, D]`` through the paged decode kernel over its own context
         (:func:`per_token_context`), so that its result is the same computation
-        whether the token is a decode, in a prefill chunk, or after cached blocks.
+        whether the token is a decode, in a prefill chunk, or after cached blocks (a
+        sliding ``window``: its last ``window`` tokens; ``softcap`` caps its scores).
         Returns ``[T, Hq, D]``."""
         if meta.num_decodes == meta.num_seqs:
             return ops.paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                              meta.seq_lens, scale)
+                                              meta.seq_lens, scale, window=window,
+                                              softcap=softcap)
         tables, lens = per_token_context(meta)
-        return ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+        return ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale,
+                                          window=window, softcap=softcap)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return ops.rms_norm(x, weight, eps, residual)

@@ -23,10 +23,15 @@ def _backends():
     out = [TorchAttentionBackend()]
     try:
         from tandem.kernels.cpu.backend import CpuAttentionBackend
-        out.append(CpuAttentionBackend())
+        out += [CpuAttentionBackend(), CpuAttentionBackend(batch_invariant=True)]
     except RuntimeError:        # no compiler here: the torch backend still runs
         pass
     return out
+
+
+def _name(backend) -> str:
+    return backend.name + ("-batch-invariant" if getattr(backend, "batch_invariant", False)
+                           else "")
 
 
 def _step(seed: int = 0):
@@ -84,7 +89,7 @@ def _dense(q, meta, full_k, full_v, scale, window, softcap):
     return out
 
 
-@pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", _backends(), ids=_name)
 @pytest.mark.parametrize("window, softcap", [(1, None), (5, None), (8, None), (21, None),
                                               (64, None), (None, 2.0), (6, 2.0)])
 def test_windowed_attention_equals_dense(backend, window, softcap):
@@ -114,13 +119,27 @@ def test_references_take_the_window(window):
     torch.testing.assert_close(prefill, want[qsl[0]:], atol=2e-5, rtol=2e-5)
 
 
-def test_batch_invariant_cpu_backend_refuses_a_window():
+def test_batch_invariant_cpu_backend_takes_windows_per_token():
+    """In batch-invariant mode a windowed, soft-capped layer attends every query token
+    through the decode kernel over its own context: a prompt's token gives the same
+    row as when it is decoded alone over the same cache."""
     try:
+        from tandem.kernels.cpu import ops
         from tandem.kernels.cpu.backend import CpuAttentionBackend
         backend = CpuAttentionBackend(batch_invariant=True)
     except RuntimeError:
         pytest.skip("no compiled CPU kernels here")
-    assert not backend.supports_sliding_window and not backend.supports_logit_softcap
+    assert backend.supports_sliding_window and backend.supports_logit_softcap
     q, k, v, key_cache, value_cache, meta, _, _ = _step()
-    with pytest.raises(ValueError, match="batch_invariant: sliding-window"):
-        backend.attention(q, k, v, key_cache, value_cache, meta, 0.25, window=4)
+    out = backend.attention(q, k, v, key_cache, value_cache, meta, 0.25, window=6, softcap=2.0)
+    # Each token of every sequence, decoded alone over the same cache with its own
+    # context length, gives the same row bit for bit.
+    qsl = meta.query_start_loc_cpu
+    for s in range(meta.num_seqs):
+        before = meta.seq_lens_cpu[s] - (qsl[s + 1] - qsl[s])
+        for i, p in enumerate(range(qsl[s], qsl[s + 1])):
+            one = ops.paged_decode_attention(q[p:p + 1], key_cache, value_cache,
+                                             meta.block_tables[s:s + 1],
+                                             torch.tensor([before + i + 1], dtype=torch.int32),
+                                             0.25, window=6, softcap=2.0)
+            assert torch.equal(one, out[p:p + 1]), (s, i)

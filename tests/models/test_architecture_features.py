@@ -1,13 +1,13 @@
 """The engine's features on architectures other than Llama: swap and recompute
-preemption and n-gram speculative decoding leave transformers' greedy tokens
-unchanged (float32, tiny checkpoints transformers wrote).
+preemption, n-gram speculative decoding and the batch-invariant mode leave
+transformers' greedy tokens unchanged (float32, tiny checkpoints transformers wrote).
 
 A KV pool of 7 blocks cannot hold the three requests together (5-, 40- and
 70-token prompts plus 12 tokens each need 1 + 4 + 6 blocks) but holds each alone,
 so they are preempted and resumed. The n-gram proposer looks up suffixes from one
 token on, so it finds drafts to verify (a prompt repeats a pattern; the 70-token one
-holds many of the vocabulary's ids). Windowed layers (Gemma 3, Mistral), longrope
-(Phi-3) and Q/K norms (Qwen3) are on the path. Chunked prefill and the prefix
+holds many of the vocabulary's ids). Windowed layers (Gemma 2 and 3, Mistral),
+soft-capped scores (Gemma 2), longrope (Phi-3) and Q/K norms (Qwen3) are on the path. Chunked prefill and the prefix
 cache per architecture: tests/models/test_architectures.py; served and
 disaggregated: tests/serving/test_architectures_served.py.
 """
@@ -25,7 +25,7 @@ from tests.models.test_architectures import CASES
 
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-FEATURE_CASES = ["gemma3", "qwen3", "phi3-longrope", "mistral-window"]
+FEATURE_CASES = ["gemma2", "gemma3", "qwen3", "phi3-longrope", "mistral-window"]
 
 
 def _prompts() -> list[list[int]]:
@@ -70,3 +70,13 @@ def test_ngram_speculation_keeps_the_tokens(checkpoint):
     assert stats.spec_decode_num_draft_tokens > 0, stats
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_batch_invariant_mode_keeps_the_tokens(checkpoint):
+    """Windowed and soft-capped layers in batch-invariant mode (every query token
+    through the decode kernel over its own window)."""
+    case, path, reference = checkpoint
+    llm = LLM(path, dtype="float32", num_blocks=64, batch_invariant=True,
+              max_num_batched_tokens=32)
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference, case
