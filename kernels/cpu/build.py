@@ -27,8 +27,11 @@ from pathlib import Path
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-         "-std=c++17", "-shared", "-fPIC"]
+# $TANDEM_CPU_MARCH (default ``native``) is gcc's -march: e.g. ``haswell`` builds the
+# AVX2 + FMA tiers, ``x86-64`` the portable loops, on a machine that has more (a
+# stand-in for another CPU's kernels when measuring or testing them).
+FLAGS = ["-O3", f"-march={os.environ.get('TANDEM_CPU_MARCH', 'native')}", "-fopenmp",
+         "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC"]
 
 
 class CpuKernelsUnavailable(RuntimeError):
