@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tandem.engine.llm import LLM
-from tandem.engine.sampling.grammar import check_structured_outputs
+from tandem.engine.sampling.grammar import check_structured_outputs, constrain_row, constrain_rows
 from tandem.engine.sampling.sampling_params import (InvalidParameterError, SamplingParams,
                                                     StructuredOutputsParams as SO)
 from tandem.engine.scheduling.request import RequestStatus
@@ -89,6 +89,27 @@ def test_uncompilable_constraints_are_refused_by_name(llm, so, field):
         llm.engine.add_request([1, 2, 3], SamplingParams(structured_outputs=so))
     assert e.value.field == field
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 3, 4]])
+def test_masking_rows_at_once_equals_masking_each(rows):
+    """The batched mask (the sampler's) gives exactly the per-row one, the fallback
+    included: row 3 has every allowed token at -inf (``min_tokens`` banned them), so
+    it takes its raw logits masked by the grammar alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(5, 100, generator=g)
+    processed = raw * 0.5
+    allowed = torch.rand(5, 100, generator=g) < 0.2
+    processed[3][allowed[3]] = float("-inf")
+    want = processed.clone()
+    for i in rows:
+        constrain_row(want[i], allowed[i], raw[i])
+    got = processed.clone()
+    constrain_rows(got, rows, allowed[rows], raw)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.isfinite(got[3]), allowed[3])       # the fallback row
 
 
 # -- outputs ---------------------------------------------------------------------------------

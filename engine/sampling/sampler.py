@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.sampling.grammar import StructuredOutputManager, constrain_row
+from tandem.engine.sampling.grammar import StructuredOutputManager, constrain_row, constrain_rows
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 
 
@@ -141,8 +141,7 @@ class Sampler:
                     apply_penalties_and_masks(processed[i], r)
         if constrained:
             allowed = self.structured_outputs.allowed([requests[i] for i in constrained])
-            for j, i in enumerate(constrained):
-                constrain_row(processed[i], allowed[j], logits[i])
+            constrain_rows(processed, constrained, allowed, logits)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
         if len(greedy_rows) == len(requests):       # all greedy: no row gather

@@ -8,7 +8,10 @@ calling (``tools``, ``tool_choice``, ``role: "tool"`` turns), on the same cluste
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
 
 import grpc
 import jsonschema
@@ -19,6 +22,84 @@ from tests.serving.conftest import Client, serve_config, start_server
 from tests.test_structured_outputs import SCHEMAS
 
 pytestmark = pytest.mark.slow
+
+
+def _str(n: int = 16) -> dict:
+    return {"type": "string", "maxLength": n}
+
+
+# The module's 6 schemas and 14 more: 20 shapes a client might ask for. Every string,
+# array and number is bounded (a constraint guarantees the shape, not that a small model
+# ever closes an unbounded string); greedy outputs are 13-75 tokens long.
+VARIED_SCHEMAS = SCHEMAS + [
+    # numbers with bounds (integers and a bounded-precision number)
+    {"type": "object", "properties": {
+        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+        "humidity": {"type": "integer", "minimum": 0, "maximum": 100}},
+     "required": ["temperature", "humidity"]},
+    # booleans
+    {"type": "object", "properties": {"is_open": {"type": "boolean"}, "has_wifi": {"type": "boolean"}},
+     "required": ["is_open", "has_wifi"]},
+    # nullable (type list) and anyOf
+    {"type": "object", "properties": {
+        "nickname": {"type": ["string", "null"], "maxLength": 12},
+        "score": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "null"}]}},
+     "required": ["nickname", "score"]},
+    # nested arrays of objects
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+        "items": {"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                                                   "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["sku", "qty"]}}},
+     "required": ["items"]},
+    # three levels of nesting
+    {"type": "object", "properties": {"company": {"type": "object", "properties": {
+        "name": _str(20), "address": {"type": "object", "properties": {
+            "street": _str(24), "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "zip"]}}, "required": ["name", "address"]}},
+     "required": ["company"]},
+    # enum of integers and a const
+    {"type": "object", "properties": {"version": {"const": "v1"},
+                                      "level": {"type": "integer", "enum": [1, 2, 3]}},
+     "required": ["version", "level"]},
+    # an array of enums, exactly two items
+    {"type": "object", "properties": {"days": {"type": "array", "minItems": 2, "maxItems": 2,
+        "items": {"enum": ["mon", "tue", "wed", "thu", "fri"]}}}, "required": ["days"]},
+    # string formats by pattern: a date and a time
+    {"type": "object", "properties": {
+        "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+        "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}},
+     "required": ["date", "time"]},
+    # optional properties (only one required)
+    {"type": "object", "properties": {"title": _str(30), "subtitle": _str(30), "pages": {"type": "integer", "maximum": 999}},
+     "required": ["title"]},
+    # a top-level array of bounded strings
+    {"type": "array", "items": _str(10), "minItems": 3, "maxItems": 3},
+    # anyOf of two object shapes
+    {"type": "object", "properties": {"shape": {"anyOf": [
+        {"type": "object", "properties": {"kind": {"const": "circle"},
+                                          "radius": {"type": "integer", "minimum": 1, "maximum": 99}},
+         "required": ["kind", "radius"]},
+        {"type": "object", "properties": {"kind": {"const": "square"},
+                                          "side": {"type": "integer", "minimum": 1, "maximum": 99}},
+         "required": ["kind", "side"]}]}}, "required": ["shape"]},
+    # a matrix: arrays of arrays of bounded integers
+    {"type": "object", "properties": {"grid": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "array", "minItems": 2, "maxItems": 2,
+        "items": {"type": "integer", "minimum": 0, "maximum": 9}}}}, "required": ["grid"]},
+    # $defs and $ref
+    {"$defs": {"point": {"type": "object", "properties": {
+        "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+        "lon": {"type": "integer", "minimum": -180, "maximum": 180}}, "required": ["lat", "lon"]}},
+     "type": "object", "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+     "required": ["start", "end"]},
+    # a mix: enum, boolean, bounded array of nested objects with a nullable field
+    {"type": "object", "properties": {
+        "status": {"enum": ["ok", "warn", "error"]}, "retry": {"type": "boolean"},
+        "events": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "code": {"type": "integer", "minimum": 100, "maximum": 599},
+            "note": {"type": ["string", "null"], "maxLength": 16}}, "required": ["code", "note"]}}},
+     "required": ["status", "retry", "events"]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +160,53 @@ def test_openai_sdk_json_schema_regex_and_choice(api, cluster):
         assert compiles >= 1 and compiles + hits >= 8, (wid, compiles, hits)
         assert m[("tandem:structured_output_compile_seconds_total", labels)] > 0
 
+
+REGEXES = [(r"\(0[1-9]\) [0-9]{3}-[0-9]{4}", "What is your phone number?"),
+           (r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9}", "Name a city and its country."),
+           (r"(yes|no), because [a-z ]{5,30}\.", "Is the sky blue? Say why.")]
+CHOICES = [(["yes", "no"], "Is the sky blue?"),
+           (["red", "green", "blue", "it depends"], "What colour is grass?")]
+
+
+def test_openai_sdk_20_schemas_regexes_and_choices_greedy_and_sampled(api, cluster):
+    """20 varied ``json_schema`` (strict) response formats, 3 ``guided_regex`` and 2
+    ``guided_choice`` constraints, each greedy and sampled (temperature 0.8, seeded),
+    all 50 in flight at once: every output parses and validates (``jsonschema``) or
+    matches, and ends with ``stop``."""
+    import concurrent.futures
+
+    def ask(question, **kw):
+        return api.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+            max_tokens=120, **kw).choices[0]
+
+    jobs = []                                     # (check(text), question, kwargs)
+    for t in (0.0, 0.8):
+        for i, schema in enumerate(VARIED_SCHEMAS):
+            fmt = {"type": "json_schema",
+                   "json_schema": {"name": f"v{i}", "schema": schema, "strict": True}}
+            jobs.append((lambda text, s=schema: jsonschema.validate(json.loads(text), s),
+                         "Answer in JSON.", {"response_format": fmt, "temperature": t, "seed": i}))
+        for pattern, question in REGEXES:
+            jobs.append((lambda text, p=pattern: _must(re.fullmatch(p, text), p, text),
+                         question, {"extra_body": {"guided_regex": pattern}, "temperature": t,
+                                    "seed": 1}))
+        for choices, question in CHOICES:
+            jobs.append((lambda text, c=choices: _must(text in c, c, text),
+                         question, {"extra_body": {"guided_choice": choices}, "temperature": t,
+                                    "seed": 2}))
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(ask, q, **kw) for _, q, kw in jobs]
+        answers = [f.result() for f in futures]
+    for (check, _, kw), a in zip(jobs, answers):
+        assert a.finish_reason == "stop", (kw, a.message.content)
+        check(a.message.content)
+    counts = cluster.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values())
+
+
+def _must(ok, constraint, text) -> None:
+    assert ok, (constraint, text)
 
 def _scrape(cluster) -> dict:
     import time
@@ -253,3 +381,92 @@ def test_bad_tool_input_is_refused_by_name(api):
         _tool_chat(api, bad_turn, tool_choice="none")
     assert e.value.response.json()["error"]["param"] == \
         "messages[1].tool_calls[0].function.arguments"
+
+
+# -- a killed decode worker (last: it replaces decode-0) ------------------------------------
+
+class _TextStream(threading.Thread):
+    """A streaming gRPC request on its own thread: its tokens, text and final status."""
+
+    def __init__(self, address: str, request):
+        super().__init__(daemon=True)
+        self.address, self.request = address, request
+        self.tokens: list[int] = []
+        self.text, self.finish, self.code = "", None, None
+        self.start()
+
+    def run(self) -> None:
+        from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                for r in pb_grpc.TandemStub(ch).Generate(self.request, timeout=300):
+                    self.tokens.extend(r.token_ids)
+                    self.text += r.text
+                    self.finish = r.finish_reason or self.finish
+                self.code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                self.code, self.details = exc.code(), exc.details()
+
+
+SENTENCE = r"[A-Z][a-z]{2,8}( [a-z]{2,8}){8,12}\."
+
+
+def _constrained_requests():
+    """Four json_schema streams (three greedy, one seeded) and a greedy regex one, each
+    30-75 tokens long."""
+    from tandem.v1 import tandem_pb2 as pb
+
+    def req(prompt, temperature=0.0, **constraint):
+        return pb.GenerateRequest(prompt=prompt, stream=True, sampling=pb.SamplingParams(
+            max_tokens=120, temperature=temperature, seed=5, **constraint))
+
+    return [req("Order details in JSON:", json_schema=json.dumps(VARIED_SCHEMAS[9])),
+            req("A company in JSON:", json_schema=json.dumps(VARIED_SCHEMAS[10])),
+            req("A status report in JSON:", json_schema=json.dumps(VARIED_SCHEMAS[19])),
+            req("A trip in JSON:", temperature=0.8, json_schema=json.dumps(VARIED_SCHEMAS[18])),
+            req("A sentence about the sea:", regex=SENTENCE)]
+
+
+def _check_constrained(streams) -> None:
+    from tandem.v1 import tandem_pb2 as pb
+
+    for s in streams:
+        assert s.code == grpc.StatusCode.OK, (s.code, getattr(s, "details", ""))
+        sampling = s.request.sampling
+        assert s.finish == pb.FINISH_REASON_STOP, (s.finish, s.text)
+        if sampling.HasField("json_schema"):
+            jsonschema.validate(json.loads(s.text), json.loads(sampling.json_schema))
+        else:
+            assert re.fullmatch(sampling.regex, s.text), s.text
+
+
+def test_constrained_streams_survive_a_killed_decode_worker(cluster):
+    """kill -9 the only decode worker while 5 constrained streams are in flight (each
+    has some tokens): they wait for the supervisor's replacement and resume there, its
+    matchers replayed from the journaled tokens; every output still validates, and is
+    the no-failure output token for token (greedy and seeded); no block is held after."""
+    from tests.serving.test_fault_tolerance import _assert_idle, _back_to_size, _handle, _wait
+    from tests.serving.test_single_worker_faults import WAITS, _metric
+
+    address = cluster.server.address
+    baseline = [_TextStream(address, r) for r in _constrained_requests()]
+    for s in baseline:
+        s.join(300)
+    _check_constrained(baseline)
+    streams = [_TextStream(address, r) for r in _constrained_requests()]
+    _wait(lambda: all(len(s.tokens) >= 3 for s in streams), 180, "every stream to start")
+    resumed = _metric(cluster.metrics_text(), WAITS % "resumed")
+    victim = _handle(cluster, "decode-0")
+    os.kill(victim.info["pid"], signal.SIGKILL)
+    assert all(len(s.tokens) < len(b.tokens) for s, b in zip(streams, baseline)), \
+        "a stream ended before the kill: nothing was migrated"
+    for s in streams:
+        s.join(300)
+    _check_constrained(streams)
+    assert [s.tokens for s in streams] == [b.tokens for b in baseline]
+    assert [s.text for s in streams] == [b.text for b in baseline]
+    assert _metric(cluster.metrics_text(), WAITS % "resumed") >= resumed + 1
+    _back_to_size(cluster, "decode-0", victim.generation)
+    assert cluster.server.server.supervisor.recoveries[-1].worker_id == "decode-0"
+    _assert_idle(cluster)
