@@ -11,6 +11,7 @@ import operator
 from typing import Sequence, Union
 
 from tandem.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.engine.runtime.beam_search import BeamSearchOutput, BeamSearchParams
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.text.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.scheduling.request import Request, RequestStatus
@@ -127,6 +128,57 @@ class LLM:
             raise ValueError("sampling_params: need one per prompt")
         token_lists = [self._prompt_token_ids(p, i) for i, p in enumerate(prompts)]
         return self._run(token_lists, params_list, step_callback)
+
+    def beam_search(self, prompts: "PromptType | Sequence[PromptType]", params: BeamSearchParams,
+                    step_callback=None) -> list[BeamSearchOutput]:
+        """Beam search, vLLM's ``LLM.beam_search``, with Hugging Face transformers'
+        algorithm and scores (``generate(num_beams=W, do_sample=False)``; see
+        :mod:`tandem.engine.runtime.beam_search`).
+
+        All prompts run at once, batched with each other: every beam is a sequence
+        of the engine, and the beams of a prompt share the KV blocks of the prompt
+        and of their common prefix (reference counts, copy-on-write).
+
+        Args:
+            prompts: one prompt or a list, in any form :meth:`generate` takes.
+            params: a :class:`BeamSearchParams` (``beam_width`` 1..16).
+            step_callback: called after every engine step (tests check invariants there).
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, in input order: its
+            ``beam_width`` finished beams, best ``score`` first
+            (:class:`~tandem.engine.runtime.beam_search.BeamSearchSequence`:
+            ``tokens`` prompt + output as in vLLM, ``output_token_ids``, ``text`` of
+            the output, ``cum_logprob`` and ``score``).
+
+        Raises:
+            ValueError: a bad prompt (as :meth:`generate`), or ``params`` not a
+                :class:`BeamSearchParams`; InvalidParameterError (a ValueError):
+                prompt + ``max_tokens`` over the context length (``max_tokens``).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self._prompt_token_ids(p, i) for i, p in enumerate(prompts)]
+        engine, sp = self.engine, params.to_sampling_params()
+        searches = []
+        try:
+            for ids in token_lists:
+                rid = engine.add_request(ids, sp)[0].request_id
+                searches.append(engine.beam_search.searches[rid])
+            while engine.has_unfinished_requests():
+                engine.step()
+                if step_callback is not None:
+                    step_callback(engine)
+        except BaseException:
+            for s in searches:       # their beams' blocks are freed
+                engine.abort_request(s.request_id)
+            raise
+        for s in searches:
+            for seq in s.sequences:
+                seq.text = self.tokenizer.decode(seq.output_token_ids)
+        return [BeamSearchOutput(s.sequences) for s in searches]
 
     def _prompt_token_ids(self, prompt: "PromptType", index: int) -> list[int]:
         """One prompt of any :meth:`generate` form -> its token ids (raises ValueError)."""

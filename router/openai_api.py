@@ -116,6 +116,8 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    use_beam_search: bool = False     # vLLM's: the n choices are the beams, best first
+    length_penalty: float | None = None
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -317,8 +319,10 @@ def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None
         if value is not None:
             _set(sp, name, value, name)
     for name in ("min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
-                 "ignore_eos", "min_tokens", "skip_special_tokens"):
+                 "ignore_eos", "min_tokens", "skip_special_tokens", "use_beam_search"):
         _set(sp, name, getattr(r, name), name)
+    if r.length_penalty is not None:
+        _set(sp, "length_penalty", r.length_penalty, "length_penalty")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     try:
         sp.stop.extend(stop)

@@ -230,7 +230,8 @@ class Orchestrator:
         like a colocated one, and the KV transfer protocol is unchanged."""
         cluster = self.cluster
         params = v.sampling_params
-        if not cluster.disaggregated or params.n != 1 or params.prompt_logprobs is not None:
+        if not cluster.disaggregated or params.n != 1 or params.prompt_logprobs is not None \
+                or params.use_beam_search:
             return None
         try:
             return cluster.pick_prefill(v.prompt_token_ids)
@@ -327,8 +328,14 @@ class Orchestrator:
                 if entry is not None and list(entry.token_ids) != samples[0].token_ids:
                     raise RuntimeError(
                         f"request {rid}: the journal's tokens disagree with the stream")
-            reqs = [self._resumed_sample(v, rid, s, cluster.router_id, att.number)
-                    for s in samples if not s.finished]
+            if params.use_beam_search:
+                # The beams arrive together at the end: nothing was emitted, so the
+                # search restarts whole on the new worker.
+                reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority,
+                                      router_id=cluster.router_id, attempt=att.number)]
+            else:
+                reqs = [self._resumed_sample(v, rid, s, cluster.router_id, att.number)
+                        for s in samples if not s.finished]
         else:
             kv = (KVTransferParams(att.prefill.worker_id, peer_generation=att.prefill.generation)
                   if att.prefill is not None else None)

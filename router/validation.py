@@ -39,9 +39,10 @@ MAX_PROMPT_BYTES = 1 << 20
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 # Proto fields declared `optional`: absent means SamplingParams' default.
 _OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
-                    "repetition_penalty", "seed", "logprobs", "prompt_logprobs")
+                    "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
+                    "length_penalty")
 _PLAIN_FIELDS = ("min_p", "presence_penalty", "frequency_penalty",
-                 "include_stop_str_in_output", "ignore_eos", "min_tokens")
+                 "include_stop_str_in_output", "ignore_eos", "min_tokens", "use_beam_search")
 _DEFAULT_MAX_TOKENS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}["max_tokens"]
 # The proto's `constraint` oneof field -> StructuredOutputsParams' field.
 CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "choice": "choice",
@@ -139,6 +140,9 @@ class RequestValidator:
         self._check_input_present(request, kind)
         has_sampling = request.HasField("sampling")
         params = self._sampling_params(request.sampling if has_sampling else None)
+        if params.use_beam_search and request.stream:
+            raise InvalidRequestError("stream", "is not supported with use_beam_search (the "
+                                                "beams are known only when the search ends)")
         prompt_ids = self._tokenize(request, kind)
         params = self._fit_max_tokens(params, kind, len(prompt_ids),
                                       has_sampling and request.sampling.HasField("max_tokens"),
@@ -197,6 +201,8 @@ class RequestValidator:
         kwargs = {name: getattr(sampling, name) for name in _PLAIN_FIELDS}
         kwargs.update({name: getattr(sampling, name)
                        for name in _OPTIONAL_FIELDS if sampling.HasField(name)})
+        if sampling.use_beam_search and not sampling.HasField("temperature"):
+            kwargs["temperature"] = 0.0     # beam search is deterministic (vLLM's default)
         kwargs["stop"] = tuple(sampling.stop)
         kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
         try:

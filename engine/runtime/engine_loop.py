@@ -182,8 +182,9 @@ class EngineLoop:
     def _drop_silent_subscribers(self) -> None:
         """A router that stopped polling is gone: abort its requests (frees their blocks)."""
         subs, requests = self.subscribers, self.engine.scheduler.requests
+        beams = self.engine.beam_search
         if subs.num_owned > len(requests):
-            subs.prune(requests.__contains__)
+            subs.prune(lambda rid: rid in requests or beams.is_result_id(rid))
         for name, request_ids in subs.drop_silent().items():
             if request_ids:
                 logger.warning("%s: subscriber %r stopped polling; aborting its %d requests",
@@ -220,7 +221,8 @@ class EngineLoop:
         its deltas go only there, and it is aborted if that subscriber stops polling.
         Call on the loop thread, in the same command that adds the request."""
         req = self.engine.scheduler.requests.get(request_id)
-        forks = [f.request_id for f in req.pending_forks] if req is not None else []
+        forks = ([f.request_id for f in req.pending_forks] if req is not None
+                 else self.engine.beam_search.sample_ids(request_id))
         self.subscribers.assign([request_id, *forks], subscriber)
 
     def track(self, request_id: str) -> Future:

@@ -17,6 +17,7 @@ from tandem.engine.kv.kv_cache_manager import KVCacheManager
 from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.model_files import resolve_model
+from tandem.engine.runtime.beam_search import BeamSearchManager, check_beam_request
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
                                              kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
@@ -145,6 +146,8 @@ class LLMEngine:
                                   kv_connector=self.kv_connector,
                                   structured_outputs=self.structured_outputs)
         self._ids = itertools.count()
+        self.beam_search = BeamSearchManager(self)
+        """Running beam searches (``params.use_beam_search``)."""
         self.last_step_ran = False    # whether the last step() scheduled anything
         self.proposer = None
         """Speculative decoding's :class:`~tandem.engine.spec_decode.proposer.Proposer`
@@ -163,6 +166,13 @@ class LLMEngine:
                     output_logprobs: Sequence[TokenLogprobs] = (),
                     sample_index: int = 0) -> list[Request]:
         """Queue a prompt. Returns its ``params.n`` sample requests (index order).
+
+        With ``params.use_beam_search`` it is a beam search of width ``n``
+        (:mod:`tandem.engine.runtime.beam_search`): the requests returned are its
+        results, filled with the beams (best first) and returned by :meth:`step`
+        together, finished, when the search ends; ``abort_request(request_id)``
+        aborts it. It takes no ``kv_transfer_params``, ``output_token_ids`` or
+        ``sample_index`` (InvalidParameterError naming the field).
 
         With ``kv_transfer_params`` the prompt's KV crosses engines (see
         :mod:`tandem.engine.kv.kv_connector`): with a ticket, this (producer) engine
@@ -228,6 +238,11 @@ class LLMEngine:
             raise InvalidParameterError("kv_transfer_params",
                                         "needs an engine with a KV connector, n == 1 and "
                                         "no prompt_logprobs")
+        if params.use_beam_search:
+            check_beam_request(params, kv_transfer_params=kv_transfer_params,
+                               output_token_ids=outputs, sample_index=sample_index)
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            return self.beam_search.add(rid, ids, params, priority)
         if sample_index < 0 or (sample_index and params.n > 1):
             raise InvalidParameterError("sample_index", f"{sample_index}: must be >= 0, and 0 "
                                                         "unless n == 1 (one sample alone)")
@@ -308,6 +323,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (and its pending forks); frees its blocks (those a remote KV
         load may still write once the load ended). False if unknown."""
+        if request_id in self.beam_search:
+            return self.beam_search.abort(request_id)
         if self.scheduler.abort_request(request_id) is None:
             return False
         self.runner.sampler.free(request_id)
@@ -358,6 +375,7 @@ class LLMEngine:
         for r in changed:
             if r.is_finished:
                 self.runner.sampler.free(r.request_id)
+        changed = self.beam_search.update(changed)
         if self.proposer is not None:
             self._propose(out, changed)
         return changed
@@ -373,7 +391,8 @@ class LLMEngine:
         ready, limits = [], {}
         for r in sch.running:
             limit = sch.max_spec_tokens(r)
-            if limit > 0 and not r.pending_forks and r.num_computed_tokens == r.num_tokens - 1:
+            if limit > 0 and not r.pending_forks and r.num_computed_tokens == r.num_tokens - 1 \
+                    and not r.sampling_params.use_beam_search:
                 ready.append(r)
                 limits[r.request_id] = limit
         for rid, proposal in self.proposer.propose(ready, limits).items():

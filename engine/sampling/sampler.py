@@ -130,7 +130,7 @@ class Sampler:
         """
         logits = logits.float()
         raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
+        if any(r.sampling_params.num_top_logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits
         constrained = [i for i, r in enumerate(requests) if self._constrained(r)]
@@ -159,8 +159,9 @@ class Sampler:
         results = []
         for i, r in enumerate(requests):
             lp = None
-            if raw_logprobs is not None and r.sampling_params.logprobs is not None:
-                lp = _row_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
+            num_top = r.sampling_params.num_top_logprobs
+            if raw_logprobs is not None and num_top is not None:
+                lp = _row_logprobs(raw_logprobs[i], token_ids[i], num_top)
             results.append(SampleResult(token_ids[i], lp, ended[i]))
         return results
 

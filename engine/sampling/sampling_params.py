@@ -13,6 +13,8 @@ import operator
 from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 16
+"""Widest beam search (``n`` with ``use_beam_search``): each beam holds KV blocks."""
 MAX_SEED = 2**64 - 1
 """Largest seed: seeds are unsigned 64-bit integers, as ``torch.Generator`` keeps them."""
 _INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs",
@@ -22,7 +24,7 @@ MAX_CONSTRAINT_CHARS = 1 << 16
 choices of a ``choice`` constraint: compile work grows with it."""
 MAX_CHOICES = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
+                 "presence_penalty", "frequency_penalty", "length_penalty")
 
 
 class InvalidParameterError(ValueError):
@@ -184,6 +186,17 @@ class SamplingParams:
             grammar (:class:`StructuredOutputsParams`; a dict of its fields is
             accepted too); None: free text. The grammar's mask is applied after
             penalties, and wins over ``min_tokens`` once the grammar is complete.
+        use_beam_search: beam search of width ``n`` (1..:data:`MAX_BEAM_WIDTH`)
+            instead of sampling; the ``n`` outputs are the beams, best first
+            (:mod:`tandem.engine.runtime.beam_search`). Needs ``temperature`` 0 and
+            refuses what would change the beams' scores or cut them afterwards
+            (penalties, ``min_tokens``, ``logprobs``, stops, ``structured_outputs``).
+        length_penalty: beam search only: a finished beam scores
+            ``cumulative_logprob / num_output_tokens ** length_penalty``.
+        early_stopping: beam search only (Hugging Face's ``early_stopping``):
+            False (stop when no running beam can beat the worst finished one,
+            judged at the current length), True (stop once ``n`` beams finished)
+            or ``"never"`` (judged at ``max_tokens`` when ``length_penalty`` > 0).
     """
 
     n: int = 1
@@ -204,6 +217,9 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ once, at build time (NumPy
@@ -277,6 +293,44 @@ class SamplingParams:
             raise InvalidParameterError("stop_token_ids", "token ids must be >= 0")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidParameterError("stop", "stop strings must be non-empty strings")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise InvalidParameterError("use_beam_search",
+                                        f"must be a boolean, got {self.use_beam_search!r}")
+        es = self.early_stopping
+        if not (isinstance(es, bool) or es == "never"):
+            raise InvalidParameterError("early_stopping",
+                                        f"must be true, false or 'never', got {es!r}")
+        if not self.use_beam_search:
+            for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != default:
+                    raise InvalidParameterError(name, "is used by beam search only "
+                                                      "(set use_beam_search)")
+            return
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise InvalidParameterError("n", f"the beam width of a beam search must be in "
+                                             f"[1, {MAX_BEAM_WIDTH}], got {self.n}")
+        if self.temperature != 0.0:
+            raise InvalidParameterError("temperature", "beam search needs temperature 0, "
+                                                       f"got {self.temperature}")
+        for name, default in (("top_k", -1), ("top_p", 1.0), ("min_p", 0.0),
+                              ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("min_tokens", 0), ("seed", None),
+                              ("logprobs", None), ("prompt_logprobs", None),
+                              ("stop_token_ids", ()), ("stop", ()),
+                              ("structured_outputs", None)):
+            if getattr(self, name) != default and not (name == "top_k" and self.top_k == 0):
+                if name == "structured_outputs":      # named as its other refusals are
+                    name = f"structured_outputs.{self.structured_outputs.kind}"
+                raise InvalidParameterError(name, "is not supported with use_beam_search")
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Most likely tokens the sampler lists per generated token: ``logprobs``, or
+        under beam search ``2 * n``, the candidates a beam search step keeps."""
+        return 2 * self.n if self.use_beam_search else self.logprobs
 
     def sample_seed(self, sample_index: int) -> int:
         """The seed of sample ``sample_index``'s generator: ``(seed + sample_index)

@@ -496,6 +496,33 @@ class Scheduler:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
 
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start ``child``, whose tokens extend ``parent``'s, where ``parent`` stands
+        (a beam search's new beam; :mod:`tandem.engine.runtime.beam_search`).
+
+        A running parent's blocks are shared (:meth:`KVCacheManager.fork`: ref
+        counts, copy-on-write of a shared last block when the child writes) and the
+        child runs with the parent's computed tokens. A parent off the device
+        (preempted: waiting or swapped) lends nothing: the child waits and is
+        prefilled, taking prefix-cache hits.
+
+        Raises:
+            ValueError: ``child``'s id is already in use.
+        """
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id: {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        if parent.status is RequestStatus.RUNNING and self.kv.num_blocks_of(parent.request_id):
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            bisect.insort(self.running, child, key=_sort_key)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, child, key=_sort_key)
+
     def finish_request(self, request_id: str, status: RequestStatus,
                        stop_reason: int | str | None = None) -> None:
         """End a request from outside (e.g. a matched stop string) and free its blocks."""

@@ -600,3 +600,50 @@ def test_echo_with_logprobs_scores_the_prompt(api, base_url):
     assert "".join(c.text for c in chunks) == echoed.text
     streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+# -- beam search -----------------------------------------------------------------------------
+
+def test_beam_search_choices_are_the_offline_beams(api, f32_weights):
+    """vLLM's ``use_beam_search`` + ``n`` + ``length_penalty``: the choices are the
+    beams of :meth:`LLM.beam_search`, best first, on both endpoints."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.runtime.beam_search import BeamSearchParams
+
+    llm = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+    chat_ids = llm.tokenizer.apply_chat_template(CHAT)
+    [comp_want, chat_want] = llm.beam_search(
+        [PROMPT, {"prompt_token_ids": chat_ids}],
+        BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=0.5))
+    beam = {"use_beam_search": True, "length_penalty": 0.5}
+    comp = api.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=12,
+                                  extra_body=beam)
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in comp.choices] == [s.text for s in comp_want.sequences]
+    assert [c.finish_reason for c in comp.choices] == \
+        [s.finish_reason for s in comp_want.sequences]
+    assert comp.usage.completion_tokens == sum(len(s.output_token_ids)
+                                               for s in comp_want.sequences)
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, n=4, max_tokens=12,
+                                       extra_body=beam)
+    assert [c.message.content for c in chat.choices] == [s.text for s in chat_want.sequences]
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"n": 17}, "n"),
+    ({"n": 4, "temperature": 0.7}, "temperature"),
+    ({"n": 4, "stream": True}, "stream"),
+    ({"n": 4, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+])
+def test_beam_search_refusals_name_the_field(api, kw, param):
+    extra = {"use_beam_search": True, **kw.pop("extra_body", {})}
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra, **kw)
+    assert _error(e.value)["param"] == param
+
+
+def test_length_penalty_without_beam_search_is_refused(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                               extra_body={"length_penalty": 0.5})
+    assert _error(e.value)["param"] == "length_penalty"

@@ -319,3 +319,33 @@ def test_prompt_logprobs_over_grpc_equal_the_offline_engines(mode, request,
     assert moved() == before
     counts = client.wait_idle()
     assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+
+
+def test_beam_search_over_grpc_equals_offline(disagg, f32_weights):
+    """``use_beam_search`` on a disaggregated cluster: the decode worker runs the whole
+    search (no KV moves); the n responses are the offline beams, best first; every
+    block is free again afterwards."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.runtime.beam_search import BeamSearchParams
+
+    prompts = ["The capital of France is", "def fib(n):"]
+    llm = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+    want = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=10,
+                                                     length_penalty=0.5))
+    moved = lambda: {wid: c.get("kv_transfer_bytes") for wid, c in disagg.block_counts().items()}
+    before = moved()
+    for prompt, exp in zip(prompts, want):
+        resp = disagg.generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+            n=4, max_tokens=10, use_beam_search=True, length_penalty=0.5)))
+        assert sorted(r.index for r in resp) == [0, 1, 2, 3]
+        by_index = {r.index: r for r in resp}
+        assert [list(by_index[i].token_ids) for i in range(4)] == \
+            [s.output_token_ids for s in exp.sequences]
+        assert [by_index[i].text for i in range(4)] == [s.text for s in exp.sequences]
+    assert moved() == before
+    counts = disagg.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+    with pytest.raises(grpc.RpcError) as e:
+        disagg.generate(pb.GenerateRequest(prompt="hi", stream=True, sampling=pb.SamplingParams(
+            n=4, use_beam_search=True)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream" in e.value.details()

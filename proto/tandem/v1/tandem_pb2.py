@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xd4\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x17 \x01(\x08H\x00\x42\x0c\n\nconstraintB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.PromptLogprobB\r\n\x0bstop_reason\"p\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"x\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa0\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x9d\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x17 \x01(\x08H\x00\x12\x17\n\x0fuse_beam_search\x18\x18 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x19 \x01(\x02H\x0b\x88\x01\x01\x42\x0c\n\nconstraintB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x11\n\x0f_length_penalty\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.PromptLogprobB\r\n\x0bstop_reason\"p\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"x\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa0\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1963
-  _globals['_FINISHREASON']._serialized_end=2108
+  _globals['_FINISHREASON']._serialized_start=2036
+  _globals['_FINISHREASON']._serialized_end=2181
   _globals['_GENERATEREQUEST']._serialized_start=38
   _globals['_GENERATEREQUEST']._serialized_end=264
   _globals['_TOKENIDS']._serialized_start=266
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=337
   _globals['_CHATMESSAGES']._serialized_end=393
   _globals['_SAMPLINGPARAMS']._serialized_start=396
-  _globals['_SAMPLINGPARAMS']._serialized_end=1120
-  _globals['_CHOICES']._serialized_start=1122
-  _globals['_CHOICES']._serialized_end=1148
-  _globals['_GENERATERESPONSE']._serialized_start=1151
-  _globals['_GENERATERESPONSE']._serialized_end=1473
-  _globals['_PROMPTLOGPROB']._serialized_start=1475
-  _globals['_PROMPTLOGPROB']._serialized_end=1587
-  _globals['_TOKENLOGPROBS']._serialized_start=1589
-  _globals['_TOKENLOGPROBS']._serialized_end=1684
-  _globals['_TOPLOGPROB']._serialized_start=1686
-  _globals['_TOPLOGPROB']._serialized_end=1733
-  _globals['_USAGE']._serialized_start=1735
-  _globals['_USAGE']._serialized_end=1815
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1817
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1838
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1840
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1960
-  _globals['_TANDEM']._serialized_start=2111
-  _globals['_TANDEM']._serialized_end=2271
+  _globals['_SAMPLINGPARAMS']._serialized_end=1193
+  _globals['_CHOICES']._serialized_start=1195
+  _globals['_CHOICES']._serialized_end=1221
+  _globals['_GENERATERESPONSE']._serialized_start=1224
+  _globals['_GENERATERESPONSE']._serialized_end=1546
+  _globals['_PROMPTLOGPROB']._serialized_start=1548
+  _globals['_PROMPTLOGPROB']._serialized_end=1660
+  _globals['_TOKENLOGPROBS']._serialized_start=1662
+  _globals['_TOKENLOGPROBS']._serialized_end=1757
+  _globals['_TOPLOGPROB']._serialized_start=1759
+  _globals['_TOPLOGPROB']._serialized_end=1806
+  _globals['_USAGE']._serialized_start=1808
+  _globals['_USAGE']._serialized_end=1888
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1890
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1911
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1913
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2033
+  _globals['_TANDEM']._serialized_start=2184
+  _globals['_TANDEM']._serialized_end=2344
 # @@protoc_insertion_point(module_scope)
