@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.engine.model.hf_config import RopeScaling, check_hf_features
+from tandem.engine.model.hf_config import MoEConfig, RopeScaling, check_hf_features
 from tandem.engine.model.registry import MODEL_REGISTRY, UnsupportedModelError
 
 
@@ -91,6 +91,7 @@ class ModelConfig:
         final_logit_softcapping: the same on the output logits, or None.
         query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``
             instead of ``head_dim ** -0.5`` (Gemma), or None.
+        moe: the mixture-of-experts layers (Mixtral, Qwen2/3-MoE), or None (dense).
     """
 
     hidden_size: int
@@ -115,6 +116,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -122,6 +124,8 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if isinstance(self.rope_scaling, dict):     # read back from JSON (the GGUF cache)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows: {len(self.layer_windows)} entries for "
@@ -155,50 +159,35 @@ class ModelConfig:
                                         "sliding-window attention")
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict, has_output_weight: bool) -> "ModelConfig":
-        """From GGUF key/values (``{"llama.block_count": 30, ...}``).
+    def from_gguf_fields(cls, fields: dict, has_output_weight: bool,
+                         tensor_names: tuple[str, ...] | None = None,
+                         rope_factors: dict[str, list[float]] | None = None) -> "ModelConfig":
+        """From GGUF key/values (``{"llama.block_count": 30, ...}``), through the
+        ``config.json`` they were converted from
+        (:func:`~tandem.engine.model.gguf_config.hf_config_from_gguf`) and
+        :meth:`from_hf_dict`, so both formats are refused alike.
+
+        Args:
+            has_output_weight: the file has ``output.weight`` (else the output
+                projection is tied to the embedding).
+            tensor_names: the file's tensor names (Q/K/V biases are told by them);
+                None: only ``output.weight`` as ``has_output_weight`` says.
+            rope_factors: Phi-3's ``rope_factors_long.weight`` /
+                ``rope_factors_short.weight`` values, when the file has them.
 
         Raises:
             UnsupportedModelError: an architecture the GGUF reader does not map
-                (field ``general.architecture``), RoPE scaling (``{arch}.rope.scaling.type``)
-                or a sliding window (``{arch}.attention.sliding_window``).
+                (field ``general.architecture``), a GGUF key whose feature is not
+                served (named by key, e.g. ``{arch}.rope.scaling.type``), or a
+                config field :meth:`from_hf_dict` refuses.
             ValueError: a required key missing.
         """
-        arch = fields.get("general.architecture")
-        architecture = MODEL_REGISTRY.resolve_gguf(arch)
-        scaling = fields.get(f"{arch}.rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise UnsupportedModelError(f"{arch}.rope.scaling.type",
-                                        f"GGUF RoPE scaling {scaling!r} is not supported")
-        if fields.get(f"{arch}.attention.sliding_window") is not None:
-            raise UnsupportedModelError(f"{arch}.attention.sliding_window",
-                                        "sliding-window attention is not supported")
+        from tandem.engine.model.gguf_config import hf_config_from_gguf
 
-        def get(key: str, default=None):
-            value = fields.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ValueError(f"GGUF file lacks {arch}.{key}")
-            return value
-
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab = fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("rope.dimension_count", hidden // num_heads)),
-            vocab_size=int(vocab),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_model_len=int(get("context_length")),
-            tie_word_embeddings=not has_output_weight,
-            bos_token_id=_opt_int(fields.get("tokenizer.ggml.bos_token_id")),
-            eos_token_id=_opt_int(fields.get("tokenizer.ggml.eos_token_id")),
-            architecture=architecture,
-        )
+        names = set(tensor_names or ()) | ({"output.weight"} if has_output_weight else set())
+        if not has_output_weight:
+            names.discard("output.weight")
+        return cls.from_hf_dict(hf_config_from_gguf(fields, names, rope_factors))
 
     @classmethod
     def from_hf_config(cls, path: str) -> "ModelConfig":
@@ -249,15 +238,12 @@ class ModelConfig:
             final_logit_softcapping=features.final_logit_softcapping,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar")
             if architecture in _QUERY_PRE_ATTN_SCALAR else None,
+            moe=features.moe,
         )
 
 
 # The architectures whose attention scale transformers takes from query_pre_attn_scalar.
 _QUERY_PRE_ATTN_SCALAR = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-
-
-def _opt_int(v) -> int | None:
-    return None if v is None else int(v)
 
 
 @dataclass(frozen=True)

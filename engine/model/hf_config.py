@@ -30,6 +30,95 @@ SLIDING_WINDOW_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 alternates; Gemma 3's ``sliding_window_pattern`` defaults to 6)."""
 
 
+WINDOW_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+"""Architectures whose transformers implementation applies ``sliding_window`` to
+every layer (ignoring ``layer_types`` and ``max_window_layers``)."""
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+"""Mixture-of-experts architectures (:class:`MoEConfig`; docs/models.md)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts decoder's feed-forward layers, as transformers builds them.
+
+    Attributes:
+        num_experts: routed experts per MoE layer (``num_local_experts`` /
+            ``num_experts``).
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: each expert's FFN width (Mixtral: ``intermediate_size``).
+        norm_topk_prob: the top-k probabilities are divided by their sum (Mixtral
+            always; Qwen's ``norm_topk_prob``).
+        topk_weights_float32: the routing weights multiply the experts' outputs in
+            float32 (Mixtral keeps the softmax's float32 values); otherwise they are
+            cast to the model dtype first (Qwen2/3-MoE).
+        sparse_layers: per layer, whether its MLP is the MoE block (Qwen's
+            ``mlp_only_layers`` and ``decoder_sparse_step`` make some layers dense,
+            with ``intermediate_size``).
+        shared_expert_intermediate_size: width of Qwen2-MoE's shared expert (run on
+            every token, scaled by ``sigmoid(shared_expert_gate(x))``); 0: none.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    topk_weights_float32: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+
+
+def hf_moe_config(cfg: dict, architecture: str | None) -> MoEConfig | None:
+    """The :class:`MoEConfig` of a config.json of a :data:`MOE_ARCHITECTURES` model
+    (None for any other architecture), as transformers reads it.
+
+    Raises:
+        UnsupportedModelError: ``num_experts`` / ``num_local_experts`` below 1,
+            ``num_experts_per_tok`` outside ``1..num_experts``, ``decoder_sparse_step``
+            below 1, ``shared_expert_intermediate_size`` below 1 (Qwen2-MoE),
+            ``qkv_bias`` false (Qwen2-MoE: only biased Q/K/V are implemented), or a
+            ``quantization_config`` (expert weights are dense only).
+    """
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    if cfg.get("quantization_config"):
+        raise UnsupportedModelError("quantization_config", f"quantized expert weights are not "
+                                    f"supported ({architecture} is served dense only)")
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    num_experts = cfg.get(key)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise UnsupportedModelError(key, f"{num_experts!r} experts: needs at least 1")
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError("num_experts_per_tok", f"{top_k!r} experts per token, "
+                                    f"expected 1..{num_experts}")
+    n = cfg["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        return MoEConfig(num_experts, top_k, cfg["intermediate_size"], norm_topk_prob=True,
+                         topk_weights_float32=True, sparse_layers=(True,) * n)
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise UnsupportedModelError("decoder_sparse_step", f"{step!r}: needs at least 1")
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    shared = 0
+    if architecture == "Qwen2MoeForCausalLM":
+        shared = cfg.get("shared_expert_intermediate_size", 5632)
+        if not isinstance(shared, int) or shared < 1:
+            raise UnsupportedModelError("shared_expert_intermediate_size",
+                                        f"{shared!r}: Qwen2-MoE's shared expert needs a width")
+        if not cfg.get("qkv_bias", True):
+            raise UnsupportedModelError("qkv_bias", "Qwen2-MoE without Q/K/V biases is not "
+                                        "supported")
+    return MoEConfig(num_experts, top_k, cfg["moe_intermediate_size"],
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     topk_weights_float32=False, sparse_layers=sparse,
+                     shared_expert_intermediate_size=shared)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """A checkpoint's RoPE scaling (``rope_parameters`` / ``rope_scaling`` in its
@@ -90,6 +179,7 @@ class HFFeatures:
             attention); empty when no layer has a window that can bind.
         hidden_act: one of :data:`ACTIVATIONS`.
         attn_logit_softcapping, final_logit_softcapping: Gemma 2's caps, or None.
+        moe: the mixture-of-experts layers (:func:`hf_moe_config`), or None.
     """
 
     rope_scaling: RopeScaling | None = None
@@ -99,6 +189,7 @@ class HFFeatures:
     hidden_act: str = "silu"
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None
 
 
 def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
@@ -110,7 +201,8 @@ def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
     layer type only ``sliding_attention`` / ``full_attention``, the sliding one
     unscaled) and ``partial_rotary_factor``, ``layer_types`` (``full_attention`` and
     ``sliding_attention`` only), ``attn_logit_softcapping`` /
-    ``final_logit_softcapping`` (:data:`SOFTCAP_ARCHITECTURES` only), ``mlp_bias``.
+    ``final_logit_softcapping`` (:data:`SOFTCAP_ARCHITECTURES` only), ``mlp_bias``,
+    and the mixture-of-experts fields (:func:`hf_moe_config`).
 
     Raises:
         UnsupportedModelError: the first such field found.
@@ -126,6 +218,7 @@ def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
                                         f"for {architecture}")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias", "biases in the MLP are not supported")
+    moe = hf_moe_config(cfg, architecture)
     windows = hf_layer_windows(cfg, architecture)
     key, rope = hf_rope_dict(cfg)
     local_theta = cfg.get("rope_local_base_freq")
@@ -150,13 +243,15 @@ def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
         rope_local_theta=float(local_theta) if local_theta is not None and windows else None,
         layer_windows=windows, hidden_act=acts[0] if acts else "silu",
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"))
+        final_logit_softcapping=cfg.get("final_logit_softcapping"), moe=moe)
 
 
 def hf_layer_windows(cfg: dict, architecture: str | None = None) -> tuple[int | None, ...]:
     """Per layer, its sliding window (tokens) or None, as transformers builds the
-    masks: Mistral windows every layer (it ignores ``layer_types``); otherwise
-    ``layer_types`` says which layers slide, else Qwen2's ``max_window_layers``
+    masks: Mistral, Mixtral and Qwen3-MoE window every layer
+    (:data:`WINDOW_EVERY_LAYER`: they ignore ``layer_types``); otherwise
+    ``layer_types`` says which layers slide, else Qwen2-MoE's rule (even-indexed
+    layers below ``max_window_layers``), else Qwen2's ``max_window_layers``
     (layers from that index on), else :data:`SLIDING_WINDOW_PATTERNS`, else all.
     ``use_sliding_window: false`` or a null window turns windows off. Empty when no
     layer has a window. A window at least ``max_position_embeddings`` long is kept
@@ -178,13 +273,15 @@ def hf_layer_windows(cfg: dict, architecture: str | None = None) -> tuple[int | 
         return ()
     if window < 1:
         raise UnsupportedModelError("sliding_window", f"a window of {window} tokens")
-    if architecture == "MistralForCausalLM":
+    if architecture in WINDOW_EVERY_LAYER:
         sliding = [True] * n
     elif layer_types:
         if len(layer_types) != n:
             raise UnsupportedModelError("layer_types", f"{len(layer_types)} entries for {n} "
                                         "layers")
         sliding = [t == "sliding_attention" for t in layer_types]
+    elif architecture == "Qwen2MoeForCausalLM":      # Qwen2MoeConfig's layer_types default
+        sliding = [bool((i + 1) % 2) and i < cfg.get("max_window_layers", 28) for i in range(n)]
     elif "max_window_layers" in cfg:
         sliding = [i >= cfg["max_window_layers"] for i in range(n)]
     elif architecture in SLIDING_WINDOW_PATTERNS:

@@ -133,11 +133,14 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``, gate and up fused into one ``[2F, H]`` matmul;
-    ``act`` is ``cfg.hidden_act``: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+    ``act`` is ``cfg.hidden_act``: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU).
+    ``intermediate_size`` overrides ``cfg.intermediate_size`` (a MoE model's shared
+    expert)."""
 
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase,
+                 intermediate_size: int | None = None):
         super().__init__()
-        f = cfg.intermediate_size
+        f = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [f, f], linear_method)
         self.down_proj = Linear(f, cfg.hidden_size, linear_method)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
@@ -152,14 +155,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; with
     ``sandwich`` norms (Gemma 2/3) the outputs of attention and MLP are normed too:
     ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
-    ``+ post_feedforward_layernorm(mlp(pre_feedforward_layernorm(.)))``."""
+    ``+ post_feedforward_layernorm(mlp(pre_feedforward_layernorm(.)))``.
+
+    ``mlp`` replaces the :class:`GatedMLP` (a mixture-of-experts block); any module
+    with ``forward(h [T, H], backend) -> [T, H]``."""
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, layer_idx: int = 0,
-                 sandwich: bool = False, norm_offset: bool = False, **attention_options):
+                 sandwich: bool = False, norm_offset: bool = False,
+                 mlp: nn.Module | None = None, **attention_options):
         super().__init__()
         self.self_attn = Attention(cfg, linear_method, layer_idx=layer_idx,
                                    **attention_options)
-        self.mlp = GatedMLP(cfg, linear_method)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg, linear_method)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(h, eps, norm_offset)
@@ -195,6 +202,12 @@ class DecoderForCausalLM(nn.Module):
         """Keyword arguments of :class:`Attention` for this architecture."""
         return {}
 
+    def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
+                 layer_idx: int) -> nn.Module | None:
+        """Layer ``layer_idx``'s feed-forward block, or None for the :class:`GatedMLP`
+        (mixture-of-experts architectures return their expert block)."""
+        return None
+
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None):
         super().__init__()
         self.cfg = cfg
@@ -218,7 +231,8 @@ class DecoderForCausalLM(nn.Module):
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         options = self.attention_options(cfg)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, linear_method, i, self.sandwich_norms, self.norm_offset, **options)
+            DecoderLayer(cfg, linear_method, i, self.sandwich_norms, self.norm_offset,
+                         self.make_mlp(cfg, linear_method, i), **options)
             for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         # Otherwise the output projection stays dense: it multiplies by the dense

@@ -26,7 +26,7 @@ from tandem.engine.quantization.checkpoint import linear_method_for
 
 logger = logging.getLogger(__name__)
 
-_DEQUANTIZED_CACHE_FORMAT = "2"   # bump when iter_gguf_tensors' output changes
+_DEQUANTIZED_CACHE_FORMAT = "3"   # bump when iter_gguf_tensors' output changes
 
 
 def gguf_checkpoint(files, native: bool = False
@@ -73,8 +73,10 @@ def gguf_checkpoint(files, native: bool = False
                         yield name, f.get_tensor(name)
             return cfg, cached()
     fields, reader = weights.read_gguf(files.path)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    cfg = ModelConfig.from_gguf_fields(fields, has_output)
+    names = tuple(t.name for t in reader.tensors)
+    rope_factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
+                    if t.name in weights.GGUF_CONFIG_TENSORS}
+    cfg = ModelConfig.from_gguf_fields(fields, "output.weight" in names, names, rope_factors)
     if target is None:
         return cfg, weights.iter_gguf_tensors(reader, cfg, native)
     tensors = dict(weights.iter_gguf_tensors(reader, cfg, native))

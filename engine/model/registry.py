@@ -125,10 +125,17 @@ class ModelRegistry:
 MODEL_REGISTRY = ModelRegistry({
     "LlamaForCausalLM": RegisteredModel("llama", "LlamaForCausalLM", ("llama",), ("llama",)),
     "MistralForCausalLM": RegisteredModel("llama", "MistralForCausalLM", ("mistral",)),
-    "Qwen2ForCausalLM": RegisteredModel("qwen", "Qwen2ForCausalLM", ("qwen2",)),
-    "Qwen3ForCausalLM": RegisteredModel("qwen", "Qwen3ForCausalLM", ("qwen3",)),
-    "Gemma2ForCausalLM": RegisteredModel("gemma", "Gemma2ForCausalLM", ("gemma2",)),
-    "Gemma3ForCausalLM": RegisteredModel("gemma", "Gemma3ForCausalLM", ("gemma3_text",)),
-    "Phi3ForCausalLM": RegisteredModel("phi3", "Phi3ForCausalLM", ("phi3",)),
+    "Qwen2ForCausalLM": RegisteredModel("qwen", "Qwen2ForCausalLM", ("qwen2",), ("qwen2",)),
+    "Qwen3ForCausalLM": RegisteredModel("qwen", "Qwen3ForCausalLM", ("qwen3",), ("qwen3",)),
+    "Gemma2ForCausalLM": RegisteredModel("gemma", "Gemma2ForCausalLM", ("gemma2",),
+                                         ("gemma2",)),
+    "Gemma3ForCausalLM": RegisteredModel("gemma", "Gemma3ForCausalLM", ("gemma3_text",),
+                                         ("gemma3",)),
+    "Phi3ForCausalLM": RegisteredModel("phi3", "Phi3ForCausalLM", ("phi3",), ("phi3",)),
+    "MixtralForCausalLM": RegisteredModel("mixtral", "MixtralForCausalLM", ("mixtral",)),
+    "Qwen2MoeForCausalLM": RegisteredModel("qwen_moe", "Qwen2MoeForCausalLM", ("qwen2_moe",),
+                                           ("qwen2moe",)),
+    "Qwen3MoeForCausalLM": RegisteredModel("qwen_moe", "Qwen3MoeForCausalLM", ("qwen3_moe",),
+                                           ("qwen3moe",)),
 })
 """The architectures Tandem serves (docs/models.md has the table)."""

@@ -26,7 +26,8 @@ class WeightLoadError(ValueError):
     """The checkpoint does not match the model (unknown, missing or misshapen tensors)."""
 
 
-# GGUF tensor name -> Hugging Face name; {i} is the layer index.
+# GGUF tensor name -> Hugging Face name; {i} is the layer index. The names are
+# llama.cpp's (gguf-py's MODEL_TENSOR names, as convert_hf_to_gguf.py writes them).
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -35,23 +36,78 @@ _GGUF_TO_HF = {
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-_GGUF_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v)
-                  for k, v in _GGUF_TO_HF.items()]
+# Per GGUF architecture, the names it adds or whose Hugging Face counterpart
+# differs: per-head Q/K norms (Qwen3, Gemma 3), Gemma's sandwich norms (its
+# ``ffn_norm`` is the pre-feed-forward norm), Phi-3's fused projections
+# (``attn_qkv``; ``ffn_up`` holds gate and up stacked, as ``gate_up_proj``), the
+# MoE routers (``ffn_gate_inp``) and Qwen2-MoE's shared expert.
+_QK_NORMS = {
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+}
+_GGUF_TO_HF_ARCH = {
+    "qwen3": _QK_NORMS,
+    "gemma2": {
+        "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
+    "phi3": {
+        "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+        "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+    },
+}
+_GGUF_TO_HF_ARCH["gemma3"] = _GGUF_TO_HF_ARCH["gemma2"] | _QK_NORMS
+_SHARED_EXPERT = {
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+_GGUF_TO_HF_ARCH["qwen2moe"] = _SHARED_EXPERT
+_GGUF_TO_HF_ARCH["qwen3moe"] = _QK_NORMS | {
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight"}
+_GGUF_TO_HF["blk.{i}.ffn_gate_inp.weight"] = "model.layers.{i}.block_sparse_moe.gate.weight"
+# Stacked expert tensors ``[E, out, in]`` -> one Hugging Face tensor per expert:
+# GGUF architecture -> (block, {gguf projection: checkpoint projection}).
+_EXPERT_NAMES = {
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),     # Mixtral
+    "qwen2moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+}
+_EXPERT_NAMES["qwen3moe"] = _EXPERT_NAMES["qwen2moe"]
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+# Tensors that are config, not weights (read by ModelConfig.from_gguf_fields).
+GGUF_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def gguf_name_to_hf(name: str) -> str:
-    """Map one GGUF tensor name to its Hugging Face name.
+def _patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    return [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v)
+            for k, v in table.items()]
+
+
+_GGUF_PATTERNS = _patterns(_GGUF_TO_HF)
+_GGUF_ARCH_PATTERNS = {arch: _patterns(t) + _GGUF_PATTERNS for arch, t in _GGUF_TO_HF_ARCH.items()}
+
+
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
+    """Map one GGUF tensor name to its Hugging Face name, for a file of GGUF
+    architecture ``arch`` (``general.architecture``).
 
     Raises:
-        WeightLoadError: a name outside the Llama mapping.
+        WeightLoadError: a name outside the architecture's mapping.
     """
-    for pattern, hf in _GGUF_PATTERNS:
+    for pattern, hf in _GGUF_ARCH_PATTERNS.get(arch, _GGUF_PATTERNS):
         m = pattern.match(name)
         if m:
             return hf.format(i=m.group(1)) if m.groups() else hf
@@ -59,11 +115,12 @@ def gguf_name_to_hf(name: str) -> str:
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of attn_q / attn_k.
+    """Undo llama.cpp's row permutation of attn_q / attn_k (weights and biases).
 
     llama.cpp's converter reorders each head's rows from the half-split rotary
-    layout (Hugging Face / NeoX) to the interleaved one (GPT-J); our rotary
-    embedding is half-split, so the rows go back. ``w``: ``[n_head * D, H]``.
+    layout (Hugging Face / NeoX) to the interleaved one (GPT-J) for ``llama``
+    files only; our rotary embedding is half-split, so the rows go back. ``w``:
+    ``[n_head * D, H]`` or ``[n_head * D]``.
     """
     d_half = w.shape[0] // n_head // 2
     return w.reshape(n_head, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -94,6 +151,10 @@ def iter_gguf_tensors(reader, config: ModelConfig,
 
     Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32
     with ``gguf.quants.dequantize``, exactly as the Hugging Face GGUF loader does.
+    Names follow the file's ``general.architecture`` (:func:`gguf_name_to_hf`); the
+    converter's layouts are undone: Q/K rows (and biases) un-permuted for ``llama``
+    files, Gemma's ``1 + w`` norm weights shifted back to ``w``. The tensors that are
+    config (:data:`GGUF_CONFIG_TENSORS`) are skipped.
 
     Args:
         native: keep the projection matrices (:data:`LINEAR_PROJECTIONS`), the token
@@ -101,11 +162,43 @@ def iter_gguf_tensors(reader, config: ModelConfig,
             ``[N, row_bytes]`` (the rows of ggml blocks, whatever the type) and
             ``<proj>.qweight_type`` int64 ``[]`` (the ggml type id). Other tensors
             (embeddings, norms) are dequantized as above.
+
+    Raises:
+        WeightLoadError: a tensor name outside the architecture's mapping.
+        UnsupportedModelError: ``native`` on a file that is not ``llama`` (field
+            ``quantization``).
     """
     from gguf.quants import dequantize
 
+    from tandem.engine.model.gguf_config import (NORM_PLUS_ONE_ARCHITECTURES,
+                                                 PERMUTED_QK_ARCHITECTURES)
+
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else "llama"
+    permuted = arch in PERMUTED_QK_ARCHITECTURES
+    if native and arch != "llama":
+        from tandem.engine.model.registry import UnsupportedModelError
+
+        raise UnsupportedModelError("quantization", f"keeping GGUF blocks ('gguf') is "
+                                    f"implemented for llama files, not {arch!r}")
     for t in reader.tensors:
-        hf_name = gguf_name_to_hf(t.name)
+        if t.name in GGUF_CONFIG_TENSORS:
+            continue
+        experts = _EXPERTS.match(t.name)
+        if experts and arch in _EXPERT_NAMES:
+            if native:
+                from tandem.engine.model.registry import UnsupportedModelError
+
+                raise UnsupportedModelError("quantization", "keeping GGUF blocks ('gguf') "
+                                            "of expert weights is not supported")
+            block, projs = _EXPERT_NAMES[arch]
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = w.reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
+            for e in range(w.shape[0]):
+                yield (f"model.layers.{experts[1]}.{block}.experts.{e}."
+                       f"{projs[experts[2]]}.weight", torch.from_numpy(np.array(w[e])))
+            continue
+        hf_name = gguf_name_to_hf(t.name, arch)
         module = hf_name.rpartition(".")[0]
         if native and (module.rpartition(".")[2] in LINEAR_PROJECTIONS
                        or module in ("model.embed_tokens", "lm_head")):
@@ -122,10 +215,14 @@ def iter_gguf_tensors(reader, config: ModelConfig,
         # GGUF lists dims fastest-first; numpy data is already row-major [out, in].
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         w = w.reshape(shape)
-        if hf_name.endswith("q_proj.weight"):
+        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rows(w, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rows(w, config.num_kv_heads)
+        elif arch in NORM_PLUS_ONE_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            # stored as 1 + w (the converter adds 1 in float32); the model's (1 + w)
+            # norms add the 1 back at load, giving the stored value again
+            w = w - np.float32(1.0)
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 

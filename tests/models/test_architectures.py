@@ -63,6 +63,18 @@ CASES = {
                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
         "Phi3ForCausalLM"),
+    # Mixture-of-experts, 8 experts, top-2: Mixtral (weights renormalised, float32);
+    # Qwen2-MoE (no renormalisation, a shared expert with its sigmoid gate); Qwen3-MoE
+    # (renormalised, Q/K norms, layer 0 dense through mlp_only_layers).
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2},
+                "MixtralForCausalLM"),
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48},
+                  "Qwen2MoeForCausalLM"),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "mlp_only_layers": [0]}, "Qwen3MoeForCausalLM"),
 }
 
 

@@ -132,15 +132,72 @@ def test_mlp_bias_is_refused(tmp_path):
 
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):
-    """A real Qwen3-MoE checkpoint, and a config with only an unknown ``model_type``."""
-    save_tiny_checkpoint(tmp_path, "Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32)
-    with pytest.raises(UnsupportedModelError, match="Qwen3MoeForCausalLM") as info:
+    """A real OLMoE checkpoint, and a config with only an unknown ``model_type``."""
+    save_tiny_checkpoint(tmp_path, "OlmoeConfig", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedModelError, match="OlmoeForCausalLM") as info:
         LLM(str(tmp_path), dtype="float32", num_blocks=8)
     assert info.value.field == "architectures"
     err = _refused(tmp_path, {k: v for k, v in LLAMA.items() if k != "architectures"}
-                   | {"model_type": "qwen3_moe"})
-    assert err.field == "model_type" and "'qwen3_moe'" in str(err)
+                   | {"model_type": "olmoe"})
+    assert err.field == "model_type" and "'olmoe'" in str(err)
+
+
+MIXTRAL = BASE | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                  "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN2_MOE = BASE | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48}
+
+
+@pytest.mark.parametrize("config, field", [
+    (MIXTRAL | {"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    (MIXTRAL | {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    (MIXTRAL | {"num_local_experts": 0}, "num_local_experts"),
+    (MIXTRAL | {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config"),
+    (QWEN2_MOE | {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    (QWEN2_MOE | {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    (QWEN2_MOE | {"qkv_bias": False}, "qkv_bias"),
+])
+def test_mixture_of_experts_fields_are_refused_by_name(tmp_path, config, field):
+    assert _refused(tmp_path, config).field == field
+
+
+def test_mixture_of_experts_layers_and_windows_are_read_as_transformers_builds_them():
+    """Qwen's ``mlp_only_layers`` / ``decoder_sparse_step`` make layers dense; Mixtral
+    and Qwen3-MoE window every layer whatever ``max_window_layers`` says; Qwen2-MoE
+    without ``layer_types`` slides its even layers below ``max_window_layers``."""
+    def cfg(config, **extra):
+        return ModelConfig.from_hf_dict(config | extra)
+
+    qwen3 = QWEN2_MOE | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    assert cfg(MIXTRAL).moe.sparse_layers == (True, True)
+    assert cfg(MIXTRAL).moe.norm_topk_prob and cfg(MIXTRAL).moe.topk_weights_float32
+    assert cfg(qwen3, mlp_only_layers=[0]).moe.sparse_layers == (False, True)
+    assert cfg(qwen3, decoder_sparse_step=2).moe.sparse_layers == (False, True)
+    assert cfg(qwen3).moe.shared_expert_intermediate_size == 0
+    assert cfg(QWEN2_MOE).moe.shared_expert_intermediate_size == 48
+    assert not cfg(QWEN2_MOE).moe.norm_topk_prob
+    assert cfg(MIXTRAL, sliding_window=24).layer_windows == (24, 24)
+    assert cfg(qwen3, use_sliding_window=True, sliding_window=24,
+               max_window_layers=1).layer_windows == (24, 24)
+    assert cfg(QWEN2_MOE | {"num_hidden_layers": 4}, use_sliding_window=True,
+               sliding_window=24, max_window_layers=2).layer_windows == (24, None, None, None)
+    assert cfg(LLAMA).moe is None
+
+
+def test_batch_invariant_mode_is_refused_for_mixture_of_experts():
+    from tandem.kernels.attention_backend import TorchAttentionBackend
+
+    class Invariant(TorchAttentionBackend):
+        batch_invariant = True
+
+    with torch.device("meta"):
+        model = MODEL_REGISTRY.model_class("MixtralForCausalLM")(
+            ModelConfig.from_hf_dict(MIXTRAL))
+    model.check_backend(TorchAttentionBackend())
+    with pytest.raises(ValueError, match="^batch_invariant: mixture-of-experts"):
+        model.check_backend(Invariant())
 
 
 def test_gguf_fields_are_refused_by_name():
@@ -149,8 +206,8 @@ def test_gguf_fields_are_refused_by_name():
               "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
               "llama.context_length": 256, "llama.vocab_size": 512}
     assert ModelConfig.from_gguf_fields(fields, True).architecture == "LlamaForCausalLM"
-    for extra, field in [({"general.architecture": "qwen3"}, "general.architecture"),
-                         ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type"),
+    for extra, field in [({"general.architecture": "bert"}, "general.architecture"),
+                         ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type"),
                          ({"llama.attention.sliding_window": 24},
                           "llama.attention.sliding_window")]:
         with pytest.raises(UnsupportedModelError) as info:

@@ -1,0 +1,249 @@
+"""Mixture-of-experts on CPU: Tandem's fused expert layer vs its per-expert loop vs
+transformers, prefill and decode tokens/s, in one run.
+
+The model is a random-weight Mixtral that transformers writes itself
+(``MixtralConfig`` + ``from_config`` + ``save_pretrained``, seed 0): by default
+hidden 512, 4 layers, 8 experts of width 1024, top-2, 8 query / 2 KV heads,
+vocab 8192 (about 62M parameters, 250 MB in float32). Per dtype:
+
+* **prefill**: ``--num-prompts`` random prompts of ``--prompt-len`` tokens, one
+  output token each, prompt tokens / wall second (Tandem: one ``generate`` call,
+  prefix caching off; transformers: one batched forward without a cache);
+* **decode**: one stream, ``--decode-tokens`` greedy tokens after a 32-token prompt;
+  tokens / second of ``t(1 + n tokens) - t(1 token)`` (the prefill cancels out).
+
+Tandem runs with ``FusedMoE.impl`` ``fused`` (tokens grouped by expert, one GEMM
+pair per active expert) and ``loop`` (transformers' per-expert mask and
+``index_add``, on the same packed weights); transformers with its default experts
+implementation (``grouped_mm`` in transformers 5) and ``eager`` (the per-expert
+loop). Then layer 0's MoE block alone at ``--layer-tokens`` token counts (Tandem's
+block as served, packed weights; the transformers block with each experts
+implementation). Every timing is the best of ``--repeats`` (``--layer-repeats``)
+rounds, each round running every system once in turn, so that a burst of load from
+other jobs on a shared machine hits all systems alike.
+
+    .venv/bin/python benchmarks/moe.py --out benchmarks/results/moe_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_checkpoint(path: Path, args) -> None:
+    """A random Mixtral and a ``WordLevel`` tokenizer of ``args.vocab`` words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                        num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=args.hidden // 8, num_local_experts=args.experts,
+                        num_experts_per_tok=args.top_k, max_position_embeddings=2048,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, args.vocab)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>").save_pretrained(path)
+
+
+def round_robin(tasks: dict, rounds: int) -> dict:
+    """Best wall seconds of each ``tasks[name]()`` over ``rounds`` rounds, every round
+    running each task once in turn (after one warm-up each): on a shared machine a
+    burst of other load then hits every system alike, not one system's whole series."""
+    for fn in tasks.values():
+        fn()
+    best = dict.fromkeys(tasks, float("inf"))
+    for _ in range(rounds):
+        for name, fn in tasks.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def tandem_tasks(llm, prompts, decode_prompt, args) -> dict:
+    """``{(system, measurement): fn}`` for Tandem's two expert dispatches."""
+    from tandem.engine.model.moe import FusedMoE
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True)
+    blocks = [m for m in llm.engine.model.modules() if isinstance(m, FusedMoE)]
+
+    def with_impl(impl, fn):
+        def run():
+            for block in blocks:
+                block.impl = impl
+            fn()
+        return run
+
+    tasks = {}
+    for impl in ("fused", "loop"):
+        tasks[(f"tandem-{impl}", "prefill")] = with_impl(impl, lambda: llm.generate(prompts, one))
+        tasks[(f"tandem-{impl}", "first")] = with_impl(
+            impl, lambda: llm.generate([decode_prompt], one))
+        tasks[(f"tandem-{impl}", "full")] = with_impl(
+            impl, lambda: llm.generate([decode_prompt], many))
+    return tasks
+
+
+def transformers_tasks(model, prompts, decode_prompt, args) -> dict:
+    """The same measurements for transformers with each experts implementation."""
+    batch = torch.tensor(prompts)
+    ids = torch.tensor([decode_prompt])
+
+    def with_impl(impl, fn):
+        def run():
+            model.set_experts_implementation(impl)
+            with torch.inference_mode():
+                fn()
+        return run
+
+    def gen(n: int):
+        return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                      eos_token_id=None)
+
+    tasks = {}
+    for impl in ("grouped_mm", "eager"):
+        tasks[(f"transformers-{impl}", "prefill")] = with_impl(
+            impl, lambda: model(batch, use_cache=False, logits_to_keep=1))
+        tasks[(f"transformers-{impl}", "first")] = with_impl(impl, gen(1))
+        tasks[(f"transformers-{impl}", "full")] = with_impl(impl, gen(1 + args.decode_tokens))
+    return tasks
+
+
+def layer_tasks(tandem_block, hf_model, x: torch.Tensor) -> dict:
+    """Layer 0's MoE block alone on ``x``: Tandem's (packed weights, as served) with
+    each dispatch, transformers' with each experts implementation."""
+    from tandem.kernels.attention_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    hf_block = hf_model.model.layers[0].mlp
+    tasks = {}
+    for impl in ("fused", "loop"):
+        def run(impl=impl):
+            tandem_block.impl = impl
+            with torch.inference_mode():
+                tandem_block(x, backend)
+        tasks[f"tandem-{impl}"] = run
+    for impl in ("grouped_mm", "eager"):
+        def run(impl=impl):
+            hf_model.set_experts_implementation(impl)
+            with torch.inference_mode():
+                hf_block(x[None])
+        tasks[f"transformers-{impl}"] = run
+    return tasks
+
+
+def bench_dtype(path: Path, dtype: str, prompts, decode_prompt, args) -> tuple[dict, dict]:
+    """End-to-end rows ``{system: {prefill_tok_s, decode_tok_s}}`` and layer timings
+    ``{tokens: {system: microseconds}}`` for one dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.llm import LLM
+    from tandem.engine.model.moe import FusedMoE
+
+    budget = args.num_prompts * args.prompt_len
+    llm = LLM(str(path), dtype=dtype, enable_prefix_caching=False,
+              max_num_batched_tokens=budget, max_model_len=2048,
+              kv_cache_memory_bytes=512 << 20)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    best = round_robin(tandem_tasks(llm, prompts, decode_prompt, args)
+                       | transformers_tasks(hf, prompts, decode_prompt, args), args.repeats)
+    rows = {}
+    for system in dict.fromkeys(name for name, _ in best):
+        rows[system] = {
+            "prefill_tok_s": budget / best[(system, "prefill")],
+            "decode_tok_s": args.decode_tokens / (best[(system, "full")]
+                                                  - best[(system, "first")])}
+    block = next(m for m in llm.engine.model.modules() if isinstance(m, FusedMoE))
+    layers = {}
+    for t in args.layer_tokens:
+        x = torch.randn(t, args.hidden, generator=torch.Generator().manual_seed(t)).to(
+            getattr(torch, dtype))
+        layers[t] = {name: sec * 1e6 for name, sec in
+                     round_robin(layer_tasks(block, hf, x), args.layer_repeats).items()}
+    return rows, layers
+
+
+def isa_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(x for x in flags if x.startswith(("avx", "amx", "fma")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="rounds of the end-to-end timings")
+    p.add_argument("--layer-tokens", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1, 16, 256, 1024], help="token counts of the layer timings")
+    p.add_argument("--layer-repeats", type=int, default=30, help="rounds of the layer timings")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]
+    decode_prompt = [rng.randrange(3, args.vocab) for _ in range(32)]
+    rows, layers = {}, {}
+    with tempfile.TemporaryDirectory(prefix="tandem-moe-") as tmp:
+        path = Path(tmp)
+        make_checkpoint(path, args)
+        size_mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2 ** 20
+        for dtype in args.dtypes.split(","):
+            rows[dtype], layers[dtype] = bench_dtype(path, dtype, prompts, decode_prompt, args)
+    print(f"Mixtral-shaped, random weights: hidden {args.hidden}, {args.layers} layers, "
+          f"{args.experts} experts x {args.intermediate}, top-{args.top_k}, vocab {args.vocab} "
+          f"({size_mb:.0f} MB float32); torch threads {torch.get_num_threads()}")
+    print("| dtype | system | prefill tok/s | decode tok/s (1 stream) |")
+    print("|---|---|---|---|")
+    for dtype, systems in rows.items():
+        for name, r in systems.items():
+            print(f"| {dtype} | {name} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
+    names = list(next(iter(next(iter(layers.values())).values())))
+    print(f"\nOne MoE block (layer 0), best of {args.layer_repeats} rounds, microseconds:")
+    print("| dtype | tokens | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for dtype, per_t in layers.items():
+        for t, row in per_t.items():
+            print(f"| {dtype} | {t} | " + " | ".join(f"{row[n]:.0f}" for n in names) + " |")
+    if args.out:
+        info = {"args": vars(args), "checkpoint_mb": size_mb, "results": rows,
+                "layer_us": layers,
+                "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "cpu": platform.processor() or platform.machine(), "cpu_flags": isa_flags(),
+                "load_avg": os.getloadavg()}
+        Path(args.out).write_text(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

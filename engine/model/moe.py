@@ -1,0 +1,313 @@
+"""Mixture-of-experts feed-forward layers: top-k routing and the fused expert layer.
+
+A sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE; Shazeer et al. 2017, "Outrageously
+Large Neural Networks", section 2; Mixtral: Jiang et al. 2024, section 2.1) replaces
+the dense gated MLP with ``E`` experts, each a SwiGLU MLP of width ``I``, and a
+router ``[E, H]``: every token runs through the ``k`` experts with the highest router
+probabilities, and their outputs are summed, weighted by those probabilities.
+
+Routing follows transformers exactly (so greedy ids match it in float32): router
+logits in the model dtype, a float32 softmax over the ``E`` experts, top-k of the
+probabilities, then (``norm_topk_prob``; always for Mixtral) the ``k`` weights
+divided by their sum. Mixtral multiplies the experts' outputs by the float32 weights;
+Qwen2/3-MoE round the weights to the model dtype first (:class:`MoEConfig`).
+
+**The fused expert layer** (:func:`fused_experts`; vLLM's ``fused_moe`` is the
+design): the ``T k`` (token, expert) pairs are sorted by expert, the tokens gathered
+into one ``[T k, H]`` tensor whose rows are contiguous per expert, and each expert
+that received tokens runs its gate/up ``[2I, H]`` and down ``[H, I]`` matmuls once
+on its whole group; its weighted outputs are added back to their tokens with an
+``index_add`` (one per active expert, so that bfloat16 rounds as transformers does). On the CPU the per-expert matmuls are oneDNN's with each expert's
+weights packed once at load (:mod:`tandem.kernels.cpu.linear`), as the dense layers.
+Its cost: one host sync (the per-expert counts, ``E`` integers), at most ``min(E,
+T k)`` pairs of GEMMs, and one ``[T k, H]`` copy of the activations (the gathered
+input) plus per expert a ``[n, 2I]`` intermediate; no weight is copied per step. The
+per-expert loop of transformers (:func:`moe_loop_reference`: a mask per expert and
+an ``index_add`` per expert) computes the same sums in the same order and is the
+reference in the tests and the benchmark.
+
+Expert weights are stacked as transformers 5 holds them: ``gate_up_proj``
+``[E, 2I, H]`` (gate rows then up rows) and ``down_proj`` ``[E, H, I]``; checkpoints
+that store one tensor per expert (``experts.{e}.gate_proj.weight``, Mixtral's
+``w1``/``w3``/``w2``) load into their slice by shard id (:class:`StackedExpertWeight`).
+They are dense in the model dtype: quantized expert weights are refused
+(``quantization_config``), and so is batch-invariant mode (the grouped matmuls'
+summation order depends on how many tokens an expert receives).
+
+Shapes: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``k`` experts per token,
+``I`` expert FFN width.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.hf_config import MoEConfig
+from tandem.engine.model.layers import DecoderForCausalLM, GatedMLP
+from tandem.engine.model.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
+from tandem.engine.model.registry import UnsupportedModelError
+from tandem.engine.model.weights import WeightLoadError, copy_checked
+from tandem.kernels.attention_backend import AttentionBackend
+from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
+
+ExpertLinear = Callable[[int, torch.Tensor], torch.Tensor]
+"""``(expert, x [n, in]) -> x W_e^T [n, out]`` for one stacked projection."""
+
+
+class StackedExpertWeight(nn.Module):
+    """One projection of every expert, stacked: ``weight`` ``[E, N, K]`` with ``N =
+    sum(output_sizes)`` (``[I, I]`` for gate/up: gate rows first).
+
+    A checkpoint fills it whole (transformers 5's ``experts.gate_up_proj``, shard id
+    None) or one expert's sub-matrix at a time: shard ``e * len(output_sizes) + j``
+    is sub-matrix ``j`` of expert ``e``.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, output_sizes: Sequence[int]):
+        super().__init__()
+        self.output_sizes = list(output_sizes)
+        self.num_experts = num_experts
+        weight = torch.empty(num_experts, sum(output_sizes), in_features)
+        if not weight.is_meta:
+            nn.init.normal_(weight, std=in_features ** -0.5)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    @property
+    def shard_ids(self) -> tuple[int, ...]:
+        """Every (expert, sub-matrix) shard; all are needed unless loaded whole."""
+        return tuple(range(self.num_experts * len(self.output_sizes)))
+
+    def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Called by :func:`~tandem.engine.model.weights.load_weights`.
+
+        Raises:
+            WeightLoadError: a leaf other than ``weight`` (a quantized tensor), or a
+                shape that does not fit.
+        """
+        if leaf != "weight":
+            raise WeightLoadError(f"expert weights are dense; no {leaf!r}")
+        if shard_id is None:
+            copy_checked(self.weight.data, loaded)
+            return
+        expert, j = divmod(shard_id, len(self.output_sizes))
+        copy_checked(self.weight.data[expert].narrow(0, sum(self.output_sizes[:j]),
+                                                     self.output_sizes[j]), loaded)
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          weights_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as transformers' ``*TopKRouter``: float32 softmax over the
+    experts, top-k, optionally renormalised to sum to 1.
+
+    Args:
+        router_logits: ``[T, E]`` in the model dtype.
+        weights_float32: keep the weights in float32 (Mixtral); else rounded to
+            the logits' dtype (Qwen2/3-MoE).
+
+    Returns:
+        ``(topk_weights [T, k], topk_ids [T, k] int64)``; ids in descending
+        probability order (``torch.topk``'s tie order).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)     # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)                       # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not weights_float32:
+        weights = weights.to(router_logits.dtype)
+    return weights, ids
+
+
+def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                  act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The MoE feed-forward of ``x``, grouped by expert (see the module docstring).
+
+    Args:
+        x: ``[T, H]`` hidden states.
+        gate_up, down: each expert's ``[2I, H]`` and ``[H, I]`` matmuls
+            (:data:`ExpertLinear`).
+        topk_weights: ``[T, k]`` routing weights (float32 or ``x``'s dtype).
+        topk_ids: ``[T, k]`` int64 expert ids in ``0..E-1``.
+        act_and_mul: ``[n, 2I]`` -> ``[n, I]`` (SiLU-and-mul).
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype: ``sum_j w_tj * expert_{id_tj}(x_t)``, each
+        product in the weights' and outputs' promoted dtype, rounded to ``x``'s
+        dtype, and accumulated per token in ascending expert order; bit-identical to
+        :func:`moe_loop_reference` (transformers' order throughout).
+    """
+    t, k = topk_ids.shape
+    # Pairs sorted by (expert, slot, token): transformers' row order within an expert
+    # group, which a GEMM's result can depend on (its row blocking).
+    flat_ids = topk_ids.t().reshape(-1)                                   # [k T]
+    order = torch.argsort(flat_ids, stable=True)
+    token_ids = order % t                                                 # [T k], sorted
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()    # host sync: E ints
+    grouped = x.index_select(0, token_ids)                                # [T k, H]
+    weights = topk_weights.t().reshape(-1)[order].unsqueeze(1)            # [T k, 1]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            rows = slice(start, start + n)
+            y = down(expert, act_and_mul(gate_up(expert, grouped[rows])))  # [n, H]
+            # One index_add per expert: in bfloat16 a single index_add over all
+            # pairs sums a token's contributions in float32 before rounding, while
+            # transformers rounds after each expert.
+            out.index_add_(0, token_ids[rows], (y * weights[rows]).to(x.dtype))
+            start += n
+    return out
+
+
+def moe_loop_reference(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                       act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """:func:`fused_experts` as transformers' eager ``*Experts.forward`` computes it
+    (same arguments and result): for each expert that received tokens, a mask lookup
+    of its tokens, its two matmuls, and one ``index_add`` of its weighted outputs."""
+    out = torch.zeros_like(x)
+    mask = F.one_hot(topk_ids, num_experts).permute(2, 1, 0)             # [E, k, T]
+    for expert in torch.nonzero(mask.sum(dim=(1, 2))).flatten().tolist():
+        slot, token = torch.where(mask[expert])
+        y = down(expert, act_and_mul(gate_up(expert, x[token])))
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """A sparse MoE block: router ``gate`` ``[E, H]``, stacked experts
+    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``)
+    and, for Qwen2-MoE, a shared expert (a :class:`GatedMLP` of width
+    ``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    Args:
+        cfg: the model config (``cfg.moe`` set; ``hidden_act`` SiLU).
+        linear_method: the shared expert's linear method (the router and the routed
+            experts are dense).
+
+    ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
+    ``"loop"`` (:func:`moe_loop_reference`, for comparisons).
+    """
+
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
+        super().__init__()
+        moe: MoEConfig = cfg.moe
+        h, i = cfg.hidden_size, moe.moe_intermediate_size
+        self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
+        self.norm_topk_prob, self.weights_float32 = moe.norm_topk_prob, moe.topk_weights_float32
+        self.gate = Linear(h, moe.num_experts, UnquantizedLinearMethod())
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i])
+        self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h])
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg, linear_method, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(h, 1, UnquantizedLinearMethod())
+        self.impl = "fused"
+        self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack each expert's two matrices for oneDNN's matmul (CPU, float32 or
+        bfloat16, where :func:`~tandem.kernels.cpu.linear.packing_available`); the
+        stacked weights are then dropped (only the packed copies are read).
+        Idempotent."""
+        if self._packed is not None:
+            return
+        w13 = self.experts.gate_up_proj.weight
+        if w13.device.type != "cpu" or not packing_available(w13.dtype):
+            return
+        w2 = self.experts.down_proj.weight
+        self._packed = ([pack_weight(w13[e]) for e in range(self.num_experts)],
+                        [pack_weight(w2[e]) for e in range(self.num_experts)])
+        del self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+
+    def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
+        if self._packed is not None:
+            w13, w2 = self._packed
+            return (lambda e, x: packed_linear(x, w13[e])), (lambda e, x: packed_linear(x, w2[e]))
+        w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+        return (lambda e, x: F.linear(x, w13[e])), (lambda e, x: F.linear(x, w2[e]))
+
+    def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """``h`` ``[T, H]`` -> ``[T, H]``."""
+        topk_weights, topk_ids = route(self.gate(h), self.top_k, self.norm_topk_prob,
+                                       self.weights_float32)             # [T, k] each
+        gate_up, down = self._expert_linears()
+        run = fused_experts if self.impl == "fused" else moe_loop_reference
+        out = run(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
+                  backend.silu_and_mul)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(h, backend)                       # [T, H]
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
+        return out
+
+
+# experts.{e}.{projection}.{leaf} inside an MoE block
+_EXPERT_NAME = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<leaf>\w+)$")
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    """The shared decoder with :class:`FusedMoE` blocks in the layers
+    ``cfg.moe.sparse_layers`` marks (the others keep the dense :class:`GatedMLP`).
+
+    Subclasses name their checkpoints' expert projections in
+    :attr:`expert_projections` and may rename the block (:attr:`checkpoint_block`).
+    """
+
+    expert_projections: dict[str, tuple[str, int]] = {
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "down_proj": ("down_proj", 0)}
+    """Checkpoint per-expert projection -> (stacked projection, sub-matrix)."""
+    checkpoint_block: str = "mlp"
+    """The checkpoint's name of the MoE block (Mixtral: ``block_sparse_moe``)."""
+
+    def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
+                 layer_idx: int) -> nn.Module | None:
+        """:class:`FusedMoE` for a sparse layer.
+
+        Raises:
+            UnsupportedModelError: field ``quantization_config`` for a quantized
+                linear method (expert weights are dense only).
+        """
+        if linear_method.name != "none":
+            raise UnsupportedModelError("quantization_config", f"{type(self).__name__}: "
+                                        f"expert weights in {linear_method.name!r} are not "
+                                        "supported (dense only)")
+        return FusedMoE(cfg, linear_method) if cfg.moe.sparse_layers[layer_idx] else None
+
+    def weight_mapping(self, name: str) -> tuple[str, int | None]:
+        """Besides :meth:`DecoderForCausalLM.weight_mapping`:
+        ``...mlp.experts.3.up_proj.weight`` -> ``(...mlp.experts.gate_up_proj.weight,
+        3 * 2 + 1)``; transformers 5's stacked ``...mlp.experts.gate_up_proj`` (no
+        leaf) loads whole."""
+        block = f".{self.checkpoint_block}."
+        if block in name:
+            name = name.replace(block, ".mlp.", 1)
+        m = _EXPERT_NAME.match(name)
+        if m and m["proj"] in self.expert_projections:
+            stacked, j = self.expert_projections[m["proj"]]
+            per_expert = 2 if stacked == "gate_up_proj" else 1
+            return (f"{m['block']}.experts.{stacked}.{m['leaf']}",
+                    int(m["expert"]) * per_expert + j)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return name + ".weight", None
+        return super().weight_mapping(name)
+
+    def check_backend(self, backend: AttentionBackend) -> None:
+        """Besides :meth:`DecoderForCausalLM.check_backend`: refuse batch-invariant
+        mode.
+
+        Raises:
+            ValueError: ``batch_invariant`` (the grouped expert matmuls' summation
+                order depends on the batch).
+        """
+        super().check_backend(backend)
+        if getattr(backend, "batch_invariant", False):
+            raise ValueError("batch_invariant: mixture-of-experts layers have no "
+                             "batch-invariant kernel")
