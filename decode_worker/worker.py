@@ -78,7 +78,9 @@ class DecodeWorker(EngineWorker):
         Its deltas go to the poll of ``request.router_id`` only. A resumed request
         (``output_token_ids``, migrated from a worker that died) continues after
         those tokens; they count as published, so its deltas carry only new tokens
-        (``num_output_tokens`` counts all).
+        (``num_output_tokens`` counts all). A sample resumed alone
+        (``sample_index`` i) runs under its own engine id and its deltas name the
+        request and the sample.
 
         Raises:
             InvalidParameterError: the engine refuses it (field named).
@@ -87,13 +89,13 @@ class DecodeWorker(EngineWorker):
         self._fence.check()
 
         def add() -> None:
-            self.engine.add_request(list(request.prompt_token_ids), request.sampling_params,
-                                    request.request_id, request.priority,
-                                    request.kv_transfer_params, request.output_token_ids,
-                                    request.output_logprobs, request.sample_index)
-            self.loop.assign(request.request_id, request.router_id)
+            first = self.engine.add_request(
+                list(request.prompt_token_ids), request.sampling_params, request.request_id,
+                request.priority, request.kv_transfer_params, request.output_token_ids,
+                request.output_logprobs, request.sample_index)[0]
+            self.loop.assign(first.request_id, request.router_id)
             if request.output_token_ids:      # the client has them already
-                self.loop.mark_published(request.request_id, len(request.output_token_ids))
+                self.loop.mark_published(first.request_id, len(request.output_token_ids))
         await self._call(add)
 
     async def start_decode(self, request_id: str, first_token_id: int | None,

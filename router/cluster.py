@@ -287,9 +287,8 @@ class Cluster:
                 if not routes_deltas:
                     continue
                 for d in step.deltas:
-                    rid = d.request_id.split("#", 1)[0]
-                    q = self._queues.get(rid)
-                    if q is not None and self._owner.get(rid) == w.worker_id:
+                    q = self._queues.get(d.request_id)
+                    if q is not None and self._owner.get(d.request_id) == w.worker_id:
                         q.put_nowait(d)
             if not current or not w.alive:
                 return

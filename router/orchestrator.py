@@ -363,11 +363,11 @@ class Orchestrator:
     def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,
                         attempt: int) -> WorkerRequest:
         """Sample ``s`` of a request as an ``n == 1`` request of its own, resuming
-        after the tokens it emitted (id ``rid`` for sample 0, ``rid#i`` else, so its
-        deltas reach the same sample stream)."""
+        after the tokens it emitted (its deltas name the request and ``s.index``, so
+        they reach the same sample stream)."""
         params = v.sampling_params
         lps = tuple(s.logprobs) if params.logprobs is not None and s.token_ids else ()
-        return WorkerRequest(rid if s.index == 0 else f"{rid}#{s.index}", v.prompt_token_ids,
+        return WorkerRequest(rid, v.prompt_token_ids,
                              dataclasses.replace(params, n=1), v.priority,
                              output_token_ids=tuple(s.token_ids), output_logprobs=lps,
                              router_id=router_id, attempt=attempt, sample_index=s.index)
@@ -381,7 +381,7 @@ class Orchestrator:
         if errors:
             for r, res in zip(reqs, results):
                 if not isinstance(res, BaseException):
-                    await self._try(w.client.abort(r.request_id))
+                    await self._try(w.client.abort(r.request_id, r.sample_index))
             raise errors[0]
 
     def _lost(self, w: WorkerHandle, exc: BaseException):
@@ -515,11 +515,11 @@ class Orchestrator:
     def _consume(self, v: ValidatedRequest | None, rid: str, samples: list[SampleStream],
                  delta: RequestDelta, trace) -> list[SampleEvent]:
         """Apply one worker delta to its sample (and the journal); the events it makes."""
-        if delta.finish_reason == "error" and "#" not in delta.request_id:
+        index = delta.sample_index
+        if delta.finish_reason == "error" and index == 0:
             # The worker failed: every sample of the request ends with ``error``.
             return [SampleEvent(s, upd) for s in samples
                     if (upd := s.fail("error", delta.stop_reason)) is not None]
-        index = int(delta.request_id.split("#", 1)[1]) if "#" in delta.request_id else 0
         s = samples[index]
         upd = s.add(delta)
         if upd is None:
@@ -529,7 +529,7 @@ class Orchestrator:
         if self.metrics and trace is not None:
             self.metrics.tokens(trace, index, len(upd.token_ids))
         if upd.needs_abort:
-            self._spawn(self._abort_sample(delta.request_id))
+            self._spawn(self._abort_sample(rid, index))
         return [SampleEvent(s, upd)]
 
     def _journal_entry(self, rid: str) -> tuple[dict, list[int]] | None:
@@ -571,12 +571,12 @@ class Orchestrator:
         await self._try(att.decode.client.abort(rid))
         for s in unfinished:
             if s.index:
-                await self._try(att.decode.client.abort(f"{rid}#{s.index}"))
+                await self._try(att.decode.client.abort(rid, s.index))
 
-    async def _abort_sample(self, sample_rid: str) -> None:
+    async def _abort_sample(self, rid: str, index: int) -> None:
         for w in self.cluster.decode:
             if w.alive:
-                await self._try(w.client.abort(sample_rid))
+                await self._try(w.client.abort(rid, index))
 
     @staticmethod
     async def _try(call: Awaitable) -> None:

@@ -132,9 +132,10 @@ class WorkerClient:
     async def stats(self) -> WorkerStats:
         return await self._call("stats")
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop ``request_id`` wherever it is on the worker; frees its blocks."""
-        return await self._call("abort", request_id)
+    async def abort(self, request_id: str, sample_index: int = 0) -> bool:
+        """Stop sample ``sample_index`` of ``request_id`` wherever it is on the worker
+        (sample 0 with the samples not yet forked from it); frees its blocks."""
+        return await self._call("abort", request_id, sample_index)
 
     async def check_invariants(self) -> dict:
         return await self._call("check_invariants")

@@ -34,7 +34,7 @@ class _Worker:
         if self.cluster.add_error is not None:
             raise self.cluster.add_error
 
-    async def abort(self, request_id) -> bool:
+    async def abort(self, request_id, sample_index=0) -> bool:
         self.cluster.calls.append("abort")
         return True
 

@@ -160,9 +160,10 @@ def test_two_routers_each_see_their_own_deltas_and_all_stats(base):
         time.sleep(0.2)                                # the last steps' outputs
         for name in got:
             got[name] += loop.poll(0.05, name)
-        ids = {name: {d.request_id for s in steps for d in s.deltas}
+        # A delta names the request and the sample apart (a2's second sample: index 1).
+        ids = {name: {(d.request_id, d.sample_index) for s in steps for d in s.deltas}
                for name, steps in got.items()}
-        assert ids == {"router-a": {"a1", "a2", "a2#1"}, "router-b": {"b1"}}
+        assert ids == {"router-a": {("a1", 0), ("a2", 0), ("a2", 1)}, "router-b": {("b1", 0)}}
         a, b = got["router-a"], got["router-b"]
         assert len(a) == len(b) > 1
         assert [s.stats for s in a] == [s.stats for s in b]
@@ -171,8 +172,9 @@ def test_two_routers_each_see_their_own_deltas_and_all_stats(base):
         tokens = {}
         for s in a + b:
             for d in s.deltas:
-                tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
-        assert {rid: len(t) for rid, t in tokens.items()} == {"a1": 8, "a2": 6, "a2#1": 6, "b1": 8}
+                tokens.setdefault((d.request_id, d.sample_index), []).extend(d.new_token_ids)
+        assert {key: len(t) for key, t in tokens.items()} == {
+            ("a1", 0): 8, ("a2", 0): 6, ("a2", 1): 6, ("b1", 0): 8}
         counts = _block_counts(loop)
         assert counts["num_free_blocks"] == counts["num_blocks"]
     finally:

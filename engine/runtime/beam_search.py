@@ -48,7 +48,7 @@ import torch
 
 from tandem.engine.sampling.sampling_params import (MAX_BEAM_WIDTH, InvalidParameterError,
                                                     SamplingParams)
-from tandem.engine.scheduling.request import Request, RequestStatus
+from tandem.engine.scheduling.request import Request, RequestStatus, sample_request_id
 
 if TYPE_CHECKING:
     from tandem.engine.runtime.llm_engine import LLMEngine
@@ -273,8 +273,9 @@ class BeamSearchManager:
         if request_id in self.searches or request_id in self.engine.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         eos = self.engine.tokenizer.eos_token_id
-        results = [Request(request_id if i == 0 else f"{request_id}#{i}", prompt_token_ids,
-                           params, eos_token_id=eos, priority=priority, sample_index=i)
+        results = [Request(sample_request_id(request_id, i), prompt_token_ids, params,
+                           eos_token_id=eos, priority=priority, sample_index=i,
+                           parent_id=request_id if i else None)
                    for i in range(params.n)]
         search = BeamSearch(request_id, prompt_token_ids, params, eos, priority,
                             results[0].arrival_time, results)

@@ -239,9 +239,9 @@ class EngineLoop:
 
     def publish(self, changed: list[Request], step_time_s: float = 0.0) -> None:
         deltas = tuple(self.delta(r) for r in changed)
-        for d in deltas:
-            if d.finish_reason is not None and d.request_id in self._tracked:
-                fut = self._tracked.pop(d.request_id)
+        for r, d in zip(changed, deltas):
+            if d.finish_reason is not None and r.request_id in self._tracked:
+                fut = self._tracked.pop(r.request_id)
                 if fut.set_running_or_notify_cancel():
                     fut.set_result(d)
         num_tokens = sum(len(d.new_token_ids) for d in deltas)
@@ -249,7 +249,7 @@ class EngineLoop:
         kv_events = self._take_kv_events()
         self.subscribers.publish(StepOutput(
             deltas if self.publish_deltas else (), self._last_stats, step_time_s, kv_events,
-            time.time()))
+            time.time()), [r.request_id for r in changed] if self.publish_deltas else ())
 
     def _take_kv_events(self) -> tuple:
         kv_events = tuple(self.engine.kv_cache_manager.take_kv_events())
@@ -269,7 +269,8 @@ class EngineLoop:
 
     def delta(self, r: Request) -> RequestDelta:
         """The request's output tokens not yet published (and its prompt logprobs, with
-        the first of them)."""
+        the first of them), named as the router knows it: the request's id and the
+        sample's index."""
         sent = self._published.get(r.request_id, 0)
         new = tuple(r.output_token_ids[sent:])
         prompt_lps = None
@@ -285,9 +286,9 @@ class EngineLoop:
         else:
             self._published[r.request_id] = r.num_output_tokens
         ticket, r.kv_load_ticket = r.kv_load_ticket, None      # published once
-        return RequestDelta(r.request_id, new, lps, r.status.finish_reason, r.stop_reason,
-                            r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens,
-                            ticket, prompt_lps)
+        return RequestDelta(r.parent_request_id, new, lps, r.status.finish_reason,
+                            r.stop_reason, r.num_prompt_tokens, r.num_cached_tokens,
+                            r.num_output_tokens, ticket, prompt_lps, r.sample_index)
 
     def mark_published(self, request_id: str, num_tokens: int) -> None:
         """Tokens of a request that reached the client another way (the prefill's first token)."""
@@ -296,13 +297,14 @@ class EngineLoop:
     def _fail_all(self, exc: BaseException) -> None:
         """After a crash: finish every request as ``error`` so no stream waits forever."""
         sch = self.engine.scheduler
-        deltas = []
+        deltas, ids = [], []
         for r in [*sch.waiting, *sch.running, *sch.swapped, *sch.remote_kv.requests]:
-            deltas.append(RequestDelta(r.request_id, (), (), "error", str(exc)[:200],
+            deltas.append(RequestDelta(r.parent_request_id, (), (), "error", str(exc)[:200],
                                        r.num_prompt_tokens, r.num_cached_tokens,
-                                       r.num_output_tokens))
+                                       r.num_output_tokens, sample_index=r.sample_index))
+            ids.append(r.request_id)
         self.subscribers.publish(StepOutput(tuple(deltas),
-                                            self.engine.stats(self.worker_id, self.role)))
+                                            self.engine.stats(self.worker_id, self.role)), ids)
         for fut in self._tracked.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError(f"engine loop {self.worker_id} failed: {exc}"))

@@ -25,6 +25,7 @@ from tandem.engine.runtime.outputs import StepOutput, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
 from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
                                                   node_ip_address, pin_cpus)
+from tandem.engine.scheduling.request import sample_request_id
 
 
 class EngineWorker:
@@ -91,12 +92,15 @@ class EngineWorker:
         self._fence.unfence()
 
     # -- requests ------------------------------------------------------------------------------
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is (waiting, reserved, running, being
-        prefilled); frees its blocks. Returns whether the engine had it."""
+    async def abort(self, request_id: str, sample_index: int = 0) -> bool:
+        """Stop sample ``sample_index`` of a request wherever it is (waiting, reserved,
+        running, being prefilled; sample 0 with the samples not yet forked from it);
+        frees its blocks. Returns whether the engine had it."""
+        engine_id = sample_request_id(request_id, sample_index)
+
         def abort() -> bool:
-            self.loop.untrack(request_id)
-            return self.engine.abort_request(request_id)
+            self.loop.untrack(engine_id)
+            return self.engine.abort_request(engine_id)
         return await self._call(abort)
 
     # -- outputs and stats ---------------------------------------------------------------------

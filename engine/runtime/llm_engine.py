@@ -22,7 +22,8 @@ from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scal
                                              kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
 from tandem.engine.sampling.grammar import StructuredOutputManager, get_grammar_backend_class
-from tandem.engine.scheduling.request import Request, RequestStatus, TokenLogprobs
+from tandem.engine.scheduling.request import (Request, RequestStatus, TokenLogprobs,
+                                              sample_request_id)
 from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
 from tandem.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.text.tokenizer import Tokenizer
@@ -199,7 +200,8 @@ class LLMEngine:
         One sample of a parallel-sampling request resumes alone (``n == 1`` with
         ``sample_index`` i): a seeded one draws from sample i's stream
         (``sampling_params.sample_seed(i)``), so it goes on as sample i of the
-        ``n``-sample request would have.
+        ``n``-sample request would have. Its engine id is
+        ``sample_request_id(request_id, i)`` (``request_id#i``).
 
         Args:
             output_token_ids: tokens already generated for this request (n == 1).
@@ -256,11 +258,12 @@ class LLMEngine:
             self.structured_outputs.compile(params.structured_outputs)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         eos = self.tokenizer.eos_token_id
-        first = Request(rid, ids, params, eos_token_id=eos, priority=priority,
-                        kv_transfer_params=kv_transfer_params, output_token_ids=outputs,
-                        output_logprobs=list(output_logprobs), sample_index=sample_index)
+        first = Request(sample_request_id(rid, sample_index), ids, params, eos_token_id=eos,
+                        priority=priority, kv_transfer_params=kv_transfer_params,
+                        output_token_ids=outputs, output_logprobs=list(output_logprobs),
+                        sample_index=sample_index, parent_id=rid if sample_index else None)
         first.pending_forks = [
-            Request(f"{rid}#{i}", ids, params, eos_token_id=eos, priority=priority,
+            Request(sample_request_id(rid, i), ids, params, eos_token_id=eos, priority=priority,
                     arrival_time=first.arrival_time, sample_index=i, parent_id=rid,
                     status=RequestStatus.WAITING)
             for i in range(1, params.n)]

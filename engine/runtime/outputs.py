@@ -19,7 +19,7 @@ class WorkerRequest:
     """A request as the router hands it to a worker.
 
     Attributes:
-        request_id: the router's internal id (samples of ``n > 1`` become ``id#i``).
+        request_id: the router's internal id of the request (every sample's).
         prompt_token_ids: the prompt (tokens).
         sampling_params: validated sampling parameters.
         priority: lower is more important.
@@ -37,7 +37,8 @@ class WorkerRequest:
         attempt: how many times the router started this request before (0 first).
         sample_index: which sample of an ``n > 1`` request this ``n == 1`` request
             is (a sample resumed alone after a migration; its seed stream is
-            sample ``sample_index``'s); 0 otherwise.
+            sample ``sample_index``'s); 0 otherwise. The worker runs it under the
+            engine id :func:`~tandem.engine.scheduling.request.sample_request_id`.
     """
 
     request_id: str
@@ -57,7 +58,8 @@ class RequestDelta:
     """What one step did for one request.
 
     Attributes:
-        request_id: the request (``parent#i`` for sample i > 0 of an n > 1 request).
+        request_id: the request (the router's id, whichever sample this is).
+        sample_index: which of its samples (``n > 1``) or beams (beam search), 0-based.
         new_token_ids: tokens generated in this step (usually one).
         new_logprobs: their log-probabilities, when asked for.
         finish_reason: ``stop``, ``length``, ``abort`` or ``error`` once finished, else None.
@@ -86,6 +88,7 @@ class RequestDelta:
     num_output_tokens: int = 0
     kv_transfer_ticket: dict | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)

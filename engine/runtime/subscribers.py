@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from tandem.engine.runtime.outputs import StepOutput
 
@@ -107,14 +107,21 @@ class Subscribers:
         """Ids of live or recently ended requests of ``name``."""
         return [rid for rid, owner in self._owners.items() if owner == name]
 
-    def publish(self, step: StepOutput) -> None:
-        """Give every subscriber ``step``, each with only its own requests' deltas."""
+    def publish(self, step: StepOutput, request_ids: Sequence[str] | None = None) -> None:
+        """Give every subscriber ``step``, each with only its own requests' deltas.
+
+        Args:
+            request_ids: the engine id of each delta's request, as :meth:`assign`
+                was given it (a sample's own: ``id#i``); None: the deltas' own
+                ``request_id``.
+        """
         self._last_stats = step.stats
         by_owner: dict[str, list] = {}
-        for d in step.deltas:
-            by_owner.setdefault(self.owner(d.request_id), []).append(d)
+        keys = request_ids if request_ids is not None else [d.request_id for d in step.deltas]
+        for key, d in zip(keys, step.deltas):
+            by_owner.setdefault(self.owner(key), []).append(d)
             if d.finish_reason is not None:
-                self._owners.pop(d.request_id, None)
+                self._owners.pop(key, None)
         with self._lock:
             boxes = list(self._outboxes.items())
         for name, box in boxes:

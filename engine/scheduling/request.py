@@ -53,13 +53,23 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+def sample_request_id(request_id: str, sample_index: int) -> str:
+    """The engine's id of sample ``sample_index`` of request ``request_id``: the
+    request's own id for sample 0, ``request_id#i`` for sample i (the forks of an
+    ``n > 1`` request, a beam search's results, a sample resumed alone). Only the
+    engine and its worker use these ids: what leaves a worker names the request and
+    the sample apart (:class:`~tandem.engine.runtime.outputs.RequestDelta`)."""
+    return request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated.
 
     A request with ``n > 1`` samples becomes ``n`` Requests: the first (index 0)
     is prefilled, the others fork from it once its prompt is computed and share
-    its blocks.
+    its blocks. Sample i's id is :func:`sample_request_id` of the request's, its
+    ``parent_id`` the request's own id.
 
     Plain Python, no torch: a seeded request's random generator is the
     :class:`~tandem.engine.sampling.sampler.Sampler`'s, keyed by ``request_id`` and
@@ -99,7 +109,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     sample_index: int = 0
-    parent_id: str | None = None
+    parent_id: str | None = None       # set for sample i > 0: the request's own id
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -121,6 +131,11 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [None]     # the first prompt token has no context
+
+    @property
+    def parent_request_id(self) -> str:
+        """The id of the request this sample belongs to (its own for sample 0)."""
+        return self.parent_id if self.parent_id is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
