@@ -251,3 +251,35 @@ def test_prompts_queued_at_a_busy_prefill_worker_are_prefilled_once(cluster, bas
     per_token = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * 4
     assert sent >= 6 * 1488 * per_token        # every prompt's full blocks came from prefill-0
     _assert_idle(cluster)
+
+
+def test_a_beam_search_outlives_its_decode_worker(cluster, baseline):
+    """A beam search runs whole inside its decode worker and returns its beams at the
+    end, so a kill -9 mid-search loses nothing the client saw: the search waits for
+    the replacement and runs again there, giving the no-failure beams (float32)."""
+    import threading
+
+    from tandem.v1 import tandem_pb2 as pb
+
+    request = pb.GenerateRequest(prompt=PROMPTS[0], sampling=pb.SamplingParams(
+        n=4, max_tokens=32, use_beam_search=True, length_penalty=0.5, ignore_eos=True))
+
+    def beams(responses) -> dict[int, list[int]]:
+        return {r.index: list(r.token_ids) for r in responses}
+
+    want = beams(cluster.generate(request))
+    assert sorted(want) == [0, 1, 2, 3] and all(len(b) == 32 for b in want.values())
+    waits_before = _metric(cluster.metrics_text(), WAITS % "resumed")
+    result: dict = {}
+    call = threading.Thread(target=lambda: result.update(got=cluster.generate(request, 300)))
+    call.start()
+    _wait(lambda: cluster.block_counts()["decode-0"]["num_running"] > 0, 60,
+          "the search to run")
+    victim = _handle(cluster, "decode-0")
+    os.kill(victim.info["pid"], signal.SIGKILL)
+    assert call.is_alive(), "the search ended before the kill: nothing was tested"
+    call.join(300)
+    assert beams(result["got"]) == want
+    assert _metric(cluster.metrics_text(), WAITS % "resumed") >= waits_before + 1
+    _back_to_size(cluster, "decode-0", victim.generation)
+    _assert_idle(cluster)
