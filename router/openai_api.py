@@ -28,11 +28,18 @@ failure after the stream started is one ``data: {"error": ...}`` frame, then
 and ``/openapi.json`` documents it (and ``/health``, ``/metrics`` as text).
 Messages never carry a traceback or an internal path.
 
+The request and error models and the field mapping are in
+:mod:`tandem.router.openai_protocol`; the two generation endpoints in
+:mod:`tandem.router.openai_completions` and :mod:`tandem.router.openai_chat`
+(mixins of :class:`OpenAIServer`); this module wires the app, authentication,
+admission and what both endpoints share.
+
 A client that disconnects (or cancels a stream) closes the request's
 orchestrator generator there and then, which aborts it on the workers, frees its
 blocks and counts it (``tandem:request_aborts{source="http_disconnect"}``, once
 per prompt).
 """
+
 
 from __future__ import annotations
 
@@ -43,165 +50,31 @@ import json
 import logging
 import socket
 import time
-import uuid
-from typing import Annotated, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict
-from pydantic_core import PydanticCustomError
 
 from tandem.engine.sampling.sampling_params import InvalidParameterError
+from tandem.router.openai_chat import ChatServing
+from tandem.router.openai_completions import CompletionsServing
+from tandem.router.openai_protocol import (_ENGINE_CONSTRAINT_PARAMS, _ERRORS, MAX_BODY_BYTES,
+                                           MAX_HEADER_BYTES, APIError, ChatCompletionRequest,
+                                           CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                           TokenizeRequest, _check_failed, _check_size,
+                                           _loc_param, _param_name)
 from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, RequestFailed,
                                         ServiceUnavailable)
-from tandem.router.tool_calling import (ToolPlan, ToolRequestError, plan_tools, template_message,
-                                        template_tools)
-from tandem.router.tool_parsers import ToolCallStream, extract_tool_calls
-from tandem.router.validation import (CONSTRAINT_FIELDS, MAX_PROMPT_BYTES, InvalidRequestError,
-                                      RequestValidator, ValidatedRequest)
+from tandem.router.validation import InvalidRequestError, RequestValidator, ValidatedRequest
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH_PROMPTS = 64
-"""Prompts per ``/v1/completions`` request (a list prompt)."""
-MAX_HEADER_BYTES = 64 * 1024
-"""The request line and headers together; a larger head is refused (431)."""
-MAX_BODY_BYTES = 8 * 1024 * 1024
-"""A request body; a larger one is refused with 413 before it is read whole."""
-
-
-# -- request schemas (OpenAI + vLLM extras) ----------------------------------------------------
-
-def _valid_unicode(value: str) -> str:
-    """``value`` if UTF-8 can encode it. JSON's ``\\ud800`` escapes decode to lone
-    surrogates, which no tokenizer, protobuf string or UTF-8 response can hold."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError(
-            "unicode_surrogate",
-            "must be valid Unicode: character {position} is a lone surrogate ({code})",
-            {"position": exc.start, "code": f"U+{ord(value[exc.start]):04X}"}) from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-"""A string field of a request: refused (400 naming the field) unless valid Unicode."""
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: Text | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    use_beam_search: bool = False     # vLLM's: the n choices are the beams, best first
-    length_penalty: float | None = None
-    skip_special_tokens: bool = True
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: Text | None = None
-    priority: int = 0
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | Text | None = None
-    guided_regex: Text | None = None
-    guided_choice: list[Text] | None = None
-    guided_grammar: Text | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: Text | None = None
-    best_of: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Text
-    content: Text | list[dict[str, Any]] | None = None
-    # Tool calling: an assistant turn's calls, a tool turn's answer to one of them.
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: Text | None = None
-    name: Text | None = None
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Text | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: Text | None = None
-    tokens: list[int]
-
 
 # -- errors ----------------------------------------------------------------------------------
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: int
 
-
-class ErrorResponse(BaseModel):
-    """Every error's body (vLLM's shape)."""
-
-    error: ErrorInfo
-
-
-_ERRORS = {
-    # A range, not 422: FastAPI documents its own 422 schema unless one is given.
-    "4XX": "Refused: 400 bad input (`param` names the field), 401 no or a wrong API key, "
-           f"404 unknown model, 413 a body over {MAX_BODY_BYTES} bytes, 431 a request head "
-           f"over {MAX_HEADER_BYTES} bytes",
-    "5XX": "500 a server fault; 503 no decode worker can serve (retry)",
-}
 _ERROR_RESPONSES: dict = {code: {"model": ErrorResponse, "description": why}
                           for code, why in _ERRORS.items()}
 # A route answering text gets its errors documented explicitly as JSON: FastAPI would
@@ -222,215 +95,9 @@ _GENERATION_RESPONSES: dict = {
 }
 
 
-def _check_size(param: str, size: int) -> None:
-    """Refuse ``/tokenize`` text over the validator's cap (as a generation request
-    would be) before tokenizing it on the event loop: 400 naming ``param``."""
-    if size > MAX_PROMPT_BYTES:
-        what = "the contents must" if param == "messages" else "must"
-        raise APIError(400, f"{param}: {what} be at most {MAX_PROMPT_BYTES} bytes of UTF-8, "
-                            f"got {size}", param)
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {...}}`` with an HTTP status."""
-
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-             429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after_s: float = 0.0):
-        # A message quoting the client's text must still encode as UTF-8.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        if self.status == 429:
-            from tandem.control.rate_limits import retry_after_seconds
-
-            return {"Retry-After": str(retry_after_seconds(self.retry_after_s))}
-        return None
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
-
-
-def _param_name(field: str, chat: bool, uses_completion_tokens: bool = False,
-                constraint_param: str | None = None) -> str:
-    """A validator field path (``sampling.top_p``, ``chat.messages[0].role``) as the
-    OpenAI request's field name (``top_p``, ``messages[0].role``); a constraint's
-    (``sampling.json_schema``) as ``constraint_param``, the field that carried it."""
-    if field.startswith("sampling."):
-        name = field.removeprefix("sampling.")
-        if name in CONSTRAINT_FIELDS and constraint_param is not None:
-            return constraint_param
-        if name == "logprobs":
-            return "top_logprobs" if chat else "logprobs"
-        if name == "max_tokens" and uses_completion_tokens:
-            return "max_completion_tokens"
-        return name
-    if field.startswith("chat.") or field == "chat":
-        return field.removeprefix("chat.") if field != "chat" else "messages"
-    if field in ("prompt", "input") or field.startswith("token_ids"):
-        return "messages" if chat else "prompt"
-    return field
-
-
-def _loc_param(loc) -> str | None:
-    """A pydantic error location (``("body", "messages", 0, "role")``) as a field name
-    (``messages[0].role``), without the union-member tags pydantic inserts
-    (``"str"``, ``"list[int]"``, ``"function-after[...]"``): ``("body", "prompt",
-    "list[...]", 1)`` is ``prompt[1]``."""
-    out = ""
-    for part in loc:
-        if part == "body" and not out:
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
-    return out or None
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _set(msg, name: str, value, param: str) -> None:
-    """``msg.name = value`` for a protobuf field, refusing values its type cannot
-    hold (e.g. a negative ``n``) as a 400 naming ``param``."""
-    try:
-        setattr(msg, name, value)
-    except (ValueError, TypeError):
-        raise APIError(400, f"{param}: {value!r} is out of range", param) from None
-
-
-def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
-    sp = pb.SamplingParams()
-    _set(sp, "n", r.n, "n")
-    if max_tokens is not None:
-        _set(sp, "max_tokens", max_tokens, "max_tokens")
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-        value = getattr(r, name)
-        if value is not None:
-            _set(sp, name, value, name)
-    for name in ("min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
-                 "ignore_eos", "min_tokens", "skip_special_tokens", "use_beam_search"):
-        _set(sp, name, getattr(r, name), name)
-    if r.length_penalty is not None:
-        _set(sp, "length_penalty", r.length_penalty, "length_penalty")
-    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    try:
-        sp.stop.extend(stop)
-    except (ValueError, TypeError):
-        raise APIError(400, "stop: must be a string or a list of strings", "stop") from None
-    try:
-        sp.stop_token_ids.extend(r.stop_token_ids or [])
-    except (ValueError, TypeError):
-        raise APIError(400, "stop_token_ids: every id must be in [0, 2^32)",
-                       "stop_token_ids") from None
-    if logprobs is not None:
-        _set(sp, "logprobs", logprobs, "logprobs")
-    return sp
-
-
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
-# An engine's structured-outputs field (a worker's refusal) -> the request field.
-_ENGINE_CONSTRAINT_PARAMS = {"structured_outputs.json": "guided_json",
-                             "structured_outputs.regex": "guided_regex",
-                             "structured_outputs.choice": "guided_choice",
-                             "structured_outputs.grammar": "guided_grammar",
-                             "structured_outputs.json_object": "response_format"}
-
-
-def _set_constraint(sp: pb.SamplingParams, r: _Sampling) -> str | None:
-    """Fill ``sp``'s ``constraint`` from ``response_format`` or a ``guided_*`` field.
-
-    Returns:
-        The request field that set it (for error messages), or None.
-
-    Raises:
-        APIError: 400 naming the field: two constraints, an unknown
-            ``response_format`` type, a ``json_schema`` without its ``schema``.
-    """
-    found: list[tuple[str, str, Any]] = []       # (request field, proto field, value)
-    rf = r.response_format
-    if rf is not None:
-        kind = rf.get("type", "text")
-        if kind == "json_object":
-            found.append(("response_format", "json_object", True))
-        elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, (dict, bool)):
-                raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
-                                    "is required", "response_format")
-            found.append(("response_format", "json_schema", schema))
-        elif kind != "text":
-            raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
-                                f"'json_schema', got {kind!r}", "response_format")
-    for name, proto_field in _GUIDED.items():
-        value = getattr(r, name)
-        if value is not None:
-            found.append((name, proto_field, value))
-    if not found:
-        return None
-    if len(found) > 1:
-        raise APIError(400, f"{found[1][0]}: only one of response_format (json_object or "
-                            "json_schema), guided_json, guided_regex, guided_choice and "
-                            f"guided_grammar may be set, got {found[0][0]} too", found[1][0])
-    param, proto_field, value = found[0]
-    if proto_field == "json_schema" and not isinstance(value, str):
-        value = json.dumps(value, ensure_ascii=False)
-    try:
-        if proto_field == "choice":
-            sp.choice.choices.extend(value)
-        else:
-            setattr(sp, proto_field, value)
-    except (ValueError, TypeError):
-        raise APIError(400, f"{param}: {value!r} is not valid here", param) from None
-    return param
-
-
-def _refuse_unsupported(r: _Sampling) -> None:
-    if r.logit_bias:
-        raise APIError(400, "logit_bias: not supported", "logit_bias")
-    if r.stream_options is not None and not r.stream:
-        # As vLLM and OpenAI answer: the options would be silently ignored.
-        raise APIError(400, "stream_options: only allowed when stream is true",
-                       "stream_options")
-    try:
-        pb.GenerateRequest(priority=r.priority)
-    except ValueError:
-        raise APIError(400, f"priority: {r.priority} is out of range", "priority") from None
-
-
-def _message_text(m: ChatMessage, i: int) -> str:
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for j, part in enumerate(m.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
-                           f"messages[{i}].content[{j}]")
-        try:
-            parts.append(_valid_unicode(part["text"]))
-        except PydanticCustomError as exc:    # the schema leaves parts untyped
-            param = f"messages[{i}].content[{j}].text"
-            raise APIError(400, f"{param}: {exc.message()}", param) from None
-    return "".join(parts)
-
-
 # -- the app ---------------------------------------------------------------------------------
 
-class OpenAIServer:
+class OpenAIServer(CompletionsServing, ChatServing):
     """The HTTP front end over an :class:`Orchestrator`.
 
     Args:
@@ -684,68 +351,6 @@ class OpenAIServer:
         if not self.orchestrator.cluster.can_serve:
             raise APIError(503, "no decode worker is alive")
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        from jinja2 import TemplateError  # comes with transformers' chat templates
-
-        conversation = [{"role": m.role, "content": _message_text(m, i)}
-                        for i, m in enumerate(messages)]
-        _check_size("messages", sum(len(m["content"].encode()) for m in conversation))
-        try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
-        except TemplateError as exc:       # the template refused the conversation
-            raise APIError(400, f"messages: rejected by the chat template: {exc}",
-                           "messages") from None
-        except ValueError as exc:          # "messages...: why"
-            param, _, message = str(exc).partition(": ")
-            raise APIError(400, f"{param}: {message}", param) from None
-
-    def _tool_chat_ids(self, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        """The prompt of a chat request with tools or tool turns: the conversation and
-        the tools through the chat template, with the checks the validator makes of
-        chat text (roles, no control tokens) applied to every string it renders.
-
-        Raises:
-            APIError: 400 naming the field (``messages[1].tool_calls[0].function.arguments``,
-                ``tools``).
-        """
-        from jinja2 import TemplateError  # comes with transformers' chat templates
-
-        v = self.validator
-        tools = template_tools(plan.tools)
-        tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
-        conversation, size = [], len(tools_text.encode())
-        try:
-            if tools:
-                v.check_chat_text("tools", tools_text)
-            for i, m in enumerate(body.messages):
-                text = _message_text(m, i)
-                v.check_chat_role(f"messages[{i}].role", m.role)
-                v.check_chat_text(f"messages[{i}].content", text)
-                for name in ("tool_call_id", "name"):
-                    if getattr(m, name):
-                        v.check_chat_text(f"messages[{i}].{name}", getattr(m, name))
-                if m.tool_calls:
-                    calls_text = json.dumps(m.tool_calls, ensure_ascii=False)
-                    v.check_chat_text(f"messages[{i}].tool_calls", calls_text)
-                    size += len(calls_text.encode())
-                size += len(text.encode())
-                conversation.append(template_message(m.role, text, m.tool_calls,
-                                                     m.tool_call_id, m.name, i))
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), exc.field) from None
-        except ToolRequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
-        _check_size("messages", size)
-        try:
-            return self.tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
-                                                      tools=tools)
-        except TemplateError as exc:       # the template refused the conversation
-            raise APIError(400, f"messages: rejected by the chat template: {exc}",
-                           "messages") from None
-        except ValueError as exc:          # "messages...: why"
-            param, _, message = str(exc).partition(": ")
-            raise APIError(400, f"{param}: {message}", param) from None
-
     def _invalid(self, exc: InvalidRequestError, chat: bool, completion_tokens=False,
                  constraint_param: str | None = None) -> APIError:
         param = _param_name(exc.field, chat, completion_tokens, constraint_param)
@@ -868,293 +473,8 @@ class OpenAIServer:
             _check_failed(s)
         return finals
 
-    # -- completions -----------------------------------------------------------------------
-    def _completion_requests(self, body: CompletionRequest) -> tuple[list[ValidatedRequest], list]:
-        self._check_model(body.model)
-        _refuse_unsupported(body)
-        if body.suffix:
-            raise APIError(400, "suffix: not supported", "suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
-        p = body.prompt
-        if isinstance(p, str):
-            prompts: list = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        else:
-            prompts = list(p)
-        if not prompts:
-            raise APIError(400, "prompt: must not be empty", "prompt")
-        if len(prompts) > MAX_BATCH_PROMPTS:
-            raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
-                                f"got {len(prompts)}", "prompt")
-        sampling = _sampling_message(body, body.max_tokens, body.logprobs)
-        constraint_param = _set_constraint(sampling, body)
-        if body.echo and body.logprobs is not None:     # the prompt's own, as vLLM echoes them
-            sampling.prompt_logprobs = body.logprobs
-        base = uuid.uuid4().hex
-        out = []
-        for i, prompt in enumerate(prompts):
-            req = pb.GenerateRequest(request_id=f"cmpl-{base}-{i}", sampling=sampling,
-                                     priority=body.priority, stream=body.stream)
-            if isinstance(prompt, str):
-                req.prompt = prompt
-            else:
-                try:
-                    req.token_ids.ids.extend(prompt)
-                except (ValueError, TypeError):
-                    raise APIError(400, "prompt: token ids must be in [0, 2^32)",
-                                   "prompt") from None
-            out.append(self._validate(req, chat=False, fill_max_tokens=False,
-                                      constraint_param=constraint_param))
-        return out, prompts
-
-    def _prompt_text(self, v: ValidatedRequest) -> str:
-        return self.tokenizer.decode(list(v.prompt_token_ids), skip_special_tokens=False)
-
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, logprobs, offset: int, prompt_ids=None) -> dict:
-        """OpenAI completion logprobs of ``logprobs`` (generated tokens'), after the
-        prompt's when ``prompt_ids`` is given (echo: the prompt's own entries, None
-        for the first token, which nothing precedes)."""
-        entries = []
-        if prompt_ids is not None:
-            entries = [(t, None, None) if lp is None else (t, lp.logprob, lp.top)
-                       for t, lp in zip(prompt_ids, logprobs[0])]
-            logprobs = logprobs[1]
-        entries += [(lp.token_id, lp.logprob, lp.top) for lp in logprobs]
-        tokens = [self._token_str(t) for t, _, _ in entries]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [v for _, v, _ in entries],
-                "top_logprobs": [None if top is None else {self._token_str(t): v for t, v in top}
-                                 for _, _, top in entries],
-                "text_offset": offsets}
-
-    async def _completions(self, body: CompletionRequest, request):
-        requests, _ = self._completion_requests(body)
-        self._check_serving()
-        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
-        key_id = await self._admit(request, rid)
-        if body.stream:
-            return self._sse(self._completion_stream(body, requests, request, rid, created),
-                             on_close=lambda: self._release(key_id, rid))
-        try:
-            finals = await self._collect(requests, request)
-        finally:
-            self._release(key_id, rid)
-        choices, usage = [], _Usage()
-        for i, v in enumerate(requests):
-            prompt_text = self._prompt_text(v) if body.echo else ""
-            usage.add_prompt(len(v.prompt_token_ids))
-            for j in range(n):
-                s = finals[(i, j)]
-                usage.add_sample(s, i)
-                text = prompt_text + "".join(s.pieces)
-                lps = None
-                if body.logprobs is not None and body.echo:
-                    lps = self._completion_logprobs((s.prompt_logprobs, s.logprobs), 0,
-                                                    list(v.prompt_token_ids))
-                elif body.logprobs is not None:
-                    lps = self._completion_logprobs(s.logprobs, 0)
-                choices.append({"index": i * n + j, "text": text, "logprobs": lps,
-                                "finish_reason": s.finish_reason,
-                                "stop_reason": _stop_reason(s)})
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage.body()}
-
-    async def _completion_stream(self, body, requests, request, rid, created):
-        n = body.n
-        base = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name}
-        usage = _Usage()
-        for v in requests:
-            usage.add_prompt(len(v.prompt_token_ids))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        offsets: dict[int, int] = {}
-        scored_echo = body.echo and body.logprobs is not None
-        if body.echo and not scored_echo:
-            for i, v in enumerate(requests):
-                text = self._prompt_text(v)
-                for j in range(n):
-                    yield {**base, "choices": [{"index": i * n + j, "text": text,
-                                                "logprobs": None, "finish_reason": None}]}
-        async with self._running(requests) as events:
-            async for i, ev in events:
-                # The update, not the sample: _running queues events, so the sample
-                # may have run ahead (finished) by the time an earlier event is read.
-                s, upd = ev.sample, ev.update
-                finished = upd.finish_reason is not None
-                idx = i * n + s.index
-                _check_failed(upd)
-                if scored_echo and upd.prompt_logprobs is not None:
-                    # The prompt's scores come with the sample's first tokens: echo it now.
-                    ids = list(requests[i].prompt_token_ids)
-                    lps = self._completion_logprobs((upd.prompt_logprobs, ()), 0, ids)
-                    offsets[idx] = sum(len(t) for t in lps["tokens"])
-                    yield {**base, "choices": [{"index": idx,
-                                                "text": self._prompt_text(requests[i]),
-                                                "logprobs": lps, "finish_reason": None}]}
-                if not (upd.text or upd.token_ids or finished):
-                    continue
-                lps = None
-                if body.logprobs is not None:
-                    lps = self._completion_logprobs(upd.logprobs, offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
-                choice = {"index": idx, "text": upd.text, "logprobs": lps,
-                          "finish_reason": upd.finish_reason}
-                if finished:
-                    choice["stop_reason"] = _stop_reason(upd)
-                    usage.add_sample(s, i)
-                chunk = {**base, "choices": [choice]}
-                if include_usage and continuous:
-                    chunk["usage"] = usage.body()
-                yield chunk
-        if include_usage:
-            yield {**base, "choices": [], "usage": usage.body()}
-
-    # -- chat ------------------------------------------------------------------------------
-    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
-        try:
-            return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
-                              self.tool_call_parser)
-        except ToolRequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
-
-    def _chat_request(self, body: ChatCompletionRequest,
-                      plan: ToolPlan | None = None) -> ValidatedRequest:
-        self._check_model(body.model)
-        _refuse_unsupported(body)
-        plan = plan or self._tool_plan(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
-        if not body.messages:
-            raise APIError(400, "messages: must contain at least one message", "messages")
-        uses_completion = body.max_completion_tokens is not None
-        max_tokens = body.max_completion_tokens if uses_completion else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        try:
-            sampling = _sampling_message(body, max_tokens, logprobs)
-        except APIError as exc:
-            if exc.param == "logprobs":
-                exc.param, exc.message = "top_logprobs", exc.message.replace("logprobs", "top_logprobs", 1)
-            if exc.param == "max_tokens" and uses_completion:
-                exc.param = "max_completion_tokens"
-            raise
-        constraint_param = _set_constraint(sampling, body)
-        if plan.schema is not None:
-            # A forced tool choice is a JSON-schema constraint (vLLM's).
-            if constraint_param is not None:
-                raise APIError(400, f"tool_choice: {plan.mode!r} cannot be combined with "
-                                    f"{constraint_param}", "tool_choice")
-            sampling.json_schema = json.dumps(plan.schema, ensure_ascii=False)
-            constraint_param = "tools"
-        req = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=sampling,
-                                 priority=body.priority, stream=body.stream)
-        if plan.tools or any(m.tool_calls or m.tool_call_id is not None for m in body.messages):
-            # Tools and tool turns reach the template only here (the gRPC chat message
-            # has role and content): the prompt goes on as token ids.
-            req.token_ids.ids.extend(self._tool_chat_ids(body, plan))
-        else:
-            for i, m in enumerate(body.messages):
-                req.chat.messages.append(pb.ChatMessage(role=m.role,
-                                                        content=_message_text(m, i)))
-        return self._validate(req, chat=True, fill_max_tokens=max_tokens is None,
-                              completion_tokens=uses_completion,
-                              constraint_param=constraint_param)
-
-    def _chat_logprobs(self, logprobs) -> dict:
-        def entry(token_id: int, lp: float) -> dict:
-            t = self._token_str(token_id)
-            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in logprobs]}
-
-    async def _chat(self, body: ChatCompletionRequest, request):
-        self._check_model(body.model)          # an unknown model first: 404 before any 400
-        plan = self._tool_plan(body)
-        v = self._chat_request(body, plan)
-        self._check_serving()
-        rid, created = v.request_id, int(time.time())
-        key_id = await self._admit(request, rid)
-        if body.stream:
-            return self._sse(self._chat_stream(body, v, request, rid, created, plan),
-                             on_close=lambda: self._release(key_id, rid))
-        try:
-            finals = await self._collect([v], request)
-        finally:
-            self._release(key_id, rid)
-        usage = _Usage()
-        usage.add_prompt(len(v.prompt_token_ids))
-        choices = []
-        for j in range(body.n):
-            s = finals[(0, j)]
-            usage.add_sample(s)
-            message, finish_reason = _chat_message("".join(s.pieces), s.finish_reason, plan)
-            choices.append({"index": j, "message": message,
-                            "logprobs": self._chat_logprobs(s.logprobs) if body.logprobs else None,
-                            "finish_reason": finish_reason, "stop_reason": _stop_reason(s)})
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage.body()}
-
-    async def _chat_stream(self, body, v, request, rid, created, plan: ToolPlan | None = None):
-        # Per sample: reads tool calls out of its deltas (None: plain content).
-        tool_streams = {j: ToolCallStream(plan.parser, plan.max_calls) for j in range(body.n)} \
-            if plan is not None and plan.parser is not None else {}
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
-        usage = _Usage()
-        usage.add_prompt(len(v.prompt_token_ids))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        # The role chunks go out with the first output, as vLLM sends them: clients take
-        # the first chunk's arrival as TTFT (`vllm bench serve` does), so sent before
-        # the prefill they would report a TTFT of ~0 and fold the prefill into TPOT.
-        # A request that fails first gets its error frame first.
-        role_sent = False
-
-        def role_chunks():
-            return [{**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-                    for j in range(body.n)]
-
-        async with self._running([v]) as events:
-            async for _, ev in events:
-                s, upd = ev.sample, ev.update       # the update: see _completion_stream
-                finished = upd.finish_reason is not None
-                _check_failed(upd)
-                if not (upd.text or upd.token_ids or finished):
-                    continue
-                if not role_sent:
-                    role_sent = True
-                    for chunk in role_chunks():
-                        yield chunk
-                finish_reason = upd.finish_reason
-                if tool_streams:
-                    delta, finish_reason = _tool_delta(tool_streams[s.index], upd.text,
-                                                       finish_reason)
-                    if not (delta or finished or body.logprobs):
-                        continue               # held back: may start a tool call
-                else:
-                    delta = {"content": upd.text} if upd.text or not finished else {}
-                choice = {"index": s.index, "delta": delta,
-                          "logprobs": self._chat_logprobs(upd.logprobs) if body.logprobs else None,
-                          "finish_reason": finish_reason}
-                if finished:
-                    choice["stop_reason"] = _stop_reason(upd)
-                    usage.add_sample(s)
-                chunk = {**base, "choices": [choice]}
-                if include_usage and continuous:
-                    chunk["usage"] = usage.body()
-                yield chunk
-        if include_usage:
-            yield {**base, "choices": [], "usage": usage.body()}
 
     # -- server-sent events ----------------------------------------------------------------
     def _sse(self, chunks: AsyncIterator[dict], on_close=None):
@@ -1186,51 +506,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-
-
-def _stop_reason(s) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or stop token id that ended the sample
-    (None for EOS, length, abort; never a worker's error text). ``s``: a sample or
-    the update that finished it."""
-    return s.stop_reason if s.finish_reason == "stop" else None
-
-
-def _chat_message(text: str, finish_reason: str | None,
-                  plan: ToolPlan) -> tuple[dict, str | None]:
-    """A finished sample's ``message`` and ``finish_reason``: with tool calls found in
-    ``text`` (``plan``'s parser), ``content`` is the text before them (None if none),
-    ``tool_calls`` the calls and the finish reason ``tool_calls``."""
-    if plan.parser is not None:
-        content, calls = extract_tool_calls(plan.parser, text, plan.max_calls)
-        if calls:
-            return ({"role": "assistant", "content": content,
-                     "tool_calls": [c.to_openai() for c in calls]}, "tool_calls")
-    return {"role": "assistant", "content": text}, finish_reason
-
-
-def _tool_delta(stream: ToolCallStream, text: str,
-                finish_reason: str | None) -> tuple[dict, str | None]:
-    """A chunk's ``delta`` and ``finish_reason`` for ``text`` (a sample's new text) read
-    by its :class:`ToolCallStream`; ``finish_reason`` not None: the sample ended."""
-    content, calls = stream.feed(text) if text else ("", [])
-    if finish_reason is not None:
-        more, more_calls = stream.finish()
-        content, calls = content + more, calls + more_calls
-        if stream.complete:               # as the non-streaming answer decides it
-            finish_reason = "tool_calls"
-    delta: dict = {}
-    if content:
-        delta["content"] = content
-    if calls:
-        delta["tool_calls"] = calls
-    return delta, finish_reason
-
-
-def _check_failed(s) -> None:
-    """A sample a worker failed ends the response with a 500 (the worker's message is
-    logged by the orchestrator, not sent). ``s``: a sample or one of its updates."""
-    if s.finish_reason == "error":
-        raise APIError(500, "generation failed on a worker")
 
 
 def _head_bytes(scope) -> int:
@@ -1297,29 +572,6 @@ class _AuthMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive_, send)
-
-
-class _Usage:
-    """Token counts over a response's prompts and samples."""
-
-    def __init__(self) -> None:
-        self.prompt = self.completion = 0
-        self.cached: dict[int, int] = {}       # per prompt: its samples share the prompt
-
-    def add_prompt(self, n: int) -> None:
-        self.prompt += n
-
-    def add_sample(self, s, prompt_index: int = 0) -> None:
-        self.completion += s.num_tokens
-        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), s.num_cached_tokens)
-
-    def body(self) -> dict:
-        out = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-               "total_tokens": self.prompt + self.completion}
-        cached = sum(self.cached.values())
-        if cached:
-            out["prompt_tokens_details"] = {"cached_tokens": cached}
-        return out
 
 
 async def _wait_disconnect(request) -> None:
