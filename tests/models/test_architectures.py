@@ -96,17 +96,24 @@ def served(request, tmp_path_factory):
     return request.param, llm, reference
 
 
-def test_greedy_tokens_equal_transformers(served):
-    """Chunked prefill on the first pass; the second reads the prompts' full blocks
-    from the prefix cache."""
-    case, llm, reference = served
-    assert llm.engine.model_config.architecture == CASES[case][2]
+def assert_greedy_and_cached(llm: LLM, reference: list[list[int]]) -> None:
+    """``llm`` gives ``reference`` for :func:`_prompts` twice: chunked prefill on the
+    first pass; the second reads the prompts' full blocks from the prefix cache (its
+    cached-token counts exact); every block free after each."""
     for cached in (False, True):
         outs = llm.generate(_prompts(), GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert [o.num_cached_tokens for o in outs] == ([0, 32, 64] if cached else [0, 0, 0])
         kv = llm.engine.kv_cache_manager
         assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_greedy_tokens_equal_transformers(served):
+    """Chunked prefill on the first pass; the second reads the prompts' full blocks
+    from the prefix cache."""
+    case, llm, reference = served
+    assert llm.engine.model_config.architecture == CASES[case][2]
+    assert_greedy_and_cached(llm, reference)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tandem.engine.llm import LLM
 from tandem.engine.model.registry import UnsupportedModelError
 from tests.models.conftest import hf_greedy, save_tiny_checkpoint
 from tests.models.gguf_files import write_gguf
-from tests.models.test_architectures import CASES, GREEDY, NUM_TOKENS, _prompts
+from tests.models.test_architectures import CASES, NUM_TOKENS, _prompts, assert_greedy_and_cached
 
 # case -> (transformers config class, overrides, the architecture Tandem resolves).
 # What a GGUF file cannot say is left at what llama.cpp assumes: Gemma's query
@@ -68,12 +68,7 @@ def test_gguf_greedy_tokens_equal_transformers(served):
     from the prefix cache."""
     case, llm, reference = served
     assert llm.engine.model_config.architecture == GGUF_CASES[case][2]
-    for cached in (False, True):
-        outs = llm.generate(_prompts(), GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == reference
-        assert [o.num_cached_tokens for o in outs] == ([0, 32, 64] if cached else [0, 0, 0])
-        kv = llm.engine.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
+    assert_greedy_and_cached(llm, reference)
 
 
 BASE_FIELDS = {"general.architecture": "qwen3", "qwen3.embedding_length": 64,
