@@ -32,6 +32,12 @@ RESERVATION_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
+class ServerStopping:
+    """Put in every request's queue when the router shuts down: the request ends
+    with ``UNAVAILABLE`` (an error frame over HTTP) instead of a cut connection."""
+
+
+@dataclass(frozen=True)
 class WorkerLost:
     """Put in a request's queue when its decode worker died (or was replaced).
 
@@ -182,6 +188,13 @@ class Cluster:
 
     @property
     def num_active(self) -> int:
+        return len(self._queues)
+
+    def stop_requests(self) -> int:
+        """End every request in flight (shutdown): each gets :class:`ServerStopping`.
+        Returns how many."""
+        for q in self._queues.values():
+            q.put_nowait(ServerStopping())
         return len(self._queues)
 
     # -- pumps --------------------------------------------------------------------------------

@@ -438,6 +438,13 @@ class RouterServer:
             self._reporter.cancel()
             await asyncio.gather(self._reporter, return_exceptions=True)
             self._reporter = None
+        if self.cluster is not None and self.cluster.stop_requests():
+            # Requests in flight end with UNAVAILABLE ("shutting down"; an error frame
+            # over HTTP) rather than a cut connection: give the front ends a moment
+            # (bounded) to send that before the servers stop.
+            deadline = time.monotonic() + grace_s
+            while self.cluster.num_active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:

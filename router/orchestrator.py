@@ -36,7 +36,7 @@ from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
 from tandem.engine.runtime.worker_common import WorkerFencedError
-from tandem.router.cluster import Cluster, WorkerHandle, WorkerLost
+from tandem.router.cluster import Cluster, ServerStopping, WorkerHandle, WorkerLost
 from tandem.router.stream import SampleStream, SampleUpdate, new_sample_streams
 from tandem.router.validation import ValidatedRequest
 from tandem.router.worker_client import WorkerDiedError, WorkerError
@@ -52,6 +52,15 @@ class RequestFailed(Exception):
 class ServiceUnavailable(Exception):
     """No worker can take the request now (none alive, or every attempt lost its
     worker); front ends answer UNAVAILABLE. The message names no internals."""
+
+
+def _raise_if_lost(item) -> None:
+    """Raise for a queue item that ends the attempt: :class:`_WorkerLost` for a lost
+    decode worker, :class:`ServiceUnavailable` for a router shutting down."""
+    if isinstance(item, WorkerLost):
+        raise _WorkerLost(item.worker_id)
+    if isinstance(item, ServerStopping):
+        raise ServiceUnavailable("the server is shutting down; retry the request")
 
 
 class _WorkerLost(Exception):
@@ -354,8 +363,7 @@ class Orchestrator:
                 yield ev
         while not all(s.finished for s in samples):
             item = await queue.get()
-            if isinstance(item, WorkerLost):
-                raise _WorkerLost(item.worker_id)
+            _raise_if_lost(item)
             for ev in self._consume(v, rid, samples, item, trace):
                 yield ev
 
@@ -402,8 +410,7 @@ class Orchestrator:
         rid, cluster, decode, prefill = req.request_id, self.cluster, att.decode, att.prefill
         while True:
             item = await queue.get()
-            if isinstance(item, WorkerLost):
-                raise _WorkerLost(item.worker_id)
+            _raise_if_lost(item)
             if item.kv_transfer_ticket is not None:
                 break
             if item.finish_reason is not None:        # the decode worker failed
@@ -438,8 +445,7 @@ class Orchestrator:
                     lost.cancel()
             if lost.done() and not lost.cancelled():
                 item = lost.result()
-                if isinstance(item, WorkerLost):
-                    raise _WorkerLost(item.worker_id)
+                _raise_if_lost(item)
                 queue.put_nowait(item)    # the decode worker's own delta: handled below
             if not call.done():
                 self._spawn(self._try(prefill.client.abort(rid)))
