@@ -87,6 +87,7 @@ class DecodeWorker(EngineWorker):
             WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
         self._fence.check()
+        await self.compile_constraint(request.sampling_params)
 
         def add() -> None:
             first = self.engine.add_request(

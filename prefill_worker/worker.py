@@ -95,6 +95,7 @@ class PrefillWorker(EngineWorker):
 
         self._fence.check()
         params = request.sampling_params
+        await self.compile_constraint(params)
         first = dataclasses.replace(params, n=1, max_tokens=1,
                                     min_tokens=min(params.min_tokens, 1), stop=())
 

@@ -200,3 +200,65 @@ def test_chunked_prefill_preemption_resume_and_speculation_keep_the_output(f32_w
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     assert spec.generate([ids], params)[0].outputs[0].token_ids == want
     assert spec.engine.scheduler.spec_stats.num_drafts > 0
+
+
+# -- compiling off the engine loop -----------------------------------------------------------
+
+# ~0.5-1 s to compile on this machine's CPUs: long enough to see steps go on meanwhile.
+_SLOW_SCHEMA = {"type": "object", "required": [f"field_{i}" for i in range(80)], "properties": {
+    f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 5 + 1},{i % 7 + 8}}}[0-9]{{2,{i % 4 + 3}}}$"}
+    for i in range(80)}}
+
+
+def test_a_worker_compiles_grammars_while_its_engine_loop_keeps_decoding(llm):
+    """The decode worker compiles a new grammar on a thread of its own: a running
+    stream keeps getting tokens during the compile (on the loop, it would stall)."""
+    import asyncio
+    import time
+
+    from tandem.decode_worker.worker import DecodeWorker
+    from tandem.engine.config import CacheConfig, EngineConfig
+    from tandem.engine.runtime.outputs import WorkerRequest
+
+    running = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8,
+                                 structured_outputs=SO(json=_SLOW_SCHEMA))
+
+    async def scenario():
+        worker = DecodeWorker("colocated-0", EngineConfig(dtype="float32",
+                                                          cache=CacheConfig(num_blocks=64)),
+                              role="colocated", kv_transport=None, weights_from=llm.engine)
+        arrivals: list[float] = []
+        stop = asyncio.Event()
+
+        async def consume():
+            while not stop.is_set():
+                for step in await worker.poll(0.2):
+                    arrivals.extend(time.monotonic() for d in step.deltas
+                                    if d.request_id == "r1" and d.new_token_ids)
+        try:
+            await worker.add_request(WorkerRequest("r1", tuple(_ids(llm, "Count to fifty.")),
+                                                   running))
+            consumer = asyncio.create_task(consume())
+            while len(arrivals) < 2:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            await worker.add_request(WorkerRequest("r2", tuple(_ids(llm, QUESTION)), constrained))
+            end = time.monotonic()
+            stop.set()
+            await consumer
+            during = [t for t in arrivals if start < t < end]
+            stats = worker.engine.structured_outputs
+            assert await worker.abort("r1") and await worker.abort("r2")
+            return end - start, len(during), stats.num_compiles, stats.num_cache_hits
+        finally:
+            await worker.shutdown()
+
+    compile_s, steps_during, compiles, hits = asyncio.run(scenario())
+    # Compiled once (on the worker's thread), then found in the cache by add_request
+    # (and by the matcher's creation, if r2 reached a step before its abort).
+    assert compiles == 1 and hits >= 1
+    assert compile_s > 0.2, f"the schema compiled in {compile_s:.2f} s: too fast to tell"
+    # Measured: ~30 deltas during a ~1 s compile; 1 when the loop compiled it (a step
+    # already under way when the request arrived).
+    assert steps_during >= 5, f"{steps_during} deltas of r1 during a {compile_s:.2f} s compile"

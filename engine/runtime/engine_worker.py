@@ -25,6 +25,7 @@ from tandem.engine.runtime.outputs import StepOutput, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
 from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
                                                   node_ip_address, pin_cpus)
+from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.scheduling.request import sample_request_id
 
 
@@ -64,6 +65,20 @@ class EngineWorker:
     async def _call(self, fn, *args):
         """``fn(*args)`` on the engine loop's thread (between steps)."""
         return await asyncio.wrap_future(self.loop.call(fn, *args))
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs``' grammar on a thread of its own (no-op
+        without one), so the engine loop keeps stepping while it compiles and the
+        request's ``add_request`` then finds it in the cache.
+
+        Raises:
+            InvalidParameterError: it does not compile, or not within
+                :data:`~tandem.engine.sampling.grammar.COMPILE_TIMEOUT_S`
+                (``field`` ``structured_outputs.<kind>``).
+        """
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.structured_outputs.compile,
+                                    params.structured_outputs)
 
     # -- control plane ------------------------------------------------------------------------
     async def info(self) -> dict:

@@ -11,6 +11,10 @@ Who owns what::
         └─ accept(request, token) ──────────────────────────┘  seen yet, then masks
     LLMEngine (finish / abort) ──free(request id)
 
+A worker compiles a request's grammar on a thread of its own before it hands the
+request to its engine loop, so ``add_request`` finds it in the cache and the loop
+never stalls on a compile (a large schema takes ~0.5 s).
+
 A matcher follows ``request.output_token_ids``: before a mask it accepts the
 output tokens it has not seen (tokens an earlier attempt emitted, a resumed
 request; the first token a prefill worker sampled), and the sampler advances it
@@ -253,6 +257,11 @@ class StructuredOutputManager:
         self._states: dict[str, _State] = {}
         self.num_compiles = self.num_cache_hits = 0
         self.compile_seconds = 0.0
+        # compile() may run on any thread (a worker compiles a request's grammar
+        # off its engine loop): the cache and counters are guarded; a compile
+        # itself runs outside the lock, so a slow one delays no cache hit.
+        self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -268,17 +277,25 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of ``params`` (cached by :attr:`~StructuredOutputsParams.key`).
 
+        Thread-safe: a worker calls it on a thread of its own before handing the
+        request to the engine loop (:meth:`EngineWorker.compile_constraint`), so
+        the loop keeps stepping while a grammar compiles and ``add_request`` then
+        finds it in the cache. Two threads compiling the same new key both compile
+        it (the second result replaces the first).
+
         Raises:
             InvalidParameterError: it does not compile, or not within
                 ``compile_timeout_s`` (``field`` ``structured_outputs.<kind>``).
         """
         key = params.key
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            self.num_cache_hits += 1
-            return hit
-        backend = self.backend
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return hit
+        with self._backend_lock:
+            backend = self.backend
         result: list = []
 
         def run() -> None:
@@ -291,16 +308,17 @@ class StructuredOutputManager:
         worker = threading.Thread(target=run, name="grammar-compile", daemon=True)
         worker.start()
         worker.join(self.compile_timeout_s)
-        self.compile_seconds += time.perf_counter() - start
-        self.num_compiles += 1
-        if not result:
-            raise InvalidParameterError(f"structured_outputs.{params.kind}",
-                                        f"did not compile within {self.compile_timeout_s:g} s")
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        self._cache[key] = result[0]
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiles += 1
+            if not result:
+                raise InvalidParameterError(f"structured_outputs.{params.kind}",
+                                            f"did not compile within {self.compile_timeout_s:g} s")
+            if isinstance(result[0], BaseException):
+                raise result[0]
+            self._cache[key] = result[0]
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return result[0]
 
     def free(self, request_id: str) -> bool:
