@@ -172,6 +172,16 @@ def test_constrained_rows_leave_their_batch_neighbours_identical(llm):
     assert mixed[1].outputs[0].token_ids == c_alone
 
 
+def test_every_mask_of_a_plain_step_is_computed_beside_the_forward_pass(llm):
+    sampler = llm.engine.runner.sampler
+    before = sampler.num_prefetched_masks
+    params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(json=SCHEMAS[1]))
+    out = llm.generate([_ids(llm, QUESTION)], params)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), SCHEMAS[1])
+    # One sampling call per output token (the prefill's and each decode step's).
+    assert sampler.num_prefetched_masks - before == len(out.token_ids)
+
+
 def test_chunked_prefill_preemption_resume_and_speculation_keep_the_output(f32_weights):
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=SO(json=SCHEMAS[0]))
     base = LLM(dtype="float32", num_blocks=256, weights_from=f32_weights)

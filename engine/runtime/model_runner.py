@@ -424,6 +424,9 @@ class ModelRunner:
         saves = self._kv_saves(out)
         if saves:
             self.kv_connector.start_save(saves)
+        # Grammar masks of this step's sampled rows, computed while the model runs.
+        self.sampler.prefetch_masks([r for s in ordered if s.samples and not s.spec_token_ids
+                                     for r in (s.request, *s.request.pending_forks)])
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
                             self.kv_connector.save_kv_layer if saves else None,
                             kv_scales=self.kv_cache.scales, open_keys=self.kv_cache.open_keys)

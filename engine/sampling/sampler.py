@@ -12,6 +12,7 @@ al. 2014, "A* Sampling", section 2).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ class Sampler:
     Requests with ``sampling_params.structured_outputs`` have their rows masked to
     what their grammar allows (after penalties, before temperature and top-k/p)
     by ``structured_outputs``, which holds their matchers until :meth:`free`.
+    :meth:`prefetch_masks` computes a step's masks on a thread of their own while
+    the model runs (the masks depend only on tokens already sampled), as vLLM
+    computes its bitmasks beside the forward pass; the matchers are touched by one
+    thread at a time (every other use waits for the prefetch first).
 
     Args:
         generator: the source of randomness for unseeded requests.
@@ -64,6 +69,11 @@ class Sampler:
         # an engine's live requests (the scheduler refuses a reused one), and
         # the engine frees an entry when its request finishes.
         self._generators: dict[str, torch.Generator] = {}
+        # (ids of the constrained requests, future of their [rows, V] bool mask)
+        self._prefetched: tuple[list[str], Future] | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self.num_prefetched_masks = 0
+        """Calls whose grammar masks came from :meth:`prefetch_masks`."""
 
     @property
     def num_seeded_requests(self) -> int:
@@ -83,10 +93,44 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
+    def prefetch_masks(self, requests: list[Request]) -> None:
+        """Start computing the grammar masks of the constrained among ``requests``
+        (the rows the next :meth:`__call__` samples, in its order) on a background
+        thread, to overlap the model's forward pass; :meth:`__call__` takes them if
+        it samples the same constrained requests, else computes its own. No-op when
+        none is constrained."""
+        self._wait_prefetch()
+        constrained = [r for r in requests if self._constrained(r)]
+        if not constrained:
+            return
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._prefetched = ([r.request_id for r in constrained],
+                            self._mask_thread.submit(self.structured_outputs.allowed, constrained))
+
+    def _wait_prefetch(self) -> None:
+        """Let a prefetch in flight finish (its matchers are then free to touch)."""
+        if self._prefetched is not None:
+            fut, self._prefetched = self._prefetched[1], None
+            fut.exception()          # waits; an error is raised again by the sync path
+
+    def _masks(self, requests: list[Request]) -> torch.Tensor:
+        """The ``[len(requests), V]`` bool masks of constrained ``requests``: the
+        prefetched ones if they are these requests', else computed now."""
+        pre = self._prefetched
+        if pre is not None and pre[0] == [r.request_id for r in requests]:
+            self._prefetched = None
+            if pre[1].exception() is None:
+                self.num_prefetched_masks += 1
+                return pre[1].result()
+        self._wait_prefetch()
+        return self.structured_outputs.allowed(requests)
+
     def free(self, request_id: str) -> bool:
         """Drop a finished request's generator (and grammar matcher). Returns whether
         a generator was held (False for unseeded, greedy or never-sampled requests)."""
         if self.structured_outputs is not None:
+            self._wait_prefetch()
             self.structured_outputs.free(request_id)
         return self._generators.pop(request_id, None) is not None
 
@@ -140,7 +184,7 @@ class Sampler:
                 if needs_processing(r):
                     apply_penalties_and_masks(processed[i], r)
         if constrained:
-            allowed = self.structured_outputs.allowed([requests[i] for i in constrained])
+            allowed = self._masks([requests[i] for i in constrained])
             constrain_rows(processed, constrained, allowed, logits)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
@@ -211,6 +255,7 @@ class Sampler:
         tokens: list[int] = []
         allowed = None
         if self._constrained(request):
+            self._wait_prefetch()
             allowed = self.structured_outputs.allowed([request], drafts)
         if p.greedy:
             processed = logits
