@@ -2,7 +2,8 @@
 
 A GGUF file written by llama.cpp's ``convert_hf_to_gguf.py`` keeps the model's
 hyper-parameters under ``{arch}.*`` keys (``qwen3.attention.head_count``, ...) and a
-few as tensors (Phi-3's ``rope_factors_long`` / ``rope_factors_short``). This module
+few as tensors (Phi-3's ``rope_factors_long`` / ``rope_factors_short``, Llama 3.1's
+llama3 RoPE divisors ``rope_freqs``). This module
 turns them back into the ``config.json`` dict the converter read, so that one code
 path (:meth:`~tandem.engine.config.ModelConfig.from_hf_dict`, with its refusals)
 builds the config of both formats. What the file does not record is filled the way
@@ -52,7 +53,11 @@ NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
 _SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
 _HIDDEN_PER_HEAD_SCALE_LAYERS = {"gemma2": 46, "gemma3": 62}
 # RoPE scaling types read from {arch}.rope.scaling.type (llama.cpp's names).
-_ROPE_SCALING = ("none", "linear")
+_ROPE_SCALING = ("none", "linear", "yarn")
+# YaRN keys the converter writes when the config has them -> transformers' names.
+_YARN_KEYS = {"rope.scaling.yarn_beta_fast": "beta_fast",
+              "rope.scaling.yarn_beta_slow": "beta_slow",
+              "rope.scaling.yarn_attn_factor": "attention_factor"}
 
 
 def hf_config_from_gguf(fields: dict, tensor_names: Iterable[str] = (),
@@ -64,12 +69,14 @@ def hf_config_from_gguf(fields: dict, tensor_names: Iterable[str] = (),
         tensor_names: the file's tensor names (biases and ``output.weight`` are
             told by their presence).
         rope_factors: the ``rope_factors_long.weight`` / ``rope_factors_short.weight``
-            tensors as lists (Phi-3 ``longrope``), when the file has them.
+            tensors as lists (Phi-3 ``longrope``) and ``rope_freqs.weight`` (llama3
+            scaling of a ``llama`` file), when the file has them.
 
     Raises:
         UnsupportedModelError: ``general.architecture`` not read by Tandem;
-            ``{arch}.rope.scaling.type`` other than ``none`` / ``linear`` (and, for
-            ``llama``, the ``rope_freqs`` tensor of llama3 scaling);
+            ``{arch}.rope.scaling.type`` other than ``none`` / ``linear`` / ``yarn``;
+            ``{arch}.rope.scaling.yarn_ext_factor`` other than 1; a ``rope_freqs``
+            tensor on a file other than ``llama`` or beside a scaling type;
             ``{arch}.attention.sliding_window`` on a ``llama`` file;
             ``{arch}.rope.dimension_count`` below the head size (partial rotary);
             ``{arch}.attention.value_length`` unlike ``key_length``.
@@ -129,9 +136,30 @@ def hf_config_from_gguf(fields: dict, tensor_names: Iterable[str] = (),
     if scaling == "linear":
         rope = {"rope_type": "linear", "rope_theta": theta,
                 "factor": float(get("rope.scaling.factor"))}
+    if scaling == "yarn":
+        ext = fields.get(f"{arch}.rope.scaling.yarn_ext_factor")
+        if ext is not None and float(ext) != 1.0:
+            raise UnsupportedModelError(f"{arch}.rope.scaling.yarn_ext_factor",
+                                        f"YaRN extrapolation factor {ext} (only 1.0, "
+                                        "transformers' YaRN, is supported)")
+        rope = {"rope_type": "yarn", "rope_theta": theta,
+                "factor": float(get("rope.scaling.factor")),
+                "original_max_position_embeddings":
+                    int(get("rope.scaling.original_context_length"))}
+        rope.update({hf: float(fields[f"{arch}.{key}"]) for key, hf in _YARN_KEYS.items()
+                     if fields.get(f"{arch}.{key}") is not None})
     if "rope_freqs.weight" in names:
-        raise UnsupportedModelError("rope_freqs.weight", "per-frequency RoPE factors "
-                                    "(llama3 scaling in a GGUF file) are not supported")
+        # llama3 scaling: the converter writes the per-frequency divisors, not the
+        # band parameters (conversion/llama.py, generate_extra_tensors)
+        if arch != "llama" or scaling != "none":
+            raise UnsupportedModelError("rope_freqs.weight", "per-frequency RoPE factors "
+                                        f"are read for llama files without "
+                                        f"{arch}.rope.scaling.type only")
+        if "rope_freqs.weight" not in rope_factors:
+            raise ValueError("rope_freqs.weight: its values were not passed")
+        factors = [float(x) for x in rope_factors["rope_freqs.weight"]]
+        rope = {"rope_type": "llama3", "rope_theta": theta, "factor": max(factors),
+                "freq_factors": factors}
     window = fields.get(f"{arch}.attention.sliding_window")
     if arch == "llama" and window is not None:
         raise UnsupportedModelError(f"{arch}.attention.sliding_window",

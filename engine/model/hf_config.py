@@ -131,6 +131,10 @@ class RopeScaling:
         low_freq_factor, high_freq_factor: ``llama3``'s wavelength band edges.
         beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate:
             ``yarn``'s ramp bounds (rotations), cos/sin scale (None: from ``factor``,
+        freq_factors: ``llama3``'s ``D/2`` per-frequency divisors as a GGUF file
+            holds them (llama.cpp's ``rope_freqs`` tensor, which the converter
+            computes from the band parameters); when set they replace the band
+            computation, whose parameters the file does not keep. Not a config.json key.
             ``mscale``, ``mscale_all_dim``) and whether the ramp bounds are rounded.
             ``longrope`` uses ``attention_factor`` too (None: from ``factor``).
         short_factor, long_factor: ``longrope``'s ``D/2`` per-frequency divisors for
@@ -146,13 +150,14 @@ class RopeScaling:
     beta_slow: float | None = None
     attention_factor: float | None = None
     mscale: float | None = None
+    freq_factors: tuple[float, ...] | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("short_factor", "long_factor"):      # JSON gives lists back
+        for name in ("short_factor", "long_factor", "freq_factors"):   # JSON gives lists back
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -324,6 +329,9 @@ def _rope_scaling(cfg: dict, key: str, rope: dict) -> RopeScaling | None:
                            attention_factor=num("attention_factor", False),
                            short_factor=tuple(map(float, num("short_factor"))),
                            long_factor=tuple(map(float, num("long_factor"))))
+    if rope_type == "llama3" and rope.get("freq_factors") is not None:    # from a GGUF file
+        return RopeScaling("llama3", float(factor),
+                           freq_factors=tuple(map(float, rope["freq_factors"])))
     if rope_type == "yarn" and factor is None and original:
         factor = cfg.get("max_position_embeddings", 2048) / original
     if factor is None:

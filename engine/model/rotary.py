@@ -29,7 +29,19 @@ def _base_inv_freq(head_dim: int, base: float, device: torch.device | str) -> to
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth
-    interpolation between (wavelength band ``original / {low,high}_freq_factor``)."""
+    interpolation between (wavelength band ``original / {low,high}_freq_factor``); or,
+    read from a GGUF file, each frequency divided by its ``freq_factors`` entry (the
+    same divisors, as llama.cpp's converter computes them).
+
+    Raises:
+        ValueError: ``freq_factors`` whose length is not ``D/2``.
+    """
+    if s.freq_factors is not None:
+        if len(s.freq_factors) != inv_freq.numel():
+            raise ValueError(f"rope_freqs.weight: {len(s.freq_factors)} factors for "
+                             f"{inv_freq.numel()} frequencies")
+        return inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32,
+                                       device=inv_freq.device)
     old_len = s.original_max_position_embeddings
     low_wavelen = old_len / s.low_freq_factor
     high_wavelen = old_len / s.high_freq_factor

@@ -88,7 +88,8 @@ _EXPERT_NAMES = {
 _EXPERT_NAMES["qwen3moe"] = _EXPERT_NAMES["qwen2moe"]
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 # Tensors that are config, not weights (read by ModelConfig.from_gguf_fields).
-GGUF_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+GGUF_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight",
+                       "rope_freqs.weight")
 
 
 def _patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:

@@ -7,7 +7,8 @@ converter's GGUF architecture, metadata keys and values, tensor names
 (``gguf.TensorNameMap``) and layouts: Q/K rows permuted for interleaved RoPE (``llama``
 only), Gemma's RMSNorm weights stored as ``1 + w``, Gemma 2's output projection
 dropped (tied), Phi-3's fused ``attn_qkv`` / ``ffn_up`` kept and its ``longrope``
-factors written as ``rope_factors_long`` / ``rope_factors_short`` tensors, the
+factors written as ``rope_factors_long`` / ``rope_factors_short`` tensors, llama3
+RoPE scaling as a ``rope_freqs`` tensor and YaRN as ``rope.scaling.*`` keys, the
 experts of Mixtral (``llama``), Qwen2-MoE and Qwen3-MoE stacked per projection
 (``ffn_gate_exps`` ``[E, I, H]``, ...). It was
 checked against the converter's own output (``benchmarks/gguf_converter_check.py``,
@@ -101,6 +102,20 @@ def _metadata(w, arch: str, cfg: dict) -> None:
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
+    elif full.get("rope_type") == "yarn":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if full.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        if full.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        if full.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    elif full.get("rope_type") == "llama3" and arch == "llama":
+        pass                                  # a rope_freqs tensor (_tensors)
     elif full.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {full['rope_type']!r}: not written by this test writer")
     w.add_rope_freq_base(full.get("rope_theta", 10000.0))
@@ -125,6 +140,30 @@ def _metadata(w, arch: str, cfg: dict) -> None:
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         if cfg.get("sliding_window_pattern") != 1:
             w.add_sliding_window(cfg["sliding_window"])
+
+
+def _llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
+    """The converter's llama3 ``rope_freqs``: per frequency, the divisor of its
+    inverse frequency (1 for short wavelengths, ``factor`` for long ones, smoothed
+    between), computed as ``LlamaModel.generate_extra_tensors`` does (float64 Python
+    arithmetic on float32 frequencies)."""
+    base = rope.get("rope_theta", 10000.0)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), \
+        rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
 
 
 def _tensors(arch: str, cfg: dict, state: dict[str, torch.Tensor]):
@@ -159,6 +198,8 @@ def _tensors(arch: str, cfg: dict, state: dict[str, torch.Tensor]):
         yield (f"blk.{layer}.ffn_{proj}_exps.weight",
                torch.stack([per_expert[e] for e in range(len(per_expert))]).numpy())
     rope = _rope(cfg)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", _llama3_rope_freqs(cfg, rope)
     if arch == "phi3" and rope.get("long_factor"):
         yield "rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32)
         yield "rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32)

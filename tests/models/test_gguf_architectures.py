@@ -26,6 +26,9 @@ GGUF_CASES = {
     # Q/K biases are permuted with their rows
     "llama-attention-bias": CASES["llama-attention-bias"],
     "llama-linear-rope": CASES["linear-rope"],
+    # llama3 scaling becomes a rope_freqs tensor, YaRN rope.scaling.* keys
+    "llama3-rope": CASES["llama3-rope"],
+    "yarn-rope": CASES["yarn-rope"],
     # written as general.architecture "llama"
     "mistral": (*CASES["mistral"][:2], "LlamaForCausalLM"),
     "qwen2": CASES["qwen2"],
@@ -100,7 +103,10 @@ def test_gguf_config_fields():
 
 @pytest.mark.parametrize("extra, names, field", [
     ({"general.architecture": "bert"}, (), "general.architecture"),
-    ({"qwen3.rope.scaling.type": "yarn"}, (), "qwen3.rope.scaling.type"),
+    ({"qwen3.rope.scaling.type": "longrope"}, (), "qwen3.rope.scaling.type"),
+    ({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
+      "qwen3.rope.scaling.original_context_length": 64,
+      "qwen3.rope.scaling.yarn_ext_factor": 0.5}, (), "qwen3.rope.scaling.yarn_ext_factor"),
     ({"qwen3.rope.dimension_count": 8}, (), "qwen3.rope.dimension_count"),
     ({"qwen3.attention.value_length": 32}, (), "qwen3.attention.value_length"),
     ({}, ("rope_freqs.weight",), "rope_freqs.weight"),

@@ -207,7 +207,7 @@ def test_gguf_fields_are_refused_by_name():
               "llama.context_length": 256, "llama.vocab_size": 512}
     assert ModelConfig.from_gguf_fields(fields, True).architecture == "LlamaForCausalLM"
     for extra, field in [({"general.architecture": "bert"}, "general.architecture"),
-                         ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type"),
+                         ({"llama.rope.scaling.type": "longrope"}, "llama.rope.scaling.type"),
                          ({"llama.attention.sliding_window": 24},
                           "llama.attention.sliding_window")]:
         with pytest.raises(UnsupportedModelError) as info:
