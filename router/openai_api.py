@@ -14,19 +14,23 @@ endpoints, at most one per request (docs/structured_outputs.md). Chat completion
 (docs/tool_calling.md; :mod:`tandem.router.tool_calling`,
 :mod:`tandem.router.tool_parsers`).
 
-A request is converted to the gRPC API's ``GenerateRequest`` and checked by the
-same :class:`~tandem.router.validation.RequestValidator`, so both front ends
-accept and refuse exactly the same inputs; a refusal is HTTP 400 with vLLM's
-error shape ``{"error": {"message", "type", "param", "code"}}`` whose ``param``
-is the OpenAI field name (``top_p``, ``messages[0].role``). A body that is not
-JSON, not UTF-8, or holds a string that is not valid Unicode (a lone surrogate,
-``"\ud800"``) is 400 too. An unknown model is 404; a body over
-:data:`MAX_BODY_BYTES` 413 (by its Content-Length or, chunked, once it grows past
-it); a request head over :data:`MAX_HEADER_BYTES` 431; no live decode worker 503; a
-failure after the stream started is one ``data: {"error": ...}`` frame, then
-``data: [DONE]``. Every error, the HTTP server's own included, has that shape,
-and ``/openapi.json`` documents it (and ``/health``, ``/metrics`` as text).
-Messages never carry a traceback or an internal path.
+A request is converted to the router's
+:class:`~tandem.router.generation_request.GenerationRequest`, as the gRPC front end
+converts its own, and checked by the same
+:class:`~tandem.router.validation.RequestValidator`, so both front ends accept and
+refuse exactly the same inputs; a refusal is HTTP 400 with vLLM's error shape
+``{"error": {"message", "type", "param", "code"}}`` whose ``param`` is the OpenAI
+field name (``top_p``, ``messages[0].role``). Rate limits admit a request through
+the same path as on gRPC (:mod:`tandem.router.admission`); a refusal is 429 with
+``Retry-After``. A body that is not JSON, not UTF-8, or holds a string that is not
+valid Unicode (a lone surrogate, ``"\ud800"``) is 400 too. An unknown model is
+404; a body over :data:`MAX_BODY_BYTES` 413 (by its Content-Length or, chunked,
+once it grows past it); a request head over :data:`MAX_HEADER_BYTES` 431; no live
+decode worker 503; a failure after the stream started is one
+``data: {"error": ...}`` frame, then ``data: [DONE]``. Every error, the HTTP
+server's own included, has that shape, and ``/openapi.json`` documents it (and
+``/health``, ``/metrics`` as text). Messages never carry a traceback or an
+internal path.
 
 The request and error models and the field mapping are in
 :mod:`tandem.router.openai_protocol`; the two generation endpoints in
@@ -56,6 +60,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tandem.engine.sampling.sampling_params import InvalidParameterError
+from tandem.router.admission import HeldSlot, RateLimitExceeded, admit
+from tandem.router.generation_request import GenerationRequest
 from tandem.router.openai_chat import ChatServing
 from tandem.router.openai_completions import CompletionsServing
 from tandem.router.openai_protocol import (_ENGINE_CONSTRAINT_PARAMS, _ERRORS, MAX_BODY_BYTES,
@@ -67,7 +73,6 @@ from tandem.router.orchestrator import (FAIL_WITH_SIBLINGS, Orchestrator, Reques
                                         ServiceUnavailable)
 from tandem.router.validation import InvalidRequestError, RequestValidator, ValidatedRequest
 from tandem.router.worker_client import WorkerError
-from tandem.v1 import tandem_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -270,31 +275,18 @@ class OpenAIServer(CompletionsServing, ChatServing):
             return APIError(401, "invalid API key"), None
         return None, key_id
 
-    async def _admit(self, request, request_id: str) -> str | None:
-        """Take the request's rate-limit token and concurrency slot; the key id to
-        release it under (None: nothing to release).
+    async def _admit(self, request, request_id: str) -> HeldSlot | None:
+        """Admit the request under its API key's rate limits
+        (:func:`~tandem.router.admission.admit`); the slot to release when it ends.
 
         Raises:
-            APIError: 429 when a limit refuses it.
+            APIError: 429 (with ``Retry-After``) when a limit refuses it.
         """
-        if self.limiter is None:
-            return None
-        from tandem.control.rate_limits import refusal_message
-
-        key_id = request.scope.get("state", {}).get("api_key_id") or "anonymous"
-        verdict = await self.limiter.admit_or_pass(key_id, request_id)
-        if verdict is None:
-            return None
-        if not verdict.allowed:
-            if self.metrics:
-                self.metrics.request_rate_limited(verdict.reason)
-            raise APIError(429, refusal_message(verdict), retry_after_s=verdict.retry_after_s)
-        return key_id
-
-    def _release(self, key_id: str | None, request_id: str) -> None:
-        if key_id is not None and self.limiter is not None:
-            task = asyncio.ensure_future(asyncio.to_thread(self.limiter.release, key_id, request_id))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        key_id = request.scope.get("state", {}).get("api_key_id")
+        try:
+            return await admit(self.limiter, key_id, request_id, self.metrics)
+        except RateLimitExceeded as exc:
+            raise APIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
 
     async def start(self, host: str, port: int, tls=None) -> int:
         """Serve on ``host:port`` (0 = any free port) on the running event loop.
@@ -358,7 +350,7 @@ class OpenAIServer(CompletionsServing, ChatServing):
             self.metrics.invalid_request(exc.field)
         return APIError(400, f"{param}: {exc.message}", param)
 
-    def _validate(self, req: pb.GenerateRequest, chat: bool, fill_max_tokens: bool,
+    def _validate(self, req: GenerationRequest, chat: bool, fill_max_tokens: bool,
                   completion_tokens: bool = False,
                   constraint_param: str | None = None) -> ValidatedRequest:
         try:

@@ -3,19 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 
+from tandem.router.generation_request import ChatMessage as Turn
+from tandem.router.generation_request import Constraint, GenerationRequest
 from tandem.router.openai_protocol import (APIError, ChatCompletionRequest, ChatMessage, _Usage,
                                            _check_failed, _check_size, _message_text,
-                                           _refuse_unsupported, _sampling_message, _set_constraint,
-                                           _stop_reason)
+                                           _refuse_unsupported, _sampling_fields, _stop_reason)
 from tandem.router.tool_calling import (ToolPlan, ToolRequestError, plan_tools, template_message,
                                         template_tools)
 from tandem.router.tool_parsers import ToolCallStream, extract_tool_calls
 from tandem.router.validation import InvalidRequestError, ValidatedRequest
-from tandem.v1 import tandem_pb2 as pb
 
 
 class ChatServing:
@@ -105,31 +106,31 @@ class ChatServing:
         max_tokens = body.max_completion_tokens if uses_completion else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         try:
-            sampling = _sampling_message(body, max_tokens, logprobs)
+            sampling, constraint_param = _sampling_fields(body, max_tokens, logprobs)
         except APIError as exc:
             if exc.param == "logprobs":
                 exc.param, exc.message = "top_logprobs", exc.message.replace("logprobs", "top_logprobs", 1)
             if exc.param == "max_tokens" and uses_completion:
                 exc.param = "max_completion_tokens"
             raise
-        constraint_param = _set_constraint(sampling, body)
         if plan.schema is not None:
             # A forced tool choice is a JSON-schema constraint (vLLM's).
             if constraint_param is not None:
                 raise APIError(400, f"tool_choice: {plan.mode!r} cannot be combined with "
                                     f"{constraint_param}", "tool_choice")
-            sampling.json_schema = json.dumps(plan.schema, ensure_ascii=False)
+            schema = json.dumps(plan.schema, ensure_ascii=False)
+            sampling = dataclasses.replace(sampling, constraint=Constraint("json", schema))
             constraint_param = "tools"
-        req = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=sampling,
-                                 priority=body.priority, stream=body.stream)
+        ids = messages = None
         if plan.tools or any(m.tool_calls or m.tool_call_id is not None for m in body.messages):
-            # Tools and tool turns reach the template only here (the gRPC chat message
-            # has role and content): the prompt goes on as token ids.
-            req.token_ids.ids.extend(self._tool_chat_ids(body, plan))
+            # Tools and tool turns reach the template only here (the validator's chat
+            # turns have role and content): the prompt goes on as token ids.
+            ids = tuple(self._tool_chat_ids(body, plan))
         else:
-            for i, m in enumerate(body.messages):
-                req.chat.messages.append(pb.ChatMessage(role=m.role,
-                                                        content=_message_text(m, i)))
+            messages = tuple(Turn(m.role, _message_text(m, i)) for i, m in enumerate(body.messages))
+        req = GenerationRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=ids,
+                                messages=messages, sampling=sampling, priority=body.priority,
+                                stream=body.stream)
         return self._validate(req, chat=True, fill_max_tokens=max_tokens is None,
                               completion_tokens=uses_completion,
                               constraint_param=constraint_param)
@@ -148,14 +149,15 @@ class ChatServing:
         v = self._chat_request(body, plan)
         self._check_serving()
         rid, created = v.request_id, int(time.time())
-        key_id = await self._admit(request, rid)
+        held = await self._admit(request, rid)
         if body.stream:
             return self._sse(self._chat_stream(body, v, request, rid, created, plan),
-                             on_close=lambda: self._release(key_id, rid))
+                             on_close=held and held.release)
         try:
             finals = await self._collect([v], request)
         finally:
-            self._release(key_id, rid)
+            if held is not None:
+                held.release()
         usage = _Usage()
         usage.add_prompt(len(v.prompt_token_ids))
         choices = []

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
-from tandem.router.openai_protocol import (APIError, CompletionRequest, MAX_BATCH_PROMPTS, _Usage,
-                                           _check_failed, _refuse_unsupported, _sampling_message,
-                                           _set_constraint, _stop_reason)
+from tandem.router.generation_request import GenerationRequest
+from tandem.router.openai_protocol import (_U32, APIError, CompletionRequest, MAX_BATCH_PROMPTS,
+                                           _Usage, _check_failed, _refuse_unsupported,
+                                           _sampling_fields, _stop_reason)
 from tandem.router.validation import ValidatedRequest
-from tandem.v1 import tandem_pb2 as pb
 
 
 class CompletionsServing:
@@ -37,23 +38,18 @@ class CompletionsServing:
         if len(prompts) > MAX_BATCH_PROMPTS:
             raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
                                 f"got {len(prompts)}", "prompt")
-        sampling = _sampling_message(body, body.max_tokens, body.logprobs)
-        constraint_param = _set_constraint(sampling, body)
+        sampling, constraint_param = _sampling_fields(body, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:     # the prompt's own, as vLLM echoes them
-            sampling.prompt_logprobs = body.logprobs
+            sampling = dataclasses.replace(sampling, prompt_logprobs=body.logprobs)
         base = uuid.uuid4().hex
         out = []
         for i, prompt in enumerate(prompts):
-            req = pb.GenerateRequest(request_id=f"cmpl-{base}-{i}", sampling=sampling,
-                                     priority=body.priority, stream=body.stream)
-            if isinstance(prompt, str):
-                req.prompt = prompt
-            else:
-                try:
-                    req.token_ids.ids.extend(prompt)
-                except (ValueError, TypeError):
-                    raise APIError(400, "prompt: token ids must be in [0, 2^32)",
-                                   "prompt") from None
+            if not isinstance(prompt, str) and not all(_U32[0] <= t <= _U32[1] for t in prompt):
+                raise APIError(400, "prompt: token ids must be in [0, 2^32)", "prompt")
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+            req = GenerationRequest(request_id=f"cmpl-{base}-{i}", prompt=text,
+                                    prompt_token_ids=ids, sampling=sampling,
+                                    priority=body.priority, stream=body.stream)
             out.append(self._validate(req, chat=False, fill_max_tokens=False,
                                       constraint_param=constraint_param))
         return out, prompts
@@ -85,14 +81,15 @@ class CompletionsServing:
         requests, _ = self._completion_requests(body)
         self._check_serving()
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
-        key_id = await self._admit(request, rid)
+        held = await self._admit(request, rid)
         if body.stream:
             return self._sse(self._completion_stream(body, requests, request, rid, created),
-                             on_close=lambda: self._release(key_id, rid))
+                             on_close=held and held.release)
         try:
             finals = await self._collect(requests, request)
         finally:
-            self._release(key_id, rid)
+            if held is not None:
+                held.release()
         choices, usage = [], _Usage()
         for i, v in enumerate(requests):
             prompt_text = self._prompt_text(v) if body.echo else ""

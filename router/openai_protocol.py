@@ -1,7 +1,8 @@
 """What the OpenAI-compatible HTTP front end reads and writes: the request models
 (pydantic; OpenAI's fields plus vLLM's extras), the error shape and its statuses,
-the limits on bodies and heads, and the mapping of a request's sampling fields onto
-the gRPC API's ``SamplingParams`` (so both front ends validate alike). The
+the limits on bodies and heads, the mapping of a request's sampling fields onto the
+router's :class:`~tandem.router.generation_request.SamplingFields` (so both front
+ends validate alike), and of the validator's field paths back onto OpenAI names. The
 endpoints are :mod:`tandem.router.openai_completions`,
 :mod:`tandem.router.openai_chat` and :mod:`tandem.router.openai_api` (the app).
 """
@@ -9,13 +10,15 @@ endpoints are :mod:`tandem.router.openai_completions`,
 from __future__ import annotations
 
 import json
+import math
+import struct
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 from pydantic_core import PydanticCustomError
 
+from tandem.router.generation_request import Constraint, SamplingFields
 from tandem.router.validation import CONSTRAINT_FIELDS, MAX_PROMPT_BYTES
-from tandem.v1 import tandem_pb2 as pb
 
 MAX_BATCH_PROMPTS = 64
 """Prompts per ``/v1/completions`` request (a list prompt)."""
@@ -233,45 +236,59 @@ def _loc_param(loc) -> str | None:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _set(msg, name: str, value, param: str) -> None:
-    """``msg.name = value`` for a protobuf field, refusing values its type cannot
-    hold (e.g. a negative ``n``) as a 400 naming ``param``."""
+# The gRPC API's integer types, which the HTTP front end holds its values to.
+_U32, _I32, _U64 = (0, 2**32 - 1), (-2**31, 2**31 - 1), (0, 2**64 - 1)
+_INT_RANGES = {"n": _U32, "max_tokens": _U32, "top_k": _I32, "seed": _U64, "min_tokens": _U32}
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "length_penalty")
+_PLAIN_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                 "use_beam_search")
+
+
+def _in_range(param: str, value: int | None, bounds: tuple[int, int]) -> None:
+    """Refuse an integer its gRPC API field could not hold (e.g. a negative ``n``) as a
+    400 naming ``param``, as the gRPC front end's wire type refuses it."""
+    if value is not None and not bounds[0] <= value <= bounds[1]:
+        raise APIError(400, f"{param}: {value!r} is out of range", param)
+
+
+def _f32(x: float) -> float:
+    """``x`` in single precision, as a gRPC API ``float`` holds it (±inf past its range),
+    so the same number means the same through both front ends."""
     try:
-        setattr(msg, name, value)
-    except (ValueError, TypeError):
-        raise APIError(400, f"{param}: {value!r} is out of range", param) from None
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
-def _sampling_message(r: _Sampling, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
-    sp = pb.SamplingParams()
-    _set(sp, "n", r.n, "n")
-    if max_tokens is not None:
-        _set(sp, "max_tokens", max_tokens, "max_tokens")
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-        value = getattr(r, name)
-        if value is not None:
-            _set(sp, name, value, name)
-    for name in ("min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
-                 "ignore_eos", "min_tokens", "skip_special_tokens", "use_beam_search"):
-        _set(sp, name, getattr(r, name), name)
-    if r.length_penalty is not None:
-        _set(sp, "length_penalty", r.length_penalty, "length_penalty")
-    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    try:
-        sp.stop.extend(stop)
-    except (ValueError, TypeError):
-        raise APIError(400, "stop: must be a string or a list of strings", "stop") from None
-    try:
-        sp.stop_token_ids.extend(r.stop_token_ids or [])
-    except (ValueError, TypeError):
-        raise APIError(400, "stop_token_ids: every id must be in [0, 2^32)",
-                       "stop_token_ids") from None
-    if logprobs is not None:
-        _set(sp, "logprobs", logprobs, "logprobs")
-    return sp
+def _sampling_fields(r: _Sampling, max_tokens: int | None,
+                     logprobs: int | None) -> tuple[SamplingFields, str | None]:
+    """The request's sampling fields, and the request field that set its constraint
+    (None: no constraint), for error messages.
+
+    Raises:
+        APIError: 400 naming the field: an integer out of its range, a constraint
+            :func:`_constraint` refuses.
+    """
+    kw: dict[str, Any] = {name: getattr(r, name) for name in _INT_RANGES}
+    kw["max_tokens"] = max_tokens
+    for name, bounds in _INT_RANGES.items():
+        _in_range(name, kw[name], bounds)
+    stop_token_ids = tuple(r.stop_token_ids or ())
+    if not all(_U32[0] <= t <= _U32[1] for t in stop_token_ids):
+        raise APIError(400, "stop_token_ids: every id must be in [0, 2^32)", "stop_token_ids")
+    _in_range("logprobs", logprobs, _U32)
+    kw.update({name: None if getattr(r, name) is None else _f32(getattr(r, name))
+               for name in _FLOAT_FIELDS})
+    kw.update({name: getattr(r, name) for name in _PLAIN_FIELDS})
+    constraint, param = _constraint(r)
+    stop = (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
+    return SamplingFields(**kw, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+                          constraint=constraint), param
 
 
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+# A guided_* field -> the StructuredOutputsParams field it sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
 
@@ -283,17 +300,15 @@ _ENGINE_CONSTRAINT_PARAMS = {"structured_outputs.json": "guided_json",
                              "structured_outputs.json_object": "response_format"}
 
 
-def _set_constraint(sp: pb.SamplingParams, r: _Sampling) -> str | None:
-    """Fill ``sp``'s ``constraint`` from ``response_format`` or a ``guided_*`` field.
-
-    Returns:
-        The request field that set it (for error messages), or None.
+def _constraint(r: _Sampling) -> tuple[Constraint | None, str | None]:
+    """The constraint of ``response_format`` or a ``guided_*`` field, and the request
+    field that set it (for error messages); ``(None, None)`` when there is none.
 
     Raises:
         APIError: 400 naming the field: two constraints, an unknown
             ``response_format`` type, a ``json_schema`` without its ``schema``.
     """
-    found: list[tuple[str, str, Any]] = []       # (request field, proto field, value)
+    found: list[tuple[str, str, Any]] = []       # (request field, kind, value)
     rf = r.response_format
     if rf is not None:
         kind = rf.get("type", "text")
@@ -305,31 +320,24 @@ def _set_constraint(sp: pb.SamplingParams, r: _Sampling) -> str | None:
             if not isinstance(schema, (dict, bool)):
                 raise APIError(400, "response_format.json_schema.schema: a JSON schema object "
                                     "is required", "response_format")
-            found.append(("response_format", "json_schema", schema))
+            found.append(("response_format", "json", schema))
         elif kind != "text":
             raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
                                 f"'json_schema', got {kind!r}", "response_format")
-    for name, proto_field in _GUIDED.items():
+    for name, kind in _GUIDED.items():
         value = getattr(r, name)
         if value is not None:
-            found.append((name, proto_field, value))
+            found.append((name, kind, value))
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise APIError(400, f"{found[1][0]}: only one of response_format (json_object or "
                             "json_schema), guided_json, guided_regex, guided_choice and "
                             f"guided_grammar may be set, got {found[0][0]} too", found[1][0])
-    param, proto_field, value = found[0]
-    if proto_field == "json_schema" and not isinstance(value, str):
+    param, kind, value = found[0]
+    if kind == "json" and not isinstance(value, str):
         value = json.dumps(value, ensure_ascii=False)
-    try:
-        if proto_field == "choice":
-            sp.choice.choices.extend(value)
-        else:
-            setattr(sp, proto_field, value)
-    except (ValueError, TypeError):
-        raise APIError(400, f"{param}: {value!r} is not valid here", param) from None
-    return param
+    return Constraint(kind, tuple(value) if kind == "choice" else value), param
 
 
 def _refuse_unsupported(r: _Sampling) -> None:
@@ -339,10 +347,8 @@ def _refuse_unsupported(r: _Sampling) -> None:
         # As vLLM and OpenAI answer: the options would be silently ignored.
         raise APIError(400, "stream_options: only allowed when stream is true",
                        "stream_options")
-    try:
-        pb.GenerateRequest(priority=r.priority)
-    except ValueError:
-        raise APIError(400, f"priority: {r.priority} is out of range", "priority") from None
+    if not _I32[0] <= r.priority <= _I32[1]:
+        raise APIError(400, f"priority: {r.priority} is out of range", "priority")
 
 
 def _message_text(m: ChatMessage, i: int) -> str:

@@ -3,12 +3,15 @@
 A front end converts its wire format to the router's internal types and back;
 the request's lifecycle (workers, KV transfer, aborts) is the
 :class:`~tandem.router.orchestrator.Orchestrator`'s. Each ``Generate`` call:
-validate (``INVALID_ARGUMENT`` naming the field), run it on the orchestrator,
-and turn its sample events into ``GenerateResponse`` messages (streaming: one per
-change; otherwise one per finished sample). A client that cancels or
-disconnects cancels the call's task, which closes the orchestrator's generator
-there and then: it aborts the request on the workers and counts it
-(``tandem:request_aborts{source="grpc_cancel"}``). ``Generate`` is served from
+convert the ``GenerateRequest`` to a
+:class:`~tandem.router.generation_request.GenerationRequest`
+(:func:`request_from_proto`), validate it (``INVALID_ARGUMENT`` naming the field),
+admit it under its API key's rate limits (:mod:`tandem.router.admission`;
+``RESOURCE_EXHAUSTED``), run it on the orchestrator, and turn its sample events
+into ``GenerateResponse`` messages (streaming: one per change; otherwise one per
+finished sample). A client that cancels or disconnects cancels the call's task,
+which closes the orchestrator's generator there and then: it aborts the request
+on the workers and counts it (``tandem:request_aborts{source="grpc_cancel"}``). ``Generate`` is served from
 the call's arrival (see :func:`add_tandem_service`), so a cancel before its
 request was even read counts too.
 
@@ -36,12 +39,16 @@ from google.protobuf.message import DecodeError
 
 from tandem.engine.scheduling.request import TokenLogprobs
 from tandem.engine.sampling.sampling_params import InvalidParameterError, SamplingParams
+from tandem.router.admission import RateLimitExceeded, admit
 from tandem.router.auth import APIKeyStore
+from tandem.router.generation_request import (ChatMessage, Constraint, GenerationRequest,
+                                              SamplingFields)
+from tandem.router.grpc_security import current_key_id
 from tandem.router.orchestrator import Orchestrator, RequestFailed, ServiceUnavailable
 from tandem.router.stream import SampleStream
 from tandem.router.tls import TLSConfig
-from tandem.router.validation import (InvalidRequestError, RequestValidator,
-                                      constraint_field_path)
+from tandem.router.validation import (CONSTRAINT_FIELDS, InvalidRequestError,
+                                      RequestValidator, constraint_field_path)
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -82,6 +89,41 @@ def refused_field_path(exc: InvalidParameterError, input_field: str | None) -> s
     if exc.field == "prompt_token_ids":
         return input_field
     return None
+
+
+# Scalar fields of tandem.v1.SamplingParams, named as in SamplingFields; those
+# declared `optional` are None when absent.
+_PROTO_OPTIONAL = ("n", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
+                   "seed", "logprobs", "skip_special_tokens", "prompt_logprobs",
+                   "length_penalty")
+_PROTO_PLAIN = ("min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
+                "ignore_eos", "min_tokens", "use_beam_search")
+
+
+def request_from_proto(request: pb.GenerateRequest) -> GenerationRequest:
+    """``request`` as the router's :class:`GenerationRequest` (values as sent; the
+    validator checks them). An unset ``sampling`` and an unset field of it are the
+    defaults, as they are on the wire."""
+    sp = request.sampling
+    constraint = None
+    if (kind := sp.WhichOneof("constraint")) is not None:
+        value = getattr(sp, kind)
+        constraint = Constraint(CONSTRAINT_FIELDS[kind],
+                                tuple(value.choices) if kind == "choice" else value)
+    sampling = SamplingFields(
+        **{f: getattr(sp, f) for f in _PROTO_PLAIN},
+        **{f: getattr(sp, f) for f in _PROTO_OPTIONAL if sp.HasField(f)},
+        stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), constraint=constraint)
+    inputs: dict = {}
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        inputs["prompt"] = request.prompt
+    elif kind == "token_ids":
+        inputs["prompt_token_ids"] = tuple(request.token_ids.ids)
+    elif kind == "chat":
+        inputs["messages"] = tuple(ChatMessage(m.role, m.content) for m in request.chat.messages)
+    return GenerationRequest(request_id=request.request_id, sampling=sampling,
+                             priority=request.priority, stream=request.stream, **inputs)
 
 
 def to_response(request_id: str, s: SampleStream, text: str, token_ids: list[int],
@@ -136,29 +178,6 @@ class TandemService(pb_grpc.TandemServicer):
         self.validator = RequestValidator(tokenizer, model_info["max_model_len"])
         self.metrics = metrics
         self.limiter = limiter
-
-    async def _admit(self, request_id: str, context) -> str | None:
-        """Take the call's rate-limit token and concurrency slot (its API key's, or
-        ``anonymous``); aborts with RESOURCE_EXHAUSTED when refused. Returns the key
-        id to release under (None: nothing held). Should Redis be unreachable, the
-        call is admitted (and a warning logged)."""
-        if self.limiter is None:
-            return None
-        from tandem.router.grpc_security import current_key_id
-
-        from tandem.control.rate_limits import refusal_message, retry_after_seconds
-
-        key_id = current_key_id() or "anonymous"
-        verdict = await self.limiter.admit_or_pass(key_id, request_id)
-        if verdict is None:
-            return None
-        if not verdict.allowed:
-            if self.metrics:
-                self.metrics.request_rate_limited(verdict.reason)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{refusal_message(verdict)} (retry after "
-                                f"{retry_after_seconds(verdict.retry_after_s)} s)")
-        return key_id
 
     async def _parse(self, message_class, data: bytes, context):
         """``data`` (a request's bytes) as a ``message_class``; aborts the call with
@@ -221,16 +240,18 @@ class TandemService(pb_grpc.TandemServicer):
 
         - ``INVALID_ARGUMENT``: ``"<field path>: <why>"`` (the router's validation,
           or a worker refusing a field the client sent);
+        - ``RESOURCE_EXHAUSTED``: the API key's rate limit or concurrency cap
+          (``"... (retry after <s> s)"``);
         - ``UNAVAILABLE``: no worker can serve it now, or its worker failed (retry);
         - ``FAILED_PRECONDITION``: the cluster cannot serve it as configured;
         - ``INTERNAL``: anything else (a bug), with the request id to quote; the
           traceback is logged, never sent.
         """
-        request_id = key_id = None
+        request_id = held = None
         started = False       # the orchestrator has it: it counts how it ends
         try:
             try:
-                v = self.validator.validate(request)
+                v = self.validator.validate(request_from_proto(request))
             except InvalidRequestError as exc:
                 if self.metrics:
                     self.metrics.invalid_request(exc.field)
@@ -239,8 +260,13 @@ class TandemService(pb_grpc.TandemServicer):
             if not self.orchestrator.cluster.can_serve:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is alive")
             num_prompt = len(v.prompt_token_ids)
-            slot = uuid.uuid4().hex      # client request ids may repeat; slots must not
-            key_id = await self._admit(slot, context)
+            try:
+                # Client request ids may repeat; slots must not.
+                held = await admit(self.limiter, current_key_id(), uuid.uuid4().hex,
+                                   self.metrics)
+            except RateLimitExceeded as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{exc} (retry after {exc.retry_after_seconds} s)")
             events = self.orchestrator.generate(v, "grpc_cancel")
             started = True
             # Closed here on every exit, a cancel included (never left to the GC).
@@ -280,8 +306,8 @@ class TandemService(pb_grpc.TandemServicer):
         except Exception:
             await self._internal_error(context, request_id)
         finally:
-            if key_id is not None:
-                await asyncio.shield(asyncio.to_thread(self.limiter.release, key_id, slot))
+            if held is not None:
+                await asyncio.shield(held.release())
 
     @staticmethod
     async def _internal_error(context, request_id: str | None) -> None:

@@ -1,19 +1,21 @@
-"""Turns a ``tandem.v1.GenerateRequest`` into validated engine inputs, or refuses it.
+"""Turns a :class:`~tandem.router.generation_request.GenerationRequest` into
+validated engine inputs, or refuses it.
 
-Every refusal is an :class:`InvalidRequestError` whose ``field`` is the proto
-field path of the offending value (``sampling.top_p``, ``token_ids.ids[3]``,
-``chat.messages[0].role``), so the server can answer ``INVALID_ARGUMENT`` with
-a message a client can act on. Range checks of sampling parameters are
+Every refusal is an :class:`InvalidRequestError` whose ``field`` is the path of
+the offending value in the public gRPC API's ``tandem.v1.GenerateRequest``
+(``sampling.top_p``, ``token_ids.ids[3]``, ``chat.messages[0].role``): the gRPC
+front end sends it as is (``INVALID_ARGUMENT``), the HTTP one maps it to the
+OpenAI field name (:func:`tandem.router.openai_protocol._param_name`), and both
+count the refusal in ``tandem:invalid_requests`` under its first part. Range
+checks of sampling parameters are
 :class:`~tandem.engine.sampling.sampling_params.SamplingParams`'s own; this module adds
 what needs the request, the tokenizer or the model (presence, vocabulary and
 context length, limits on sizes).
 
-Text fields need no UTF-8 check here: protobuf refuses to parse a string field
-holding invalid UTF-8 (``DecodeError``, which the gRPC front end answers with
-``INVALID_ARGUMENT`` ``request: ...`` before validating) and refuses to set one
-to a Python string that cannot be encoded (a lone surrogate raises
-``UnicodeEncodeError``; the HTTP front end refuses those in its request schema,
-naming the field), so every ``str`` read from a message is valid Unicode.
+Text needs no UTF-8 check here: the gRPC front end's protobuf refuses to parse a
+string field holding invalid UTF-8 (``INVALID_ARGUMENT`` ``request: ...``) and the
+HTTP front end refuses lone surrogates in its request schema, naming the field,
+so every ``str`` of a request is valid Unicode.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from tandem.engine.sampling.sampling_params import (InvalidParameterError, SamplingParams,
                                                     StructuredOutputsParams)
 from tandem.engine.text.tokenizer import Tokenizer
+from tandem.router.generation_request import GenerationRequest
 
 MAX_REQUEST_ID_CHARS = 256
 # Samples per request: each holds its own KV blocks and output state.
@@ -37,14 +40,16 @@ MAX_STOP_STRING_CHARS = 256
 # Text is tokenized before the context length can be checked: bound the work first.
 MAX_PROMPT_BYTES = 1 << 20
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
-# Proto fields declared `optional`: absent means SamplingParams' default.
+# Fields None when not sent: absent means SamplingParams' default.
 _OPTIONAL_FIELDS = ("n", "max_tokens", "temperature", "top_k", "top_p",
                     "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
                     "length_penalty")
 _PLAIN_FIELDS = ("min_p", "presence_penalty", "frequency_penalty",
                  "include_stop_str_in_output", "ignore_eos", "min_tokens", "use_beam_search")
+# A request's input -> its field in the gRPC API (the paths refusals name).
+_INPUT_FIELDS = {"prompt": "prompt", "prompt_token_ids": "token_ids", "messages": "chat"}
 _DEFAULT_MAX_TOKENS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}["max_tokens"]
-# The proto's `constraint` oneof field -> StructuredOutputsParams' field.
+# The gRPC API's `constraint` oneof field -> StructuredOutputsParams' field.
 CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "choice": "choice",
                      "grammar": "grammar", "json_object": "json_object"}
 _CONSTRAINT_PROTO_NAMES = {v: k for k, v in CONSTRAINT_FIELDS.items()}
@@ -60,7 +65,7 @@ def constraint_field_path(engine_field: str) -> str | None:
 
 
 class InvalidRequestError(ValueError):
-    """A request is refused; ``field`` is the proto field path, ``message`` says why.
+    """A request is refused; ``field`` is the gRPC API's field path, ``message`` says why.
 
     ``str(error)`` is ``"<field>: <message>"``.
     """
@@ -96,7 +101,7 @@ class ValidatedRequest:
 
 
 class RequestValidator:
-    """Checks ``GenerateRequest`` messages against one model's tokenizer and context.
+    """Checks :class:`GenerationRequest` s against one model's tokenizer and context.
 
     Args:
         tokenizer: the served model's tokenizer; prompt ids must be below its
@@ -119,8 +124,9 @@ class RequestValidator:
         contents = sorted({str(t) for t in added.values() if str(t)}, key=len, reverse=True)
         self._control_tokens = re.compile("|".join(map(re.escape, contents))) if contents else None
 
-    def validate(self, request, fill_max_tokens: bool = False) -> ValidatedRequest:
-        """Validate ``request`` (a ``tandem.v1.GenerateRequest``) and tokenize its input.
+    def validate(self, request: GenerationRequest,
+                 fill_max_tokens: bool = False) -> ValidatedRequest:
+        """Validate ``request`` and tokenize its input.
 
         Args:
             fill_max_tokens: an unset ``max_tokens`` becomes all the room the
@@ -136,22 +142,18 @@ class RequestValidator:
                 parameters, then tokenization and lengths.
         """
         request_id = self._request_id(request.request_id)
-        kind = request.WhichOneof("input")
+        kind = request.input_kind
         self._check_input_present(request, kind)
-        has_sampling = request.HasField("sampling")
-        params = self._sampling_params(request.sampling if has_sampling else None)
+        sampling = request.sampling
+        params = self._sampling_params(sampling)
         if params.use_beam_search and request.stream:
             raise InvalidRequestError("stream", "is not supported with use_beam_search (the "
                                                 "beams are known only when the search ends)")
         prompt_ids = self._tokenize(request, kind)
-        params = self._fit_max_tokens(params, kind, len(prompt_ids),
-                                      has_sampling and request.sampling.HasField("max_tokens"),
-                                      fill_max_tokens)
-        skip = True
-        if has_sampling and request.sampling.HasField("skip_special_tokens"):
-            skip = request.sampling.skip_special_tokens
+        params = self._fit_max_tokens(params, _INPUT_FIELDS[kind], len(prompt_ids),
+                                      sampling.max_tokens is not None, fill_max_tokens)
         return ValidatedRequest(request_id, tuple(prompt_ids), params, request.priority,
-                                request.stream, skip)
+                                request.stream, sampling.skip_special_tokens)
 
     # -- pieces, in the order validate() runs them ---------------------------------
 
@@ -169,20 +171,18 @@ class RequestValidator:
         return request_id
 
     @staticmethod
-    def _check_input_present(request, kind: str | None) -> None:
+    def _check_input_present(request: GenerationRequest, kind: str | None) -> None:
         if kind is None:
             raise InvalidRequestError("input", "one of prompt, token_ids or chat must be set")
         if kind == "prompt" and not request.prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        if kind == "token_ids" and not request.token_ids.ids:
+        if kind == "prompt_token_ids" and not request.prompt_token_ids:
             raise InvalidRequestError("token_ids", "must contain at least one token id")
-        if kind == "chat" and not request.chat.messages:
+        if kind == "messages" and not request.messages:
             raise InvalidRequestError("chat.messages", "must contain at least one message")
 
     def _sampling_params(self, sampling) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams()
-        if sampling.HasField("n") and sampling.n > MAX_N:
+        if sampling.n is not None and sampling.n > MAX_N:
             raise InvalidRequestError("sampling.n", f"must be at most {MAX_N}, got {sampling.n}")
         if len(sampling.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
@@ -200,49 +200,48 @@ class RequestValidator:
                     f"token id {t} is not below the vocabulary size {self.vocab_size}")
         kwargs = {name: getattr(sampling, name) for name in _PLAIN_FIELDS}
         kwargs.update({name: getattr(sampling, name)
-                       for name in _OPTIONAL_FIELDS if sampling.HasField(name)})
-        if sampling.use_beam_search and not sampling.HasField("temperature"):
+                       for name in _OPTIONAL_FIELDS if getattr(sampling, name) is not None})
+        if sampling.use_beam_search and sampling.temperature is None:
             kwargs["temperature"] = 0.0     # beam search is deterministic (vLLM's default)
         kwargs["stop"] = tuple(sampling.stop)
         kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
         try:
-            kwargs["structured_outputs"] = self._constraint(sampling)
+            kwargs["structured_outputs"] = self._constraint(sampling.constraint)
             return SamplingParams(**kwargs)
         except InvalidParameterError as e:
             path = constraint_field_path(e.field) or f"sampling.{e.field}"
             raise InvalidRequestError(path, str(e).removeprefix(f"{e.field}: ")) from None
 
     @staticmethod
-    def _constraint(sampling) -> StructuredOutputsParams | None:
-        """The ``constraint`` oneof as engine parameters, parsed by the grammar backend
+    def _constraint(constraint) -> StructuredOutputsParams | None:
+        """``constraint`` as engine parameters, parsed by the grammar backend
         (cheap: no tokenizer; the engine compiles it for its vocabulary).
 
         Raises:
             InvalidParameterError: ``field`` ``structured_outputs.<kind>``.
         """
-        kind = sampling.WhichOneof("constraint")
-        if kind is None:
+        if constraint is None:
             return None
-        value = getattr(sampling, kind)
-        if kind == "choice":
-            value = tuple(value.choices)
-        params = StructuredOutputsParams(**{CONSTRAINT_FIELDS[kind]: value})
+        value = constraint.value
+        if constraint.kind == "choice":
+            value = tuple(value)
+        params = StructuredOutputsParams(**{constraint.kind: value})
         from tandem.engine.sampling.grammar import check_structured_outputs  # imports xgrammar
 
         check_structured_outputs(params)
         return params
 
-    def _tokenize(self, request, kind: str) -> list[int]:
+    def _tokenize(self, request: GenerationRequest, kind: str) -> list[int]:
         if kind == "prompt" and len(request.prompt.encode()) > MAX_PROMPT_BYTES:
             raise InvalidRequestError("prompt", f"must be at most {MAX_PROMPT_BYTES} bytes of "
                                                 f"UTF-8, got {len(request.prompt.encode())}")
-        if kind == "token_ids" and len(request.token_ids.ids) >= self.max_model_len:
+        if kind == "prompt_token_ids" and len(request.prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                "token_ids", f"the prompt is {len(request.token_ids.ids)} tokens, but "
+                "token_ids", f"the prompt is {len(request.prompt_token_ids)} tokens, but "
                              f"max_model_len is {self.max_model_len}: at least one token must "
                              "fit after it")
-        if kind == "chat":
-            size = sum(len(m.content.encode()) for m in request.chat.messages)
+        if kind == "messages":
+            size = sum(len(m.content.encode()) for m in request.messages)
             if size > MAX_PROMPT_BYTES:
                 raise InvalidRequestError("chat.messages", f"the contents must be at most "
                                                            f"{MAX_PROMPT_BYTES} bytes of UTF-8 "
@@ -252,15 +251,15 @@ class RequestValidator:
             if not ids:
                 raise InvalidRequestError("prompt", "encodes to no tokens")
             return ids
-        if kind == "token_ids":
-            ids = list(request.token_ids.ids)
+        if kind == "prompt_token_ids":
+            ids = list(request.prompt_token_ids)
             for i, t in enumerate(ids):
                 if t >= self.vocab_size:
                     raise InvalidRequestError(
                         f"token_ids.ids[{i}]",
                         f"token id {t} is not below the vocabulary size {self.vocab_size}")
             return ids
-        return self._apply_chat_template(request.chat.messages)
+        return self._apply_chat_template(request.messages)
 
     @staticmethod
     def check_chat_role(field: str, role: str) -> None:

@@ -17,6 +17,7 @@ from tandem.engine.runtime.outputs import RequestDelta
 from tandem.router.metrics import ABORT_SOURCES, Metrics
 from tandem.router.orchestrator import FAIL_WITH_SIBLINGS, Orchestrator
 from tandem.router.registry import WorkerHandle
+from tandem.router.server import request_from_proto
 from tandem.router.validation import RequestValidator
 from tandem.router.worker_client import WorkerError
 from tandem.v1 import tandem_pb2 as pb
@@ -83,8 +84,8 @@ def _counts(metrics: Metrics) -> dict[str, float]:
 
 @pytest.fixture
 def request_(tokenizer):
-    return RequestValidator(tokenizer, 2048).validate(pb.GenerateRequest(
-        prompt="Hello", stream=True, sampling=pb.SamplingParams(max_tokens=50, ignore_eos=True)))
+    return RequestValidator(tokenizer, 2048).validate(request_from_proto(pb.GenerateRequest(
+        prompt="Hello", stream=True, sampling=pb.SamplingParams(max_tokens=50, ignore_eos=True))))
 
 
 def _orchestrator(tokenizer, cluster) -> tuple[Orchestrator, Metrics]:

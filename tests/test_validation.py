@@ -1,4 +1,6 @@
-"""GenerateRequest validation against the default model's real tokenizer."""
+"""GenerateRequest validation against the default model's real tokenizer: requests
+reach the validator as the gRPC front end hands them on (:func:`request_from_proto`),
+so refusals name the gRPC API's field paths."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from google.protobuf.message import DecodeError
 from tandem.engine.model.model_files import resolve_model
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.text.tokenizer import Tokenizer
+from tandem.router.server import request_from_proto
 from tandem.router.validation import (MAX_N, MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS,
                                       MAX_STOP_STRINGS, InvalidRequestError, RequestValidator,
                                       ValidatedRequest)
@@ -39,9 +42,14 @@ def chat(*messages: tuple[str, str]) -> pb.ChatMessages:
     return pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
 
 
+def validate(validator: RequestValidator, request: pb.GenerateRequest,
+             **kw) -> ValidatedRequest:
+    return validator.validate(request_from_proto(request), **kw)
+
+
 def refused(validator: RequestValidator, request: pb.GenerateRequest) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as info:
-        validator.validate(request)
+        validate(validator, request)
     return info.value
 
 
@@ -62,7 +70,7 @@ def test_c12_empty_inputs_name_their_field(validator, request_, field, message):
 
 
 def test_c12_one_empty_user_message_is_a_real_prompt(validator, tok):
-    accepted = validator.validate(pb.GenerateRequest(chat=chat(("user", ""))))
+    accepted = validate(validator, pb.GenerateRequest(chat=chat(("user", ""))))
     expected = tok.apply_chat_template([{"role": "user", "content": ""}])
     assert accepted.prompt_token_ids == tuple(expected)
     assert tok.decode(expected, skip_special_tokens=False) == (
@@ -72,7 +80,7 @@ def test_c12_one_empty_user_message_is_a_real_prompt(validator, tok):
 
 def test_c12_a_refused_request_leaves_the_validator_serving(validator, tok):
     refused(validator, pb.GenerateRequest(prompt=""))
-    accepted = validator.validate(pb.GenerateRequest(prompt="Hello world, "))
+    accepted = validate(validator, pb.GenerateRequest(prompt="Hello world, "))
     assert accepted.prompt_token_ids == tuple(tok.encode("Hello world, "))
 
 
@@ -139,7 +147,7 @@ def test_prompt_plus_max_tokens_over_max_model_len(tok):
     assert (error.field, error.message) == (
         "sampling.max_tokens",
         "prompt tokens (30) + max_tokens (35) = 65 exceeds max_model_len (64)")
-    fits = small.validate(pb.GenerateRequest(prompt=prompt,
+    fits = validate(small, pb.GenerateRequest(prompt=prompt,
                                              sampling=pb.SamplingParams(max_tokens=34)))
     assert fits.sampling_params.max_tokens == 34
 
@@ -164,10 +172,10 @@ def test_prompt_that_fills_the_context_names_the_input(tok, kind):
 
 def test_unset_max_tokens_shrinks_to_the_room_left(tok):
     small = RequestValidator(tok, 64)
-    accepted = small.validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(20, 80)))))
+    accepted = validate(small, pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(20, 80)))))
     assert len(accepted.prompt_token_ids) == 60
     assert accepted.sampling_params.max_tokens == 4
-    roomy = small.validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[20] * 10)))
+    roomy = validate(small, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[20] * 10)))
     assert roomy.sampling_params.max_tokens == 16
 
 
@@ -214,29 +222,29 @@ def test_chat_content_cannot_forge_control_tokens(validator, content, token):
 
 def test_prompt_is_tokenized_like_the_tokenizer(validator, tok):
     text = "Write one sentence about the ocean. 你好 🎉"
-    accepted = validator.validate(pb.GenerateRequest(prompt=text))
+    accepted = validate(validator, pb.GenerateRequest(prompt=text))
     assert accepted.prompt_token_ids == tuple(tok.encode(text))
     assert tok.decode(accepted.prompt_token_ids) == text
     assert accepted.sampling_params == SamplingParams()
     assert (accepted.priority, accepted.stream, accepted.skip_special_tokens) == (0, False, True)
     assert re.fullmatch(r"[0-9a-f]{32}", accepted.request_id)
-    assert validator.validate(pb.GenerateRequest(prompt=text)).request_id != accepted.request_id
+    assert validate(validator, pb.GenerateRequest(prompt=text)).request_id != accepted.request_id
 
 
 def test_raw_prompt_may_write_control_tokens(validator):
-    accepted = validator.validate(pb.GenerateRequest(prompt="<|im_start|>user\nhi"))
+    accepted = validate(validator, pb.GenerateRequest(prompt="<|im_start|>user\nhi"))
     assert accepted.prompt_token_ids[0] == 1
 
 
 def test_token_ids_pass_through(validator):
-    accepted = validator.validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, VOCAB - 1])))
+    accepted = validate(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, VOCAB - 1])))
     assert accepted.prompt_token_ids == (0, 5, VOCAB - 1)
 
 
 def test_chat_uses_the_chat_template(validator, tok):
     messages = [("system", "Be brief."), ("user", "What is the capital of France?"),
                 ("assistant", "Paris."), ("user", "And of Japan?")]
-    accepted = validator.validate(pb.GenerateRequest(chat=chat(*messages)))
+    accepted = validate(validator, pb.GenerateRequest(chat=chat(*messages)))
     expected = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])
     assert accepted.prompt_token_ids == tuple(expected)
     assert tok.decode(expected, skip_special_tokens=False).endswith(
@@ -250,7 +258,7 @@ def test_every_sampling_field_reaches_sampling_params(validator):
         stop_token_ids=[2, 7], stop=["\n\n", "User:"], include_stop_str_in_output=True,
         ignore_eos=True, logprobs=5, min_tokens=3, skip_special_tokens=False,
         prompt_logprobs=4)
-    accepted = validator.validate(pb.GenerateRequest(
+    accepted = validate(validator, pb.GenerateRequest(
         request_id="client-42", prompt="Hi", sampling=sampling, priority=-3, stream=True))
     assert accepted == ValidatedRequest(
         request_id="client-42", prompt_token_ids=(26843,), priority=-3, stream=True,
@@ -264,13 +272,13 @@ def test_every_sampling_field_reaches_sampling_params(validator):
 
 
 def test_explicit_zero_is_not_the_default(validator):
-    accepted = validator.validate(pb.GenerateRequest(
+    accepted = validate(validator, pb.GenerateRequest(
         prompt="Hi", sampling=pb.SamplingParams(temperature=0.0, logprobs=0, top_k=0, seed=0,
                                                 prompt_logprobs=0)))
     params = accepted.sampling_params
     assert (params.temperature, params.greedy, params.logprobs, params.top_k, params.seed,
             params.prompt_logprobs) == (0.0, True, 0, 0, 0, 0)
-    unset = validator.validate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams()))
+    unset = validate(validator, pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams()))
     assert (unset.sampling_params.temperature, unset.sampling_params.logprobs,
             unset.sampling_params.top_k, unset.sampling_params.seed,
             unset.sampling_params.prompt_logprobs) == (1.0, None, -1, None, None)
@@ -321,9 +329,9 @@ def test_prompt_bytes_are_capped_before_tokenizing(validator):
 def test_fill_max_tokens_gives_an_unset_max_tokens_the_room_left(validator):
     """OpenAI chat completions' default (the HTTP front end asks for it)."""
     req = pb.GenerateRequest(chat=chat(("user", "Name three colours.")))
-    filled = validator.validate(req, fill_max_tokens=True)
+    filled = validate(validator, req, fill_max_tokens=True)
     assert filled.sampling_params.max_tokens == MAX_MODEL_LEN - len(filled.prompt_token_ids)
-    assert validator.validate(req).sampling_params.max_tokens == 16
+    assert validate(validator, req).sampling_params.max_tokens == 16
     req.sampling.max_tokens = 5                       # an explicit value is kept
-    assert validator.validate(req, fill_max_tokens=True).sampling_params.max_tokens == 5
+    assert validate(validator, req, fill_max_tokens=True).sampling_params.max_tokens == 5
 
