@@ -4,7 +4,7 @@ All three are served by Tandem's offline ``LLM`` in float32 and scored through
 ``prompt_logprobs`` (the log-probability of every held-out token given the tokens
 before it; perplexity ``exp(-mean)``). RTN and AWQ use the same quantizer
 (asymmetric round-to-nearest per group), the same checkpoint layout and the same
-loader: RTN is :func:`~tandem.engine.quantization.awq.awq_quantize` with only
+loader: RTN is :func:`~tandem.quantize.awq.awq_quantize` with only
 ``alpha = 0`` (``grid=1``) and no clipping search, so the rows differ only in the
 AWQ searches.
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tandem.engine.llm import LLM
-    from tandem.engine.quantization.awq import awq_quantize
+    from tandem.quantize.awq import awq_quantize
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """Perplexity of quantized and dense systems on held-out text, through the public
 ``LLM`` API.
 
-The text is ``engine/quantization/data/heldout.txt`` (English prose written for
+The text is ``quantize/data/heldout.txt`` (English prose written for
 this project, none of it in the calibration text). It is tokenized whole, without
 special tokens, and cut into segments of ``--segment-len`` tokens, each scored as
 its own prompt with ``SamplingParams(prompt_logprobs=0)``: position ``p >= 1`` of a
@@ -44,8 +44,9 @@ import torch
 
 from tandem.engine.llm import LLM
 from tandem.engine.model.model_files import cache_dir, resolve_model
-from tandem.engine.quantization.quantize import calibration_segments, data_path, quantize_model
 from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.quantize.autogptq import quantize_model
+from tandem.quantize.dense import calibration_segments, data_path
 
 _QUANTIZED_FORMAT = "2"     # bump when quantize_model's output changes
 
@@ -90,7 +91,7 @@ class Context:
 
     def requantized_gguf(self, qtype: str) -> str:
         """The default GGUF file rewritten in block type ``qtype`` (made if absent)."""
-        from tandem.engine.quantization.gguf_writer import REQUANTIZE_VERSION, requantize_gguf
+        from tandem.quantize.gguf_writer import REQUANTIZE_VERSION, requantize_gguf
 
         files = resolve_model(self.model)
         st = os.stat(files.path)
@@ -106,7 +107,7 @@ class Context:
     def awq(self, group_size: int = 64, num_calibration_tokens: int = 512) -> str:
         """The AWQ checkpoint of ``model`` (int4, the shipped calibration text), made
         if absent."""
-        from tandem.engine.quantization.awq import awq_quantize
+        from tandem.quantize.awq import awq_quantize
 
         files = resolve_model(self.model)
         with open(data_path("calibration.txt"), encoding="utf-8") as f:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  args.segment_len)]
             if args.segments_out:
                 with open(args.segments_out, "w") as f:
-                    json.dump({"text": "engine/quantization/data/heldout.txt",
+                    json.dump({"text": "quantize/data/heldout.txt",
                                "segment_len": args.segment_len, "segments": segments}, f)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         doc = {"command": " ".join(["python", "benchmarks/perplexity.py", *(argv or sys.argv[1:])]),
-               "text": "engine/quantization/data/heldout.txt", "segment_len": args.segment_len,
+               "text": "quantize/data/heldout.txt", "segment_len": args.segment_len,
                "segments": len(segments or []), "machine": platform.processor() or platform.machine(),
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "systems": results, "table": table}

@@ -171,7 +171,7 @@ def time_kernels(rows=(1, 2, 4, 8, 16, 24, 32, 64, 128), iters=30) -> dict:
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize, quantize
 
-    from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
+    from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
     from tandem.kernels.cpu.gguf_linear import gguf_dequantize, gguf_linear
     from tandem.kernels.cpu.linear import invariant_linear, pack_invariant_weight
 

@@ -554,12 +554,12 @@ def _cmd_profile(args) -> int:
 
 
 def _cmd_quantize(args) -> int:
-    from tandem.engine.quantization.quantize import quantize_model
+    from tandem.quantize.autogptq import quantize_model
 
     t0 = time.perf_counter()
     if args.method in GGUF_REQUANTIZE_METHODS:
         from tandem.engine.model.model_files import resolve_model
-        from tandem.engine.quantization.gguf_writer import requantize_gguf
+        from tandem.quantize.gguf_writer import requantize_gguf
 
         try:
             src = resolve_model(args.model)
@@ -576,11 +576,10 @@ def _cmd_quantize(args) -> int:
               f"{stats['file_bytes_before'] / 2**20:.1f}), in {time.perf_counter() - t0:.1f} s")
         return 0
     if args.method == "awq":
-        from importlib.resources import files
+        from tandem.quantize.awq import awq_quantize
+        from tandem.quantize.dense import data_path
 
-        from tandem.engine.quantization.awq import awq_quantize
-
-        path = args.calibration_file or files("tandem.engine.quantization") / "data" / "calibration.txt"
+        path = args.calibration_file or data_path("calibration.txt")
         with open(path) as f:
             text = f.read()
         kwargs = {"num_calibration_tokens": args.num_calibration_tokens} \
@@ -645,7 +644,7 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uniform-hessian", action="store_true",
                    help="gptq: count every calibration token once (the paper's H = 2 X X^T) "
                         "instead of weighting the attention sink and massive activations "
-                        "(see tandem.engine.quantization.quantize.hessian_token_weights)")
+                        "(see tandem.quantize.autogptq.hessian_token_weights)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,14 +15,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Top-level folder -> package name (pyproject.toml's package-dir).
 PACKAGES = {"engine": "tandem.engine", "router": "tandem.router", "kernels": "tandem.kernels",
             "kvtransfer": "tandem.kvtransfer", "prefill_worker": "tandem.prefill_worker",
-            "decode_worker": "tandem.decode_worker", "control": "tandem.control"}
+            "decode_worker": "tandem.decode_worker", "control": "tandem.control",
+            "quantize": "tandem.quantize"}
 
 # package -> packages (or third-party top-level modules) it must never import.
 FORBIDDEN = {
     "tandem.kernels": {"tandem.engine", "tandem.router", "tandem.kvtransfer",
-                       "tandem.prefill_worker", "tandem.decode_worker", "tandem.control"},
+                       "tandem.prefill_worker", "tandem.decode_worker", "tandem.control",
+                       "tandem.quantize"},
+    # The offline quantizers build on the engine, never the other way: serving needs
+    # only the linear methods in tandem.engine.quantization.
     "tandem.engine": {"tandem.router", "tandem.kvtransfer", "tandem.prefill_worker",
-                      "tandem.decode_worker", "tandem.control", "ray", "grpc", "redis"},
+                      "tandem.decode_worker", "tandem.control", "tandem.quantize",
+                      "ray", "grpc", "redis"},
+    # ``tandem quantize`` is an offline tool: the engine and kernels, nothing of serving.
+    "tandem.quantize": {"tandem.router", "tandem.kvtransfer", "tandem.prefill_worker",
+                        "tandem.decode_worker", "tandem.control", "ray", "grpc", "redis"},
     "tandem.kvtransfer": {"tandem.router", "tandem.prefill_worker", "tandem.decode_worker",
                           "ray", "grpc"},
     # The cluster state is shared by routers and workers: it may use the engine's
@@ -118,6 +126,8 @@ def test_the_module_graph_finds_our_modules_and_their_imports():
     graph = _graph()
     assert "tandem.engine.scheduling.scheduler" in graph and "tandem.router.orchestrator" in graph
     assert "tandem.router.cluster" in graph["tandem.router.orchestrator"]
+    assert "tandem.quantize.dense" in graph["tandem.quantize.awq"]
+    assert "tandem.quantize.dense" in graph["tandem.quantize.autogptq"]
 
 
 def test_no_import_cycles():
@@ -128,13 +138,23 @@ def test_a_cycle_would_be_found():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_package_layering():
+def _violations(graph: dict[str, set[str]]) -> list[str]:
     bad = []
-    for mod, targets in _graph().items():
+    for mod, targets in graph.items():
         pkg = next((p for p in FORBIDDEN if mod == p or mod.startswith(p + ".")), None)
         if pkg is None:
             continue
         for t in targets:
             if any(t == f or t.startswith(f + ".") for f in FORBIDDEN[pkg]):
                 bad.append(f"{mod} imports {t}")
-    assert bad == []
+    return sorted(bad)
+
+
+def test_package_layering():
+    assert _violations(_graph()) == []
+
+
+def test_the_engine_importing_the_offline_quantizers_would_be_found():
+    graph = _graph()
+    graph["tandem.engine.model.loader"] |= {"tandem.quantize.dense"}
+    assert _violations(graph) == ["tandem.engine.model.loader imports tandem.quantize.dense"]

@@ -17,9 +17,11 @@ import torch
 
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.weights import WeightLoadError, load_weights
-from tandem.engine.quantization import awq
 from tandem.engine.quantization.awq_linear import (AWQLinearMethod, dequantize_awq,
                                                    pack_int4, unpack_int4)
+from tandem.quantize import awq
+from tandem.quantize.dense import (LINEAR_NAMES, NORM_NAMES, attention_block, decoder_layer,
+                                   layer_weights, load_dense, mlp_block, model_logits)
 
 CALIBRATION = os.path.join(os.path.dirname(__file__), "data", "awq_calibration.txt")
 GROUP = 64
@@ -186,7 +188,7 @@ def test_registry_and_config_know_awq():
 @pytest.fixture(scope="module")
 def dense():
     """The default model's config and float32 tensors (Hugging Face names)."""
-    cfg, weights, _ = awq.load_dense(None)
+    _, cfg, weights = load_dense(None)
     return cfg, weights
 
 
@@ -267,9 +269,9 @@ def test_awq_search_beats_rtn_on_a_real_layer(dense, tokenizer, calibration_text
     with torch.no_grad():
         h = weights["model.embed_tokens.weight"][ids]
         for i in range(layer):
-            h = awq.decoder_layer(cfg, awq.layer_weights(weights, i), h, cos_sin).out
-        lw = {k: v.clone() for k, v in awq.layer_weights(weights, layer).items()}
-        acts = awq.decoder_layer(cfg, lw, h, cos_sin)
+            h = decoder_layer(cfg, layer_weights(weights, i), h, cos_sin).out
+        lw = {k: v.clone() for k, v in layer_weights(weights, layer).items()}
+        acts = decoder_layer(cfg, lw, h, cos_sin)
         found = awq.awq_layer(cfg, {k: v.clone() for k, v in lw.items()}, acts, cos_sin, 4,
                               GROUP, grid=20, clip=False)
         assert found["o"] is None                       # GQA: v_proj -> o_proj not folded
@@ -279,10 +281,10 @@ def test_awq_search_beats_rtn_on_a_real_layer(dense, tokenizer, calibration_text
 
         def errors(s_qkv, s_gu, s_down):
             x = acts.attn_in / s_qkv
-            attn = awq.attention_block(cfg, x, q(lw["q"], s_qkv), q(lw["k"], s_qkv),
-                                       q(lw["v"], s_qkv), lw["o"], cos_sin)[1]
+            attn = attention_block(cfg, x, q(lw["q"], s_qkv), q(lw["k"], s_qkv),
+                                   q(lw["v"], s_qkv), lw["o"], cos_sin)[1]
             x = acts.mlp_in / s_gu
-            mlp = awq.mlp_block(x, q(lw["gate"], s_gu), q(lw["up"], s_gu), lw["down"])[1]
+            mlp = mlp_block(x, q(lw["gate"], s_gu), q(lw["up"], s_gu), lw["down"])[1]
             down = (acts.down_in / s_down) @ q(lw["down"], s_down).t()
             return [float((a - b).pow(2).mean()) for a, b in
                     [(attn, acts.attn_out), (mlp, acts.mlp_out), (down, acts.mlp_out)]]
@@ -334,13 +336,13 @@ def test_without_gqa_o_proj_scales_fold_into_v_proj_and_nothing_changes():
     shapes = {"q": (128, 128), "k": (128, 128), "v": (128, 128), "o": (128, 128),
               "gate": (192, 128), "up": (192, 128), "down": (128, 192)}
     for i in range(2):
-        for short, name in awq.LINEAR_NAMES.items():
+        for short, name in LINEAR_NAMES.items():
             w = torch.randn(shapes[short], generator=g) / shapes[short][1] ** 0.5
             weights[f"model.layers.{i}.{name}.weight"] = w
-        for name in awq.NORM_NAMES.values():
+        for name in NORM_NAMES.values():
             weights[f"model.layers.{i}.{name}.weight"] = 1 + 0.1 * torch.randn(128, generator=g)
     ids = torch.randint(0, 64, (2, 48), generator=g)
-    want = awq.model_logits(cfg, weights, ids)
+    want = model_logits(cfg, weights, ids)
     folded = {k: v.clone() for k, v in weights.items()}
     found = awq.awq_transform(cfg, folded, ids, group_size=32, grid=4, clip=False)
     assert all(r["o"] is not None for r in found)
@@ -349,7 +351,7 @@ def test_without_gqa_o_proj_scales_fold_into_v_proj_and_nothing_changes():
     torch.testing.assert_close(folded["model.layers.1.self_attn.v_proj.weight"],
                                weights["model.layers.1.self_attn.v_proj.weight"] / s[:, None]
                                / (1 / found[1]["qkv"].scales))
-    torch.testing.assert_close(awq.model_logits(cfg, folded, ids), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model_logits(cfg, folded, ids), want, atol=1e-4, rtol=1e-4)
 
 
 def test_folding_the_searched_scales_preserves_the_dense_model(dense, quantized, dense_llm,
@@ -370,7 +372,7 @@ def test_folding_the_searched_scales_preserves_the_dense_model(dense, quantized,
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # The search's own float model agrees with the served one.
-    torch.testing.assert_close(awq.model_logits(cfg, weights, torch.tensor([ids]))[0], want,
+    torch.testing.assert_close(model_logits(cfg, weights, torch.tensor([ids]))[0], want,
                                atol=2e-3, rtol=1e-4)
 
 

@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.weights import WeightLoadError
 from tandem.engine.quantization.gguf_linear import GGUFLinearMethod
-from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
+from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.kernels.cpu.gguf_linear import (GGUF_NATIVE_TYPES, MAX_FUSED_ROWS, gguf_dequantize,
                                             gguf_kernels_available, gguf_linear, row_bytes)
@@ -211,7 +211,7 @@ def test_bfloat16_activations_over_the_packed_blocks(gguf_llm):
 def q4_k_m_file(gguf_source, tmp_path_factory):
     """The default model rewritten as llama.cpp's Q4_K_M mix (Q4_K / Q6_K rows where
     the rows are whole super-blocks, Q5_0 / Q8_0 where the 576-wide rows are not)."""
-    from tandem.engine.quantization.gguf_writer import requantize_gguf
+    from tandem.quantize.gguf_writer import requantize_gguf
 
     path = str(tmp_path_factory.mktemp("q4_k_m") / "model-Q4_K_M.gguf")
     requantize_gguf(gguf_source, path, "Q4_K_M")
@@ -226,7 +226,7 @@ def test_q4_k_m_file_served_from_its_blocks_as_dequantized(q4_k_m_file, monkeypa
     without the compiled kernels)."""
     from tandem.engine.llm import LLM
     from tandem.engine.quantization import gguf_linear as method
-    from tandem.engine.quantization.gguf_writer import q4_k_m_type
+    from tandem.quantize.gguf_writer import q4_k_m_type
 
     native = LLM(q4_k_m_file, dtype="float32", num_blocks=64, quantization="gguf")
     model, n = native.engine.model, native.engine.model_config.num_layers

@@ -1,4 +1,4 @@
-"""Requantizing a GGUF file (engine/quantization/gguf_writer.py): the default model
+"""Requantizing a GGUF file (quantize/gguf_writer.py): the default model
 rewritten as Q8_0 keeps every metadata field, holds exactly gguf-py's requantization
 of every tensor, and serves the same greedy tokens natively and dense."""
 
@@ -12,9 +12,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
-from tandem.engine.quantization.gguf_writer import (field_value, requantize_gguf,
+from tandem.quantize.gguf_writer import (field_value, requantize_gguf,
                                                     target_type, tensor_kind)
-from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
+from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
 
 
 def test_tensor_kinds():

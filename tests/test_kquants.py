@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K quantization (engine/quantization/kquants.py): the packed bytes are
+"""Q4_K / Q6_K quantization (quantize/kquants.py): the packed bytes are
 what gguf-py (the reader llama.cpp's Python tools use) reads back, field for field,
 and the searched scales give less error than the plain per-block ranges."""
 
@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from tandem.engine.quantization.kquants import (Q4_K_BYTES, Q6_K_BYTES, pack_q4_k, pack_q6_k,
+from tandem.quantize.kquants import (Q4_K_BYTES, Q6_K_BYTES, pack_q4_k, pack_q6_k,
                                                 quantize_q4_k, quantize_q6_k, search_scale_min,
                                                 search_scale_symmetric)
 

@@ -22,12 +22,12 @@ from tandem.engine.model.model_files import ModelFiles, resolve_model
 from tandem.engine.model.weights import WeightLoadError
 from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
 from tandem.engine.quantization.checkpoint import linear_method_for
-from tandem.engine.quantization.gptq import HessianAccumulator, gptq_quantize
 from tandem.engine.quantization.packing import (dequantize_packed, pack_qweight, pack_zeros,
                                                 unpack_qweight, unpack_zeros)
-from tandem.engine.quantization.quantize import (LINEAR_GROUPS, calibration_segments,
-                                                 capture_inputs, data_path, load_dense)
-from tandem.engine.quantization.rtn import quantize_rtn
+from tandem.quantize.autogptq import LINEAR_GROUPS, capture_inputs
+from tandem.quantize.dense import calibration_segments, data_path, load_dense
+from tandem.quantize.gptq import HessianAccumulator, gptq_quantize
+from tandem.quantize.rtn import quantize_rtn
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER = 1           # the decoder layer whose real activations the layer tests use
@@ -380,8 +380,8 @@ def test_calibration_and_heldout_texts_ship_with_the_package():
     sentences = {s.strip() for s in texts["calibration"].split(".") if len(s.strip()) > 30}
     assert not any(s.strip() in sentences for s in texts["heldout"].split("."))
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "tandem.engine.quantization" in setup["packages"]
-    assert setup["package-data"]["tandem.engine.quantization"] == ["data/*.txt"]
+    assert "tandem.quantize" in setup["packages"]
+    assert setup["package-data"]["tandem.quantize"] == ["data/*.txt"]
 
 
 def test_gptq_checkpoint_with_int8_activations(rtn_checkpoint, monkeypatch):

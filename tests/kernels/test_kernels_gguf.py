@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
+from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
 from tandem.kernels.gguf_linear import gguf_block_config, gguf_linear
 from tandem.kernels.reference import (GGUF_BLOCK_SIZES, dequantize_gguf_reference,
                                       gguf_linear_reference)

@@ -224,12 +224,12 @@ def test_every_registered_architecture_has_its_class():
 
 
 def test_the_quantizers_refuse_what_their_llama_forward_cannot_compute(tmp_path):
-    """``tandem quantize`` calibrates with a dense Llama forward of its own: a Qwen2
-    checkpoint (Q/K/V biases) must not be quantized with its biases ignored."""
-    from tandem.engine.quantization import awq, quantize
+    """``tandem quantize`` calibrates with a dense Llama forward of its own (one loader
+    for every method): a Qwen2 checkpoint (Q/K/V biases) must not be quantized with
+    its biases ignored."""
+    from tandem.quantize.dense import load_dense
 
     save_tiny_checkpoint(tmp_path, "Qwen2Config")
-    for load_dense in (quantize.load_dense, awq.load_dense):
-        with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM") as info:
-            load_dense(str(tmp_path))
-        assert info.value.field == "architectures"
+    with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM") as info:
+        load_dense(str(tmp_path))
+    assert info.value.field == "architectures"

@@ -14,8 +14,9 @@ round-to-nearest (RTN), so the search is never worse than RTN on that data. A
 second search clips each weight group's range (``max |w|`` shrunk by a ratio, the
 ratio minimizing the group's output error), as AutoAWQ's ``auto_clip`` does.
 
-Per Llama decoder layer, the groups of linears that share an input, and where the
-inverse scale goes:
+The model is read and run by :mod:`tandem.quantize.dense` (its loader, float32
+decoder layer and checkpoint writer). Per decoder layer, the groups of linears
+that share an input, and where the inverse scale goes:
 
 ========================  ====================  =====================================
 scaled linears            their input           ``1 / s`` folded into
@@ -55,39 +56,26 @@ quantization="awq")`` serves.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import re
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.model.weights import WeightLoadError
 from tandem.engine.quantization.awq_linear import PACK_FACTOR, pack_int4
-from tandem.kernels.reference import rms_norm_ref, rope_cos_sin_cache
+from tandem.kernels.reference import rope_cos_sin_cache
+from tandem.quantize.dense import (LayerActivations, attention_block, check_output,
+                                   decoder_layer, layer_weights, load_dense, mlp_block,
+                                   quantized_state, write_checkpoint)
 
 logger = logging.getLogger(__name__)
 
-# Projection leaf name -> (module, checkpoint projection name).
-LINEAR_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                "down": "mlp.down_proj"}
-NORM_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
 # Linears whose range is clipped; AutoAWQ leaves q and k alone (their error passes
 # through the softmax, which the per-group output error below does not model).
 CLIPPED = ("v", "o", "gate", "up", "down")
-# Files of a Hugging Face checkpoint directory that describe the tokenizer and
-# generation, copied next to the quantized weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 # -- quantization --------------------------------------------------------------------------
@@ -161,95 +149,6 @@ def pack_awq_weight(w: torch.Tensor, bits: int, group_size: int) -> dict[str, to
     return {"qweight": pack_int4(codes.t().contiguous()),
             "qzeros": pack_int4(zeros.t().contiguous()),
             "scales": steps.t().contiguous().half()}
-
-
-# -- the float decoder layer ---------------------------------------------------------------
-def layer_weights(weights: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
-    """The tensors of decoder layer ``layer`` under short names (``q``, ..., ``down``:
-    ``[out, in]``; ``ln1``, ``ln2``: ``[H]``), the same tensor objects as in
-    ``weights`` (Hugging Face names)."""
-    p = f"model.layers.{layer}"
-    out = {k: weights[f"{p}.{v}.weight"] for k, v in LINEAR_NAMES.items()}
-    return out | {k: weights[f"{p}.{v}.weight"] for k, v in NORM_NAMES.items()}
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (Hugging Face Llama) rotation of ``[B, heads, S, D]`` by ``[S, D/2]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def attention_block(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                    wv: torch.Tensor, wo: torch.Tensor, cos_sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal self-attention of ``B`` sequences, as the served model computes it.
-
-    Args:
-        x: normalised hidden states ``[B, S, H]`` float32.
-        wq, wk, wv, wo: ``[Hq D, H]``, ``[Hkv D, H]``, ``[Hkv D, H]``, ``[H, Hq D]``.
-        cos_sin: ``[>= S, D]`` from :func:`~tandem.kernels.reference.rope_cos_sin_cache`.
-
-    Returns:
-        ``(o_in, out)``: the attention output before ``o_proj`` ``[B, S, Hq D]`` and
-        the block's output ``[B, S, H]``.
-    """
-    b, s, _ = x.shape
-    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q = (x @ wq.t()).view(b, s, hq, d).transpose(1, 2)
-    k = (x @ wk.t()).view(b, s, hkv, d).transpose(1, 2)
-    v = (x @ wv.t()).view(b, s, hkv, d).transpose(1, 2)
-    cos, sin = cos_sin[:s, : d // 2], cos_sin[:s, d // 2:]
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5,
-                                       enable_gqa=hq != hkv)
-    o_in = o.transpose(1, 2).reshape(b, s, hq * d)
-    return o_in, o_in @ wo.t()
-
-
-def mlp_block(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU MLP: ``x`` ``[..., H]`` -> ``(down_proj input [..., F], output [..., H])``."""
-    act = F.silu(x @ wg.t()) * (x @ wu.t())
-    return act, act @ wd.t()
-
-
-@dataclass
-class LayerActivations:
-    """The float layer's activations on the calibration batch (``[B, S, .]`` float32)."""
-
-    attn_in: torch.Tensor      # input_layernorm(h): q/k/v input
-    o_in: torch.Tensor         # attention output: o_proj input
-    attn_out: torch.Tensor     # o_proj output
-    mlp_in: torch.Tensor       # post_attention_layernorm(h + attn_out): gate/up input
-    down_in: torch.Tensor      # silu(gate) * up: down_proj input
-    mlp_out: torch.Tensor      # down_proj output
-    out: torch.Tensor          # the layer's output (next layer's input)
-
-
-def decoder_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], h: torch.Tensor,
-                  cos_sin: torch.Tensor) -> LayerActivations:
-    """One float Llama decoder layer on ``h`` ``[B, S, H]``, keeping its activations."""
-    eps = cfg.rms_norm_eps
-    attn_in = rms_norm_ref(h, lw["ln1"], eps)
-    o_in, attn_out = attention_block(cfg, attn_in, lw["q"], lw["k"], lw["v"], lw["o"], cos_sin)
-    h = h + attn_out
-    mlp_in = rms_norm_ref(h, lw["ln2"], eps)
-    down_in, mlp_out = mlp_block(mlp_in, lw["gate"], lw["up"], lw["down"])
-    return LayerActivations(attn_in, o_in, attn_out, mlp_in, down_in, mlp_out, h + mlp_out)
-
-
-def model_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 input_ids: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``[B, S, V]`` of the float model in ``weights`` on ``input_ids`` ``[B, S]``."""
-    cos_sin = rope_cos_sin_cache(cfg.head_dim, input_ids.shape[1], cfg.rope_theta)
-    h = weights["model.embed_tokens.weight"].float()[input_ids]
-    for i in range(cfg.num_layers):
-        h = decoder_layer(cfg, {k: v.float() for k, v in layer_weights(weights, i).items()},
-                          h, cos_sin).out
-    h = rms_norm_ref(h, weights["model.norm.weight"].float(), cfg.rms_norm_eps)
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    return h @ head.float().t()
 
 
 # -- the searches --------------------------------------------------------------------------
@@ -368,7 +267,7 @@ def fold_layer_scales(lw: dict[str, torch.Tensor], scales: dict[str, torch.Tenso
     """Fold a layer's AWQ scales into its float weights, in place (function unchanged).
 
     Args:
-        lw: :func:`layer_weights` of the layer (float32, modified in place).
+        lw: :func:`~tandem.quantize.dense.layer_weights` of the layer (float32, modified in place).
         scales: ``{"qkv", "o", "gate_up", "down"}`` -> ``[K]`` scales of that group's
             input channels, or None (not scaled). The scaled linears' columns are
             multiplied by ``s``; ``1 / s`` goes into ``input_layernorm.weight``
@@ -415,8 +314,9 @@ def awq_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivati
     """Search, fold and clip one layer's weights in place (they stay float32).
 
     Args:
-        lw: :func:`layer_weights` of the layer, float32, modified in place.
-        acts: the float layer's :class:`LayerActivations` on the calibration batch.
+        lw: :func:`~tandem.quantize.dense.layer_weights` of the layer, float32, modified in place.
+        acts: the float layer's :class:`~tandem.quantize.dense.LayerActivations` on the
+            calibration batch.
 
     Returns:
         ``{"qkv" | "o" | "gate_up" | "down": ScaleSearch or None (o under GQA),
@@ -493,53 +393,7 @@ def awq_transform(cfg: ModelConfig, weights: dict[str, torch.Tensor], input_ids:
     return results
 
 
-# -- checkpoints ---------------------------------------------------------------------------
-def load_dense(model_path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
-    """A dense Llama checkpoint's config and float32 tensors (Hugging Face names).
-
-    Args:
-        model_path: None (the default model), a .gguf file, or a Hugging Face
-            checkpoint directory.
-
-    Returns:
-        ``(config, {name: float32 tensor}, ModelFiles)``; a tied ``lm_head.weight``
-        is dropped.
-
-    Raises:
-        FileNotFoundError: nothing loadable at ``model_path``.
-        ValueError: a checkpoint that is already quantized, or not Llama.
-        WeightLoadError: a decoder tensor missing.
-    """
-    from tandem.engine.model.model_files import resolve_model
-    from tandem.engine.model.weights import iter_safetensors
-
-    files = resolve_model(model_path)
-    if files.format == "gguf":
-        from tandem.engine.model.loader import gguf_checkpoint
-
-        cfg, tensors = gguf_checkpoint(files)
-    else:
-        with open(os.path.join(files.path, "config.json")) as f:
-            if "quantization_config" in json.load(f):
-                raise ValueError(f"model_path: {files.path} is already quantized "
-                                 "(its config.json has a quantization_config)")
-        cfg = ModelConfig.from_hf_config(files.path)
-        cfg.check_plain_llama("tandem quantize")   # its dense forward is Llama's
-        tensors = iter_safetensors(files.path)
-    weights = {name: t.float().contiguous() for name, t in tensors
-               if not name.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{v}.weight" for i in range(cfg.num_layers)
-        for v in (*LINEAR_NAMES.values(), *NORM_NAMES.values())]
-    missing = [n for n in needed if n not in weights]
-    if missing:
-        raise WeightLoadError(f"checkpoint lacks {missing[:4]}"
-                              + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
-    return cfg, weights, files
-
-
+# -- the whole model -------------------------------------------------------------------------
 def calibration_ids(tokenizer, text: str, num_tokens: int, seq_len: int = 512) -> torch.Tensor:
     """The calibration batch: ``text``'s tokens cut into sequences.
 
@@ -568,67 +422,6 @@ def calibration_ids(tokenizer, text: str, num_tokens: int, seq_len: int = 512) -
     return torch.tensor(ids[: b * seq_len], dtype=torch.int64).view(b, seq_len)
 
 
-def _linear_name(name: str) -> str | None:
-    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3.mlp.up_proj``; else None."""
-    m = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.[a-z]+_proj)\.weight", name)
-    return m.group(1) if m else None
-
-
-def _hf_config(cfg: ModelConfig) -> dict:
-    """A Hugging Face Llama config.json for a model known only by its ModelConfig (GGUF)."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_model_len,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False,
-            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
-
-
-def write_checkpoint(output_dir: str, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                     files, bits: int, group_size: int, tokenizer=None) -> None:
-    """Round ``weights``' decoder linears and write an AWQ gemm checkpoint directory.
-
-    Writes ``model.safetensors`` (per linear ``qweight``/``qzeros``/``scales``, every
-    other tensor float16), ``config.json`` (the source's, or one made from ``cfg`` for
-    a GGUF source, with ``torch_dtype`` float16 and the ``quantization_config``) and
-    the tokenizer (the source directory's files, or the GGUF's tokenizer saved with
-    ``save_pretrained``; ``tokenizer``, the source's
-    :class:`~tandem.engine.text.tokenizer.Tokenizer` if already built).
-    """
-    from safetensors.torch import save_file
-
-    os.makedirs(output_dir, exist_ok=True)
-    out: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
-        prefix = _linear_name(name)
-        if prefix is None:
-            out[name] = w.half().contiguous()
-        else:
-            for leaf, t in pack_awq_weight(w, bits, group_size).items():
-                out[f"{prefix}.{leaf}"] = t
-    save_file(out, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    if files.format == "hf":
-        with open(os.path.join(files.path, "config.json")) as f:
-            config = json.load(f)
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(files.path, name)):
-                shutil.copyfile(os.path.join(files.path, name), os.path.join(output_dir, name))
-    else:
-        from tandem.engine.text.tokenizer import Tokenizer
-
-        config = _hf_config(cfg)
-        (tokenizer or Tokenizer(files)).hf_tokenizer.save_pretrained(output_dir)
-    config["torch_dtype"] = config["dtype"] = "float16"
-    config["quantization_config"] = {"quant_method": "awq", "bits": bits,
-                                     "group_size": group_size, "zero_point": True,
-                                     "version": "gemm"}
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-
-
 def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str, *,
                  bits: int = 4, group_size: int = 128, num_calibration_tokens: int = 4096,
                  calibration_seq_len: int = 512, grid: int = 20, clip: bool = True,
@@ -638,7 +431,8 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
     Args:
         model_path: None (the default model's GGUF file), a .gguf file, or a dense
             Hugging Face checkpoint directory.
-        output_dir: directory to write (created; its files are overwritten).
+        output_dir: the checkpoint directory to write (absent or empty; written
+            atomically by :func:`~tandem.quantize.dense.write_checkpoint`).
         calibration_text: text whose tokens calibrate the scales (not a path).
         bits: code width; the gemm layout is 4-bit only.
         group_size: input channels per scale/zero point; must divide every linear's
@@ -664,18 +458,19 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
 
     Raises:
         ValueError: ``bits != 4``, a ``group_size`` that does not divide an input width,
-            too little calibration text, ``output_dir`` being the source directory, an
-            already quantized source.
-        FileNotFoundError, WeightLoadError: see :func:`load_dense`.
+            too little calibration text, a non-empty ``output_dir``, an already
+            quantized source.
+        FileNotFoundError, UnsupportedModelError, WeightLoadError: see
+            :func:`~tandem.quantize.dense.load_dense`.
     """
     from tandem.engine.text.tokenizer import Tokenizer
 
     start = time.perf_counter()
     if bits != 4:
         raise ValueError(f"bits: the AWQ gemm layout packs 4-bit codes, got {bits}")
-    cfg, weights, files = load_dense(model_path)
-    if os.path.realpath(output_dir) == os.path.realpath(files.directory):
-        raise ValueError(f"output_dir: {output_dir} is the source model's directory")
+    check_output(output_dir, "output_dir")
+    dense = load_dense(model_path)
+    cfg, weights = dense.cfg, dense.weights
     widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size}
     bad = sorted(k for k in widths if k % group_size)
     if group_size < 1 or bad:
@@ -685,7 +480,7 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
             cfg.intermediate_size}
     if any(n % PACK_FACTOR for n in outs):
         raise ValueError(f"model: output widths {sorted(outs)} must be multiples of 8")
-    tokenizer = tokenizer or Tokenizer(files)
+    tokenizer = tokenizer or Tokenizer(dense.files)
     ids = calibration_ids(tokenizer, calibration_text, num_calibration_tokens,
                           calibration_seq_len)
 
@@ -696,7 +491,10 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
 
     results = awq_transform(cfg, weights, ids, bits=bits, group_size=group_size, grid=grid,
                             clip=clip, clip_grid=clip_grid, progress=progress)
-    write_checkpoint(output_dir, cfg, weights, files, bits, group_size, tokenizer)
+    state = quantized_state(weights, lambda module, w: pack_awq_weight(w, bits, group_size))
+    write_checkpoint(output_dir, dense, state, {"quant_method": "awq", "bits": bits,
+                                                "group_size": group_size, "zero_point": True,
+                                                "version": "gemm"}, tokenizer)
     skipped = [] if cfg.num_heads == cfg.num_kv_heads else [
         f"v_proj -> o_proj: num_heads {cfg.num_heads} != num_kv_heads {cfg.num_kv_heads} (GQA)"]
     groups = ("qkv", "o", "gate_up", "down")

@@ -4,7 +4,7 @@ Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization
 Generative Pre-trained Transformers" (ICLR 2023, arXiv:2210.17323). For one linear
 layer with weight ``W`` ``[N, K]`` and calibration inputs ``X`` ``[K, T]`` it
 minimises ``||W X - Q X||^2`` column by column (Sec. 3, Optimal Brain Quantization):
-each column is rounded (:mod:`~tandem.engine.quantization.rtn`'s quantizer) and its
+each column is rounded (:mod:`~tandem.quantize.rtn`'s quantizer) and its
 rounding error, weighted by the inverse Hessian ``H^-1`` of ``H = 2 X X^T``, is
 pushed onto the columns not yet quantized. As in Algorithm 1 (Sec. 4):
 
@@ -33,7 +33,7 @@ import logging
 import torch
 
 from tandem.engine.quantization.packing import QuantizedWeight, num_groups
-from tandem.engine.quantization.rtn import check_group_size, find_params
+from tandem.quantize.rtn import check_group_size, find_params
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ one with ``gguf.GGUFWriter``:
   embedding and output matrices (``token_embd``, ``output``) are dequantized with
   ``gguf.quants.dequantize`` and quantized to the new type with
   ``gguf.quants.quantize`` (Q4_K and Q6_K, which gguf-py cannot write, with
-  :mod:`~tandem.engine.quantization.kquants`), row by row; the rows stay in the order the file stores
+  :mod:`~tandem.quantize.kquants`), row by row; the rows stay in the order the file stores
   them (``attn_q`` / ``attn_k`` in llama.cpp's permuted order, which a row-wise
   requantization keeps), so the result is read exactly as the source is. A tensor
   already stored in the target type is copied as stored (requantizing it could only
@@ -218,7 +218,7 @@ def _converted(t, out_type, shape: tuple[int, ...]) -> np.ndarray:
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize, quantize
 
-    from tandem.engine.quantization.kquants import quantize_q4_k, quantize_q6_k
+    from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
 
     if out_type == t.tensor_type:
         return np.ascontiguousarray(t.data)

@@ -1,0 +1,447 @@
+"""The dense model every offline quantizer starts from: one loader, one float32
+forward, one ``config.json`` builder and one checkpoint writer, shared by GPTQ / RTN
+(:mod:`~tandem.quantize.autogptq`) and AWQ (:mod:`~tandem.quantize.awq`).
+
+**Loading** reads through the engine's own readers (a GGUF file dequantized by
+:func:`~tandem.engine.model.loader.gguf_checkpoint`, a Hugging Face directory by
+:func:`~tandem.engine.model.weights.iter_safetensors`), so the architecture is the
+one the engine's model registry resolves (:attr:`ModelConfig.architecture`) and
+the tensors carry Hugging Face names whatever the source format.
+
+**The forward** is the plain torch decoder of a Llama-layout model (RMSNorm,
+half-split RoPE, causal grouped-query attention, SwiGLU; the pure-torch references of
+:mod:`tandem.kernels.reference`), in float32. It is the only one: a quantizer that
+needs a layer's activations runs :func:`run_layer` with a hook, rather than a
+forward of its own. A model whose registered architecture computes anything else
+(biases, Q/K norms, sliding windows, RoPE scaling) is refused at load with
+:meth:`ModelConfig.check_plain_llama` instead of being calibrated wrongly; serving
+such a model in quantized form means extending this one forward (and
+:data:`LINEAR_NAMES`), not copying the loader.
+
+A decoder layer's tensors go by short names (:data:`LINEAR_NAMES`,
+:data:`NORM_NAMES`: ``q`` .. ``down``, ``ln1``, ``ln2``) in every quantizer.
+
+Shapes: ``B`` sequences of ``S`` tokens, ``H`` hidden size, ``Hq`` / ``Hkv`` query
+and KV heads, ``D`` head dim, ``F`` FFN width, ``V`` vocab size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.model_files import ModelFiles
+from tandem.engine.model.weights import WeightLoadError
+from tandem.kernels.attention_backend import default_scale
+from tandem.kernels.reference import rms_norm_ref
+
+# Short name -> the Hugging Face module under ``model.layers.{i}``.
+LINEAR_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                "down": "mlp.down_proj"}
+NORM_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+# The linears of one decoder layer in the groups that share an input, in the order
+# the layer uses them (the order of :func:`run_layer`'s hook calls).
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
+                                      "gate_up": ("gate", "up"), "down": ("down",)}
+# Tokenizer and generation files copied from a Hugging Face source directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def data_path(name: str) -> str:
+    """Path of a text file in ``tandem.quantize``'s package data ``data/``
+    (``calibration.txt``, ``heldout.txt``). Found beside this file: ``importlib.resources``
+    cannot read the editable install's ``__path__`` of a namespace portion."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name)
+
+
+# -- loading --------------------------------------------------------------------------------
+class DenseModel(NamedTuple):
+    """A dense model as the quantizers read it.
+
+    Attributes:
+        files: the resolved source (:class:`~tandem.engine.model.model_files.ModelFiles`).
+        cfg: its :class:`~tandem.engine.config.ModelConfig`.
+        weights: Hugging Face name -> float32 tensor (a GGUF file's dequantized; a
+            tied ``lm_head.weight`` is left out: the embedding stands for it).
+    """
+
+    files: ModelFiles
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+
+
+def load_dense(model: str | None) -> DenseModel:
+    """A dense model's files, config and float32 tensors.
+
+    Args:
+        model: None (the default model), a .gguf file or a Hugging Face checkpoint
+            directory.
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``model``.
+        ValueError: (naming ``model``) the checkpoint is already quantized.
+        UnsupportedModelError: the architecture (or a feature of it) is not what the
+            dense forward computes (:meth:`ModelConfig.check_plain_llama`).
+        WeightLoadError: a tensor the forward needs is missing.
+    """
+    from tandem.engine.model.loader import gguf_checkpoint
+    from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.model.weights import iter_safetensors
+    from tandem.engine.quantization.checkpoint import checkpoint_quantization_config
+
+    files = resolve_model(model)
+    if files.format == "gguf":
+        cfg, tensors = gguf_checkpoint(files)
+    else:
+        if checkpoint_quantization_config(files) is not None:
+            raise ValueError(f"model: {files.path} is already quantized (its config.json has a "
+                             "quantization_config); quantize a dense checkpoint")
+        cfg = ModelConfig.from_hf_config(files.path)
+        tensors = iter_safetensors(files.path)
+    cfg.check_plain_llama("tandem quantize")
+    weights = {name: t.to(torch.float32).contiguous() for name, t in tensors
+               if not name.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{v}.weight" for i in range(cfg.num_layers)
+        for v in (*LINEAR_NAMES.values(), *NORM_NAMES.values())]
+    if not cfg.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise WeightLoadError(f"checkpoint lacks {missing[:4]}"
+                              + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
+    return DenseModel(files, cfg, weights)
+
+
+def calibration_segments(tokenizer, text: str, segment_len: int = 512,
+                         max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Calibration text -> consecutive token segments.
+
+    Args:
+        tokenizer: a :class:`~tandem.engine.text.tokenizer.Tokenizer` (or anything
+            with ``encode(text, add_special_tokens=False)``).
+        text: the calibration text (tokenized whole, without special tokens).
+        segment_len: tokens per segment (the last one may be shorter).
+        max_tokens: keep only the first this many tokens (None: all).
+
+    Returns:
+        int64 tensors ``[T_s]``, ``sum T_s`` = the tokens kept.
+
+    Raises:
+        ValueError: ``segment_len`` or ``max_tokens`` < 1, or the text has no tokens.
+    """
+    if segment_len < 1:
+        raise ValueError(f"segment_len: must be >= 1, got {segment_len}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"num_calibration_tokens: must be >= 1, got {max_tokens}")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if not ids:
+        raise ValueError("calibration_file: the calibration text has no tokens")
+    return list(torch.tensor(ids, dtype=torch.int64).split(segment_len))
+
+
+# -- the float32 forward --------------------------------------------------------------------
+def layer_weights(weights: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layer ``layer`` under short names (``q``, ..., ``down``:
+    ``[out, in]``; ``ln1``, ``ln2``: ``[H]``): a new dict holding the same tensor
+    objects as ``weights`` (Hugging Face names)."""
+    p = f"model.layers.{layer}"
+    out = {k: weights[f"{p}.{v}.weight"] for k, v in LINEAR_NAMES.items()}
+    return out | {k: weights[f"{p}.{v}.weight"] for k, v in NORM_NAMES.items()}
+
+
+def decoder_linear(name: str) -> str | None:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3.mlp.up_proj`` (a
+    decoder linear's weight, what the quantizers replace); None for any other tensor."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".", 3)
+    if (leaf == "weight" and len(parts) == 4 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and parts[3] in LINEAR_NAMES.values()):
+        return module
+    return None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (Hugging Face Llama) rotation of ``[B, heads, S, D]`` by ``[S, D/2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _attend(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+            wv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``x`` ``[B, S, H]`` (or ``[S, H]``, one sequence) before
+    ``o_proj``: ``[B, S, Hq D]`` (or ``[S, Hq D]``)."""
+    one = x.dim() == 2
+    if one:
+        x = x[None]
+    b, s, _ = x.shape
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = (x @ wq.t()).view(b, s, hq, d).transpose(1, 2)          # [B, Hq, S, D]
+    k = (x @ wk.t()).view(b, s, hkv, d).transpose(1, 2)         # [B, Hkv, S, D]
+    v = (x @ wv.t()).view(b, s, hkv, d).transpose(1, 2)
+    cos, sin = cos_sin[:s, : d // 2], cos_sin[:s, d // 2:]
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=default_scale(d),
+                                       enable_gqa=hq != hkv)
+    o_in = o.transpose(1, 2).reshape(b, s, hq * d)
+    return o_in[0] if one else o_in
+
+
+def attention_block(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                    wv: torch.Tensor, wo: torch.Tensor, cos_sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention of ``B`` sequences, as the served model computes it.
+
+    Args:
+        x: normalised hidden states ``[B, S, H]`` float32.
+        wq, wk, wv, wo: ``[Hq D, H]``, ``[Hkv D, H]``, ``[Hkv D, H]``, ``[H, Hq D]``.
+        cos_sin: ``[>= S, D]`` from :func:`~tandem.kernels.reference.rope_cos_sin_cache`.
+
+    Returns:
+        ``(o_in, out)``: the attention output before ``o_proj`` ``[B, S, Hq D]`` and
+        the block's output ``[B, S, H]``.
+    """
+    o_in = _attend(cfg, x, wq, wk, wv, cos_sin)
+    return o_in, o_in @ wo.t()
+
+
+def mlp_block(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU MLP: ``x`` ``[..., H]`` -> ``(down_proj input [..., F], output [..., H])``."""
+    act = F.silu(x @ wg.t()) * (x @ wu.t())
+    return act, act @ wd.t()
+
+
+@dataclass
+class LayerActivations:
+    """One decoder layer's float32 activations on one batch (``[B, S, .]`` or ``[S, .]``)."""
+
+    attn_in: torch.Tensor      # input_layernorm(h): q/k/v input
+    o_in: torch.Tensor         # attention output: o_proj input
+    attn_out: torch.Tensor     # o_proj output
+    mlp_in: torch.Tensor       # post_attention_layernorm(h + attn_out): gate/up input
+    down_in: torch.Tensor      # silu(gate) * up: down_proj input
+    mlp_out: torch.Tensor      # down_proj output
+    out: torch.Tensor          # the layer's output (next layer's input)
+
+
+# on_group(group, inputs, weights, residual) -> replacement weights (short names) or None.
+GroupHook = Callable[[str, list[torch.Tensor], dict[str, torch.Tensor],
+                      "list[torch.Tensor] | None"], "dict[str, torch.Tensor] | None"]
+
+
+def run_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], hs: list[torch.Tensor],
+              cos_sin: torch.Tensor, on_group: GroupHook | None = None
+              ) -> list[LayerActivations]:
+    """One float32 pre-norm decoder layer over several batches, calling ``on_group``
+    with the inputs of each group of linears (:data:`GROUPS`) before that group is used.
+
+    Args:
+        cfg: the model's config.
+        lw: :func:`layer_weights` of the layer; the weights ``on_group`` returns
+            replace entries of this dict (not the tensors) from then on.
+        hs: the layer's inputs, one tensor per batch, each ``[B, S, H]`` or ``[S, H]``
+            (batches may differ in length; positions start at 0 in each).
+        cos_sin: ``[>= max S, D]`` from :func:`~tandem.kernels.reference.rope_cos_sin_cache`.
+        on_group: ``(group, inputs, weights, residual)``, with ``inputs`` the group's
+            float32 inputs per batch, ``weights`` the layer's current ``lw``, and
+            ``residual`` (``o`` and ``down``, which write into the residual stream;
+            None for the others) the residual stream per batch that the group's output
+            is added to; returns replacement weights by short name (for instance the
+            rounded ones) or None.
+
+    Returns:
+        One :class:`LayerActivations` per batch, computed with the weights in effect
+        when each activation was reached.
+    """
+    def group(name: str, inputs: list[torch.Tensor], residual=None) -> None:
+        if on_group is not None:
+            new = on_group(name, inputs, lw, residual)
+            if new:
+                lw.update(new)
+
+    eps = cfg.rms_norm_eps
+    attn_in = [rms_norm_ref(h, lw["ln1"], eps) for h in hs]
+    group("qkv", attn_in)
+    o_in = [_attend(cfg, x, lw["q"], lw["k"], lw["v"], cos_sin) for x in attn_in]
+    group("o", o_in, hs)
+    attn_out = [o @ lw["o"].t() for o in o_in]
+    mid = [h + a for h, a in zip(hs, attn_out)]
+    mlp_in = [rms_norm_ref(m, lw["ln2"], eps) for m in mid]
+    group("gate_up", mlp_in)
+    down_in = [F.silu(x @ lw["gate"].t()) * (x @ lw["up"].t()) for x in mlp_in]
+    group("down", down_in, mid)
+    mlp_out = [a @ lw["down"].t() for a in down_in]
+    return [LayerActivations(a, o, ao, mi, di, mo, m + mo) for a, o, ao, mi, di, mo, m in
+            zip(attn_in, o_in, attn_out, mlp_in, down_in, mlp_out, mid)]
+
+
+def decoder_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], h: torch.Tensor,
+                  cos_sin: torch.Tensor) -> LayerActivations:
+    """One float32 decoder layer on ``h`` ``[B, S, H]``, keeping its activations
+    (:func:`run_layer` of one batch, without a hook)."""
+    return run_layer(cfg, lw, [h], cos_sin)[0]
+
+
+def final_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor], hidden: torch.Tensor
+                 ) -> torch.Tensor:
+    """float32 logits ``[..., V]`` from the last layer's hidden states ``[..., H]``
+    (final norm, then the output projection: ``lm_head`` or the tied embedding)."""
+    h = rms_norm_ref(hidden, weights["model.norm.weight"].float(), cfg.rms_norm_eps)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    return h @ head.float().t()
+
+
+def model_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 input_ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits ``[B, S, V]`` of the float model in ``weights`` on ``input_ids``
+    ``[B, S]``."""
+    from tandem.kernels.reference import rope_cos_sin_cache
+
+    cos_sin = rope_cos_sin_cache(cfg.head_dim, input_ids.shape[1], cfg.rope_theta)
+    h = weights["model.embed_tokens.weight"].float()[input_ids]
+    for i in range(cfg.num_layers):
+        h = decoder_layer(cfg, {k: v.float() for k, v in layer_weights(weights, i).items()},
+                          h, cos_sin).out
+    return final_logits(cfg, weights, h)
+
+
+# -- writing --------------------------------------------------------------------------------
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A Hugging Face ``LlamaForCausalLM`` config.json for ``cfg`` (what
+    :meth:`ModelConfig.from_hf_config` reads back to the same config): the config of
+    a GGUF source, which has no config.json of its own."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "max_position_embeddings": cfg.max_model_len,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+
+
+def check_output(output: str, argument: str = "output") -> None:
+    """Raises ValueError (naming ``argument``) unless ``output`` is absent or an empty
+    directory: a quantizer never writes over files (the source's among them)."""
+    if (os.path.isdir(output) and os.listdir(output)) or \
+            (os.path.exists(output) and not os.path.isdir(output)):
+        raise ValueError(f"{argument}: {output} exists and is not an empty directory")
+
+
+def quantized_state(weights: dict[str, torch.Tensor],
+                    pack: Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
+                    ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: for each decoder linear (:func:`decoder_linear`)
+    ``pack(module, weight)`` gives its packed tensors by leaf name (``qweight``,
+    ``scales``, ...; stored as ``{module}.{leaf}``), or None to keep it dense; every
+    other tensor is stored in float16."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        module = decoder_linear(name)
+        packed = pack(module, t) if module is not None else None
+        if packed is None:
+            state[name] = t.to(torch.float16).contiguous()
+        else:
+            state.update({f"{module}.{leaf}": p for leaf, p in packed.items()})
+    return state
+
+
+def write_checkpoint(output: str, dense: DenseModel, state: dict[str, torch.Tensor],
+                     quantization_config: dict, tokenizer=None,
+                     extra_files: dict[str, dict] | None = None) -> None:
+    """Write a quantized Hugging Face checkpoint directory, atomically.
+
+    Writes ``model.safetensors`` (``state``), ``config.json`` (the source's, or
+    :func:`hf_config_dict` for a GGUF source, with ``torch_dtype`` float16 and
+    ``quantization_config``), each of ``extra_files`` as JSON, and the tokenizer (a
+    Hugging Face source's files, or a GGUF source's tokenizer saved with
+    ``save_pretrained``). Everything goes into a temporary directory beside
+    ``output``, renamed into place when complete.
+
+    Args:
+        output: the directory (absent or empty: see :func:`check_output`).
+        dense: the source model.
+        state: the tensors (:func:`quantized_state`).
+        quantization_config: the config.json entry that selects the serving method.
+        tokenizer: the source's :class:`~tandem.engine.text.tokenizer.Tokenizer`, if
+            built (None: built from ``dense.files`` when needed).
+        extra_files: file name -> JSON object (``quantize_config.json`` for AutoGPTQ).
+
+    Raises:
+        ValueError: ``output`` is not absent or empty.
+        OSError: writing failed (nothing is left at ``output``).
+    """
+    from safetensors.torch import save_file
+
+    check_output(output)
+    files = dense.files
+    if files.format == "hf":
+        with open(os.path.join(files.path, "config.json")) as f:
+            config = json.load(f)
+    else:
+        config = hf_config_dict(dense.cfg)
+    config["quantization_config"] = quantization_config
+    config["torch_dtype"] = "float16"
+    if "dtype" in config:
+        config["dtype"] = "float16"
+
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
+    try:
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for name, obj in {"config.json": config, **(extra_files or {})}.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=2, sort_keys=True)
+        if files.format == "hf":
+            for name in TOKENIZER_FILES:
+                src = os.path.join(files.path, name)
+                if os.path.isfile(src):
+                    shutil.copyfile(src, os.path.join(tmp, name))
+        else:
+            if tokenizer is None:
+                from tandem.engine.text.tokenizer import Tokenizer
+
+                tokenizer = Tokenizer(files)
+            tokenizer.hf_tokenizer.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)      # mkdtemp made it private
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        if os.path.isdir(output):
+            os.rmdir(output)            # empty (checked above)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress_bar(items, enabled: bool, unit: str):
+    """``items``, wrapped in a tqdm progress bar when ``enabled`` and tqdm is installed."""
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:     # tqdm comes with transformers; a bare install still works
+        return items
+    return tqdm(items, unit=unit, desc="quantize")
