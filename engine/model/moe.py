@@ -17,8 +17,10 @@ design): the ``T k`` (token, expert) pairs are sorted by expert, the tokens gath
 into one ``[T k, H]`` tensor whose rows are contiguous per expert, and each expert
 that received tokens runs its gate/up ``[2I, H]`` and down ``[H, I]`` matmuls once
 on its whole group; its weighted outputs are added back to their tokens with an
-``index_add`` (one per active expert, so that bfloat16 rounds as transformers does). On the CPU the per-expert matmuls are oneDNN's with each expert's
-weights packed once at load (:mod:`tandem.kernels.cpu.linear`), as the dense layers.
+``index_add`` (one per active expert, so that bfloat16 rounds as transformers does).
+On the CPU the per-expert matmuls of dense experts are oneDNN's with each expert's
+weights packed once at load (:mod:`tandem.kernels.cpu.linear`), as the dense layers;
+quantized experts run their method's kernel (below).
 Its cost: one host sync (the per-expert counts, ``E`` integers), at most ``min(E,
 T k)`` pairs of GEMMs, and one ``[T k, H]`` copy of the activations (the gathered
 input) plus per expert a ``[n, 2I]`` intermediate; no weight is copied per step. The
@@ -26,13 +28,31 @@ per-expert loop of transformers (:func:`moe_loop_reference`: a mask per expert a
 an ``index_add`` per expert) computes the same sums in the same order and is the
 reference in the tests and the benchmark.
 
-Expert weights are stacked as transformers 5 holds them: ``gate_up_proj``
-``[E, 2I, H]`` (gate rows then up rows) and ``down_proj`` ``[E, H, I]``; checkpoints
-that store one tensor per expert (``experts.{e}.gate_proj.weight``, Mixtral's
-``w1``/``w3``/``w2``) load into their slice by shard id (:class:`StackedExpertWeight`).
-They are dense in the model dtype: quantized expert weights are refused
-(``quantization_config``), and so is batch-invariant mode (the grouped matmuls'
-summation order depends on how many tokens an expert receives).
+**Expert weight formats.** Dense expert weights are stacked as transformers 5 holds
+them: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows then up rows) and ``down_proj``
+``[E, H, I]``; checkpoints that store one tensor per expert
+(``experts.{e}.gate_proj.weight``, Mixtral's ``w1``/``w3``/``w2``) load into their
+slice by shard id (:class:`StackedExpertWeight`). With a quantized linear method
+(``gguf``, ``gptq``, ``awq``) each expert is instead a pair of
+:class:`~tandem.engine.model.linear.Linear` layers of that method
+(:class:`QuantizedExpert`: ``experts.{e}.gate_up_proj`` ``[2I, H]``, shards gate and
+up, and ``experts.{e}.down_proj`` ``[H, I]``), so an expert's weights stay in the
+format the dense layers keep theirs in and its matmuls are the same kernels:
+
+- ``gguf``: a GGUF file's ``ffn_{gate,up,down}_exps`` ``[E, out, in]`` (listed
+  ``[in, out, E]``, fastest first) are cut into the ``E`` experts' rows of ggml
+  blocks (:func:`~tandem.engine.model.weights.iter_gguf_tensors`), held as stored
+  (the rows' bytes are the file's expert tensor bytes; a type without a kernel is
+  dequantized per expert at load, as for a dense layer);
+- ``gptq`` / ``awq``: the checkpoint's per-expert ``qweight`` / ``qzeros`` /
+  ``scales`` (/ ``g_idx``) become INT4_ZP blocks (4.75 bits per weight,
+  :mod:`~tandem.engine.quantization.int4_packed`).
+
+A quantized expert computes exactly what a dense expert holding its dequantized
+weight does, up to the float32 summation order of the kernels. The router (and
+Qwen2-MoE's ``shared_expert_gate``) stay dense in every format, as in the
+checkpoints. Batch-invariant mode is refused (the grouped matmuls' summation order
+depends on how many tokens an expert receives).
 
 Shapes: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``k`` experts per token,
 ``I`` expert FFN width.
@@ -51,7 +71,6 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model.hf_config import MoEConfig
 from tandem.engine.model.layers import DecoderForCausalLM, GatedMLP
 from tandem.engine.model.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
-from tandem.engine.model.registry import UnsupportedModelError
 from tandem.engine.model.weights import WeightLoadError, copy_checked
 from tandem.kernels.attention_backend import AttentionBackend
 from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
@@ -98,6 +117,29 @@ class StackedExpertWeight(nn.Module):
         expert, j = divmod(shard_id, len(self.output_sizes))
         copy_checked(self.weight.data[expert].narrow(0, sum(self.output_sizes[:j]),
                                                      self.output_sizes[j]), loaded)
+
+
+class QuantizedExpert(nn.Module):
+    """One routed expert's two projections as linear layers of a quantized method:
+    ``gate_up_proj`` ``[2I, H]`` (shard 0 gate, shard 1 up) and ``down_proj``
+    ``[H, I]``, whose parameters are the method's (GGUF ``qweight`` /
+    ``qweight_type``, GPTQ / AWQ ``qweight`` / ``qzeros`` / ``scales`` ...).
+
+    Args:
+        hidden_size: ``H``; intermediate_size: ``I``.
+        linear_method: the quantized :class:`~tandem.engine.model.linear.LinearMethodBase`.
+
+    Raises:
+        WeightLoadError: widths the method cannot pack (GPTQ / AWQ: not multiples
+            of 8).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 linear_method: LinearMethodBase):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size],
+                                   linear_method)
+        self.down_proj = Linear(intermediate_size, hidden_size, linear_method)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
@@ -181,15 +223,19 @@ def moe_loop_reference(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinea
 
 
 class FusedMoE(nn.Module):
-    """A sparse MoE block: router ``gate`` ``[E, H]``, stacked experts
-    (``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``)
-    and, for Qwen2-MoE, a shared expert (a :class:`GatedMLP` of width
+    """A sparse MoE block: router ``gate`` ``[E, H]``, the routed experts and, for
+    Qwen2-MoE, a shared expert (a :class:`GatedMLP` of width
     ``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    The routed experts are dense and stacked (``experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``experts.down_proj`` ``[E, H, I]``: :class:`StackedExpertWeight`) for the dense
+    method, else one :class:`QuantizedExpert` per expert (``experts.{e}.gate_up_proj``,
+    ``experts.{e}.down_proj``) of the quantized method (:attr:`quantized_experts`).
 
     Args:
         cfg: the model config (``cfg.moe`` set; ``hidden_act`` SiLU).
-        linear_method: the shared expert's linear method (the router and the routed
-            experts are dense).
+        linear_method: the routed and shared experts' linear method (None: dense);
+            the router and ``shared_expert_gate`` are dense in every format.
 
     ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
     ``"loop"`` (:func:`moe_loop_reference`, for comparisons).
@@ -202,9 +248,14 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.norm_topk_prob, self.weights_float32 = moe.norm_topk_prob, moe.topk_weights_float32
         self.gate = Linear(h, moe.num_experts, UnquantizedLinearMethod())
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i])
-        self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h])
+        self.quantized_experts = linear_method is not None and linear_method.name != "none"
+        if self.quantized_experts:
+            self.experts = nn.ModuleList(QuantizedExpert(h, i, linear_method)
+                                         for _ in range(moe.num_experts))
+        else:
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i])
+            self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h])
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg, linear_method, moe.shared_expert_intermediate_size)
@@ -216,8 +267,9 @@ class FusedMoE(nn.Module):
         """Pack each expert's two matrices for oneDNN's matmul (CPU, float32 or
         bfloat16, where :func:`~tandem.kernels.cpu.linear.packing_available`); the
         stacked weights are then dropped (only the packed copies are read).
-        Idempotent."""
-        if self._packed is not None:
+        Quantized experts are :class:`~tandem.engine.model.linear.Linear` layers,
+        processed by their own method. Idempotent."""
+        if self._packed is not None or self.quantized_experts:
             return
         w13 = self.experts.gate_up_proj.weight
         if w13.device.type != "cpu" or not packing_available(w13.dtype):
@@ -228,6 +280,10 @@ class FusedMoE(nn.Module):
         del self.experts.gate_up_proj.weight, self.experts.down_proj.weight
 
     def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
+        if self.quantized_experts:
+            experts = self.experts
+            return ((lambda e, x: experts[e].gate_up_proj(x)),
+                    (lambda e, x: experts[e].down_proj(x)))
         if self._packed is not None:
             w13, w2 = self._packed
             return (lambda e, x: packed_linear(x, w13[e])), (lambda e, x: packed_linear(x, w2[e]))
@@ -258,6 +314,9 @@ class MoEForCausalLM(DecoderForCausalLM):
 
     Subclasses name their checkpoints' expert projections in
     :attr:`expert_projections` and may rename the block (:attr:`checkpoint_block`).
+    With a quantized linear method the experts are per-expert linear layers of that
+    method (:class:`FusedMoE`), and :meth:`weight_mapping` maps each checkpoint
+    expert tensor to its expert's layer.
     """
 
     expert_projections: dict[str, tuple[str, int]] = {
@@ -267,31 +326,34 @@ class MoEForCausalLM(DecoderForCausalLM):
     checkpoint_block: str = "mlp"
     """The checkpoint's name of the MoE block (Mixtral: ``block_sparse_moe``)."""
 
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None,
+                 **kwargs):
+        super().__init__(cfg, linear_method, **kwargs)
+        # Experts as per-expert linear layers of a quantized method (see FusedMoE).
+        self.quantized_experts = linear_method is not None and linear_method.name != "none"
+
     def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
                  layer_idx: int) -> nn.Module | None:
-        """:class:`FusedMoE` for a sparse layer.
-
-        Raises:
-            UnsupportedModelError: field ``quantization_config`` for a quantized
-                linear method (expert weights are dense only).
-        """
-        if linear_method.name != "none":
-            raise UnsupportedModelError("quantization_config", f"{type(self).__name__}: "
-                                        f"expert weights in {linear_method.name!r} are not "
-                                        "supported (dense only)")
+        """:class:`FusedMoE` for a sparse layer (its experts in ``linear_method``'s format)."""
         return FusedMoE(cfg, linear_method) if cfg.moe.sparse_layers[layer_idx] else None
 
     def weight_mapping(self, name: str) -> tuple[str, int | None]:
         """Besides :meth:`DecoderForCausalLM.weight_mapping`:
         ``...mlp.experts.3.up_proj.weight`` -> ``(...mlp.experts.gate_up_proj.weight,
-        3 * 2 + 1)``; transformers 5's stacked ``...mlp.experts.gate_up_proj`` (no
-        leaf) loads whole."""
+        3 * 2 + 1)`` (dense experts, stacked); transformers 5's stacked
+        ``...mlp.experts.gate_up_proj`` (no leaf) loads whole. Quantized experts:
+        ``...mlp.experts.3.up_proj.qweight`` -> ``(...mlp.experts.3.gate_up_proj.qweight,
+        1)``, ``...experts.3.down_proj.qweight`` -> ``(...experts.3.down_proj.qweight,
+        None)``."""
         block = f".{self.checkpoint_block}."
         if block in name:
             name = name.replace(block, ".mlp.", 1)
         m = _EXPERT_NAME.match(name)
         if m and m["proj"] in self.expert_projections:
             stacked, j = self.expert_projections[m["proj"]]
+            if self.quantized_experts:
+                return (f"{m['block']}.experts.{m['expert']}.{stacked}.{m['leaf']}",
+                        j if stacked == "gate_up_proj" else None)
             per_expert = 2 if stacked == "gate_up_proj" else 1
             return (f"{m['block']}.experts.{stacked}.{m['leaf']}",
                     int(m["expert"]) * per_expert + j)

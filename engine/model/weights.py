@@ -144,6 +144,8 @@ def read_gguf(path: str):
 # Leaf modules whose weights a quantized linear method may keep in the file's blocks.
 LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj")
+# GGUF architectures whose projections (and experts) ``native`` keeps in their blocks.
+NATIVE_GGUF_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe")
 
 
 def iter_gguf_tensors(reader, config: ModelConfig,
@@ -161,13 +163,15 @@ def iter_gguf_tensors(reader, config: ModelConfig,
         native: keep the projection matrices (:data:`LINEAR_PROJECTIONS`), the token
             embedding and the output projection as the file stores them, for the ``gguf`` linear method: ``<proj>.qweight`` uint8
             ``[N, row_bytes]`` (the rows of ggml blocks, whatever the type) and
-            ``<proj>.qweight_type`` int64 ``[]`` (the ggml type id). Other tensors
-            (embeddings, norms) are dequantized as above.
+            ``<proj>.qweight_type`` int64 ``[]`` (the ggml type id). Stacked expert
+            tensors ``ffn_{gate,up,down}_exps`` (``[E, N, row_bytes]``) give each
+            expert's rows the same way (``...experts.{e}.<proj>.qweight``). Other
+            tensors (biases, norms, routers) are dequantized as above.
 
     Raises:
         WeightLoadError: a tensor name outside the architecture's mapping.
-        UnsupportedModelError: ``native`` on a file that is not ``llama`` (field
-            ``quantization``).
+        UnsupportedModelError: ``native`` on a file whose architecture is not in
+            :data:`NATIVE_GGUF_ARCHITECTURES` (field ``quantization``).
     """
     from gguf.quants import dequantize
 
@@ -177,22 +181,28 @@ def iter_gguf_tensors(reader, config: ModelConfig,
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else "llama"
     permuted = arch in PERMUTED_QK_ARCHITECTURES
-    if native and arch != "llama":
+    if native and arch not in NATIVE_GGUF_ARCHITECTURES:
         from tandem.engine.model.registry import UnsupportedModelError
 
         raise UnsupportedModelError("quantization", f"keeping GGUF blocks ('gguf') is "
-                                    f"implemented for llama files, not {arch!r}")
+                                    f"implemented for {', '.join(NATIVE_GGUF_ARCHITECTURES)} "
+                                    f"files, not {arch!r}")
     for t in reader.tensors:
         if t.name in GGUF_CONFIG_TENSORS:
             continue
         experts = _EXPERTS.match(t.name)
         if experts and arch in _EXPERT_NAMES:
-            if native:
-                from tandem.engine.model.registry import UnsupportedModelError
-
-                raise UnsupportedModelError("quantization", "keeping GGUF blocks ('gguf') "
-                                            "of expert weights is not supported")
             block, projs = _EXPERT_NAMES[arch]
+            if native:      # [E, N, row_bytes]: expert e's rows of blocks
+                num_experts = int(t.shape.tolist()[-1])
+                raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(num_experts,
+                                                                         int(t.shape[1]), -1)
+                for e in range(num_experts):
+                    name = f"model.layers.{experts[1]}.{block}.experts.{e}.{projs[experts[2]]}"
+                    yield name + ".qweight", torch.from_numpy(np.array(raw[e], copy=True))
+                    yield name + ".qweight_type", torch.tensor(int(t.tensor_type),
+                                                               dtype=torch.int64)
+                continue
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             w = w.reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
             for e in range(w.shape[0]):
@@ -201,13 +211,14 @@ def iter_gguf_tensors(reader, config: ModelConfig,
             continue
         hf_name = gguf_name_to_hf(t.name, arch)
         module = hf_name.rpartition(".")[0]
-        if native and (module.rpartition(".")[2] in LINEAR_PROJECTIONS
-                       or module in ("model.embed_tokens", "lm_head")):
+        if native and hf_name.endswith(".weight") and (
+                module.rpartition(".")[2] in LINEAR_PROJECTIONS
+                or module in ("model.embed_tokens", "lm_head")):
             rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else 1
             raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
-            if hf_name.endswith("q_proj.weight"):
+            if permuted and hf_name.endswith("q_proj.weight"):
                 raw = _unpermute_rows(raw, config.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
+            elif permuted and hf_name.endswith("k_proj.weight"):
                 raw = _unpermute_rows(raw, config.num_kv_heads)
             yield module + ".qweight", torch.from_numpy(np.array(raw, order="C", copy=True))
             yield module + ".qweight_type", torch.tensor(int(t.tensor_type), dtype=torch.int64)

@@ -96,7 +96,9 @@ def pack_int4_zp(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     block_group = per_block[:, 0]                                        # [C]
     c = (codes if perm is None else codes[:, perm]).to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
     qs = c[..., :16] | (c[..., 16:] << 4)                                 # [N, C, 16]
-    s = half.index_select(0, block_group).t().contiguous()                # [N, C]
+    # [N, C]; a fresh copy, since contiguous() keeps a transposed [N, 1]'s stride N,
+    # which the byte view below refuses (one block per row: K = 32)
+    s = half.index_select(0, block_group).t().clone(memory_format=torch.contiguous_format)
     z = zeros.to(torch.uint8).index_select(0, block_group).t()
     blocks = torch.cat([s.view(torch.uint8).reshape(n, k // BLOCK, 2), z[..., None], qs], dim=-1)
     return blocks.reshape(n, k // BLOCK * BLOCK_BYTES).contiguous(), perm

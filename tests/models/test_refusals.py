@@ -153,8 +153,6 @@ QWEN2_MOE = BASE | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwe
     (MIXTRAL | {"num_experts_per_tok": 5}, "num_experts_per_tok"),
     (MIXTRAL | {"num_experts_per_tok": 0}, "num_experts_per_tok"),
     (MIXTRAL | {"num_local_experts": 0}, "num_local_experts"),
-    (MIXTRAL | {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-     "quantization_config"),
     (QWEN2_MOE | {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     (QWEN2_MOE | {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
     (QWEN2_MOE | {"qkv_bias": False}, "qkv_bias"),
