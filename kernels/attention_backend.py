@@ -147,6 +147,23 @@ class AttentionBackend(ABC):
         f = x.shape[-1] // 2
         return F.gelu(x[..., :f], approximate="tanh") * x[..., f:]
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts of a mixture-of-experts block in one fused kernel, or
+        None when the backend has none (the model then runs its own grouped
+        dispatch, :func:`tandem.engine.model.moe.fused_experts`).
+
+        Args:
+            x: ``[T, H]`` hidden states; w13: ``[E, 2I, H]`` stacked gate/up rows;
+            w2: ``[E, H, I]``; topk_weights: ``[T, k]`` float32 routing weights;
+            topk_ids: ``[T, k]`` int64 expert ids.
+
+        Returns:
+            ``[T, H]`` in ``x``'s dtype: ``sum_j w_tj * down_e(silu(gate_e(x_t)) *
+            up_e(x_t))``, or None.
+        """
+        return None
+
 
 # numpy has no bfloat16: gather 2-byte elements as int16 (a copy moves bits, not values).
 _BITS_AS = {torch.bfloat16: torch.int16, torch.float16: torch.float16,

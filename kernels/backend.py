@@ -14,6 +14,7 @@ import torch
 from tandem.kernels import int4_kv
 from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from tandem.kernels.fused_moe import fused_moe
 from tandem.kernels.paged_decode_attention import paged_decode_attention
 from tandem.kernels.paged_prefill_attention import paged_prefill_attention
 from tandem.kernels.reshape_and_cache import reshape_and_cache
@@ -90,3 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See :func:`tandem.kernels.activation.silu_and_mul`."""
         return silu_and_mul(x)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """See :func:`tandem.kernels.fused_moe.fused_moe` (block-aligned expert groups,
+        one grouped GEMM per projection)."""
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)

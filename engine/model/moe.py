@@ -294,10 +294,17 @@ class FusedMoE(nn.Module):
         """``h`` ``[T, H]`` -> ``[T, H]``."""
         topk_weights, topk_ids = route(self.gate(h), self.top_k, self.norm_topk_prob,
                                        self.weights_float32)             # [T, k] each
-        gate_up, down = self._expert_linears()
-        run = fused_experts if self.impl == "fused" else moe_loop_reference
-        out = run(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
-                  backend.silu_and_mul)
+        out = None
+        if self.impl == "fused" and self._packed is None and not self.quantized_experts:
+            # Dense stacked weights not packed for oneDNN (a GPU): the backend's
+            # fused kernel if it has one (Triton's kernels/fused_moe.py).
+            out = backend.fused_moe(h, self.experts.gate_up_proj.weight,
+                                    self.experts.down_proj.weight, topk_weights, topk_ids)
+        if out is None:
+            gate_up, down = self._expert_linears()
+            run = fused_experts if self.impl == "fused" else moe_loop_reference
+            out = run(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
+                      backend.silu_and_mul)
         if self.shared_expert is not None:
             shared = self.shared_expert(h, backend)                       # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared

@@ -57,3 +57,37 @@ def test_fused_moe_refuses_bad_input_by_name(device):
         fused_moe(x, w13, w2, weights, ids + 4)
     with pytest.raises(ValueError, match="^topk_weights: expected shape"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
+
+
+def test_the_moe_block_runs_the_backend_fused_kernel(device):
+    """A :class:`FusedMoE` block whose stacked expert weights are not packed for
+    oneDNN (as on a GPU) runs the Triton backend's ``fused_moe``: the same output as
+    the torch backend's grouped dispatch, and the kernel is really called."""
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.model.moe import FusedMoE
+    from tandem.kernels.attention_backend import TorchAttentionBackend
+    from tandem.kernels.backend import TritonAttentionBackend
+    from tests.models.conftest import BASE
+
+    cfg = ModelConfig.from_hf_dict(BASE | {"architectures": ["MixtralForCausalLM"],
+                                           "model_type": "mixtral", "num_local_experts": 8,
+                                           "num_experts_per_tok": 2})
+    torch.manual_seed(0)
+    moe = FusedMoE(cfg, None)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(std=0.1)
+    moe = moe.to(device)
+    x = torch.randn(19, cfg.hidden_size, device=device)
+    calls = []
+
+    class Counting(TritonAttentionBackend):
+        def fused_moe(self, *args):
+            calls.append(args[0].shape)
+            return super().fused_moe(*args)
+
+    with torch.no_grad():
+        want = moe(x, TorchAttentionBackend())
+        got = moe(x, Counting())
+    assert calls == [(19, cfg.hidden_size)]
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=1e-5)
