@@ -156,9 +156,12 @@ class KVTransferTicket:
         transfer_id: non-negative id, unique among the transfers in flight on one
             sender/receiver pair; the receiver matches arriving layers by it.
         dst_block_ids: destination block ids for the whole sequence, one per
-            ``block_size`` tokens: ``len == ceil(num_tokens / block_size)``, distinct.
+            ``block_size`` tokens: ``len == ceil(num_tokens / block_size)``; those
+            that receive data are distinct, and distinct from the others.
         num_cached_tokens: leading tokens whose KV the decode side already holds
-            (prefix cache); blocks wholly inside that prefix are not sent.
+            (prefix cache) or does not need (before its first block inside a
+            sliding window, where every layer's window has passed them); blocks
+            wholly inside that prefix are not sent.
         num_tokens: tokens of the sequence whose KV exists after prefill.
         layout: the destination cache's layout.
         attempt: the router's attempt number for the request (0 first), for logs
@@ -203,7 +206,12 @@ class KVTransferTicket:
                 f"at block_size {self.layout.block_size} need {num_blocks}")
         if any(b < 0 for b in self.dst_block_ids):
             raise ValueError(f"dst_block_ids must be >= 0, got {list(self.dst_block_ids)}")
-        if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
+        # Blocks that receive data must be distinct, and none of them may also be an
+        # unsent leading block; the unsent ones may repeat a placeholder (a
+        # sliding-window model's null block).
+        sent = self.sent_dst_block_ids
+        unsent = self.dst_block_ids[:len(self.dst_block_ids) - len(sent)]
+        if len(set(sent)) != len(sent) or not set(sent).isdisjoint(unsent):
             raise ValueError(f"dst_block_ids must be distinct, got {list(self.dst_block_ids)}")
 
     def sent_block_indices(self) -> range:

@@ -22,9 +22,16 @@ cached hashes as a KV cache event (:mod:`tandem.engine.kv.kv_events`): a hash is
 block is evicted; :meth:`BlockPool.reset_prefix_cache` *clears* all of them.
 Freeing a cached block records nothing: it stays findable until evicted.
 
-Block id 0 is not reserved: every id in ``range(num_blocks)`` can be allocated.
-Padding entries of a padded block table may still hold 0, because attention
-never reads past a sequence's length.
+Block id 0 is not reserved by default: every id in ``range(num_blocks)`` can be
+allocated. Padding entries of a padded block table may still hold 0, because
+attention never reads past a sequence's length. A pool for a model whose every
+layer has a sliding window reserves block 0 as the *null block*
+(``reserve_null_block``, vLLM v1's ``null_block``): it stands in a block table
+for a block that fell out of the window and was released. It is never handed
+out, never written (no write range, copy, swap or KV transfer targets it; it
+keeps the zeros the cache starts with), never cached, and takes no references:
+it is outside the three states above, and outside every count below except
+:attr:`BlockPool.num_blocks`.
 """
 
 from __future__ import annotations
@@ -208,20 +215,31 @@ class BlockPool:
             :meth:`get_cached_block` always misses.
         enable_kv_events: record KV cache events for :meth:`take_kv_events`.
             Off, nothing is recorded (an engine nobody drains stays bounded).
+        reserve_null_block: take block 0 out of circulation as :attr:`null_block`
+            (a sliding-window model's placeholder for released blocks).
+
+    Attributes:
+        null_block: block 0 when ``reserve_null_block``, else ``None``.
+        num_usable_blocks: blocks that can ever be handed out (``num_blocks``,
+            less the null block).
 
     Raises:
-        ValueError: ``num_blocks`` < 1.
+        ValueError: ``num_blocks`` < 1, or < 2 with ``reserve_null_block``.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 enable_kv_events: bool = False) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+                 enable_kv_events: bool = False, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         # Ids in order, so a fresh pool hands out 0, 1, 2, ...
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.null_block: Block | None = None
+        if reserve_null_block:
+            self.null_block = self.free_block_queue.popleft()
+        self.num_usable_blocks = num_blocks - reserve_null_block
         # One block per hash. If two requests compute the same block, the second
         # stays uncached (see cache_block); its table is never rewritten.
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
@@ -241,8 +259,8 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks with ref count > 0."""
-        return self.num_blocks - len(self.free_block_queue)
+        """Blocks with ref count > 0 (the null block is not counted)."""
+        return self.num_usable_blocks - len(self.free_block_queue)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -256,8 +274,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (ref count > 0), in ``[0, 1]``."""
-        return self.num_used_blocks / self.num_blocks
+        """Fraction of the usable blocks in use (ref count > 0), in ``[0, 1]``."""
+        return self.num_used_blocks / self.num_usable_blocks
 
     # -- allocation -------------------------------------------------------------
 
@@ -290,13 +308,14 @@ class BlockPool:
         """Drop one reference on each block; blocks reaching 0 join the queue tail in order.
 
         Pass a sequence's blocks tail first so that, among them, its tail blocks
-        are evicted before its head blocks. Freed blocks keep their hash.
+        are evicted before its head blocks. Freed blocks keep their hash. The
+        null block is skipped (it holds no references).
 
         Raises:
             ValueError: a block would go below ref count 0 (a double free); then
                 nothing is changed.
         """
-        blocks = list(blocks)
+        blocks = [b for b in blocks if b is not self.null_block]
         for block, n in Counter(blocks).items():
             if block.ref_cnt < n:
                 raise ValueError(f"freeing {block} {n} time(s): double free")
@@ -313,12 +332,13 @@ class BlockPool:
         """Take one more reference on each block (a prefix-cache hit, or a fork).
 
         A free block is taken out of the free block queue; it must be cached,
-        since the content of a free uncached block is meaningless.
+        since the content of a free uncached block is meaningless. The null
+        block is skipped.
 
         Raises:
             ValueError: a block is free and uncached; then nothing is changed.
         """
-        blocks = list(blocks)
+        blocks = [b for b in blocks if b is not self.null_block]
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is None:
                 raise ValueError(f"touching free uncached {block}: its content is stale")
@@ -345,7 +365,7 @@ class BlockPool:
         Raises:
             ValueError: ``block`` is free, or already cached under another hash.
         """
-        if block.ref_cnt == 0:
+        if block.ref_cnt == 0 or block is self.null_block:
             raise ValueError(f"caching free {block}: only written, in-use blocks are cached")
         if block.block_hash is not None:
             if block.block_hash != block_hash:
@@ -406,8 +426,13 @@ class BlockPool:
             prev = block
         assert len(seen) == len(self.free_block_queue), (
             f"free block queue length {len(self.free_block_queue)} != {len(seen)} linked blocks")
+        null = self.null_block
+        if null is not None:
+            assert null.block_id not in seen, "the null block is in the free block queue"
+            assert null.ref_cnt == 0 and null.block_hash is None, (
+                f"the null block {null} holds references or a hash")
         for block in self.blocks:
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block is not null:
                 assert block.block_id in seen, f"{block} has ref_cnt 0 but is not free"
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block, (
@@ -416,5 +441,5 @@ class BlockPool:
             assert block.block_hash == block_hash, (
                 f"prefix cache maps hash {block_hash:032x} to {block}, which carries another")
         num_in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        assert len(seen) + num_in_use == self.num_blocks, (
-            f"free {len(seen)} + in use {num_in_use} != total {self.num_blocks}")
+        assert len(seen) + num_in_use == self.num_usable_blocks, (
+            f"free {len(seen)} + in use {num_in_use} != usable {self.num_usable_blocks}")

@@ -158,7 +158,9 @@ class KVConnector(ABC):
 
         Args:
             block_ids: the request's blocks covering ``num_tokens`` prompt tokens.
-            num_cached_tokens: leading tokens already in this cache (not sent).
+            num_cached_tokens: leading tokens already in this cache, or outside
+                the sliding window of every layer for the first decode (not sent;
+                their ``block_ids`` may repeat the null block).
             params: the producer, the router's attempt and the producer generation
                 it expects; a generation other than the channel's fails the load
                 at once (reported by :meth:`get_finished_loads`).

@@ -107,7 +107,9 @@ class PrefixCache:
         are hashed (chained on ``block_hashes[-1]``), registered, and their
         hashes appended to ``block_hashes`` (the request's hash chain, so each
         call costs O(new blocks)). Call after the forward pass that computed
-        them. A no-op when prefix caching is disabled.
+        them. A no-op when prefix caching is disabled. A slot holding the pool's
+        null block (released from a sliding window) is hashed, so the chain goes
+        on, but registers nothing.
 
         Args:
             table: the request's block table.
@@ -132,7 +134,8 @@ class PrefixCache:
             block_hash = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
             # False is fine: another block already holds this hash, or this
             # block (shared through a fork) was cached by its other holder.
-            self.block_pool.cache_block(table[i], block_hash)
+            if table[i] is not self.block_pool.null_block:
+                self.block_pool.cache_block(table[i], block_hash)
             block_hashes.append(block_hash)
             parent = block_hash
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.kv.kv_cache_manager import KVCacheManager
+from tandem.engine.kv.kv_cache_manager import KVCacheManager, kv_sliding_window
 from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.model_files import resolve_model
@@ -119,16 +119,24 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, kv_dtype,
                                 self.device, num_host_blocks, kv_scales, config.torch_dtype,
                                 open_entries or None)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               num_host_blocks, enable_kv_events)
+        kv = self.kv_cache_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks,
+            enable_kv_events, kv_sliding_window(self.model_config.layer_windows))
         if self.kv_cache.open_keys is not None:      # int4: entries follow their blocks
             pool = self.kv_cache_manager.block_pool
             pool.on_blocks_allocated = self.kv_cache.blocks_allocated
             pool.on_blocks_released = self.kv_cache.blocks_released
         # A lone request must always fit in the pool, or it could be preempted
         # forever (see the no-starvation argument in tandem.engine.scheduling.scheduler).
+        # With a sliding window on every layer and chunked prefill, a step's blocks
+        # are bounded by the window and the step's budget, not the sequence.
+        pool_len = kv.num_usable_blocks * cc.block_size
+        step_blocks = kv.max_blocks_per_step(config.scheduler.max_num_batched_tokens)
+        if (config.scheduler.enable_chunked_prefill and step_blocks is not None
+                and step_blocks <= kv.num_usable_blocks):
+            pool_len = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
-                                 self.model_config.max_model_len, num_blocks * cc.block_size)
+                                 self.model_config.max_model_len, pool_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    bytes_per_block)
         self.backend = get_attention_backend(config.attention_backend, self.device,
@@ -367,7 +375,8 @@ class LLMEngine:
         for req in out.kv_loads_to_start:
             req.kv_load_ticket = connector.start_load(
                 req.request_id, self.kv_cache_manager.get_block_ids(req.request_id),
-                req.num_cached_tokens, req.num_prompt_tokens, req.kv_transfer_params)
+                sch.remote_kv.num_tokens_not_received(req), req.num_prompt_tokens,
+                req.kv_transfer_params)
         result = self.runner.execute(out)
         failed = [sch.requests[rid] for rid in result.kv_save_failures]
         for req in failed:
@@ -446,7 +455,7 @@ class LLMEngine:
         return WorkerStats(
             worker_id=worker_id, role=role, num_running=sch.num_running,
             num_waiting=sch.num_waiting, num_swapped=sch.num_swapped,
-            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_usable_blocks,
             kv_cache_usage=kv.usage, num_free_host_blocks=kv.num_free_host_blocks,
             num_host_blocks=kv.num_host_blocks, num_preemptions=sch.num_preemptions,
             num_swap_preemptions=sch.num_swap_preemptions,

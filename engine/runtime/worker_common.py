@@ -93,7 +93,7 @@ def model_info(engine, config: EngineConfig) -> dict:
             "kv_cache_dtype": config.cache.kv_cache_dtype,
             "vocab_size": engine.tokenizer.vocab_size,
             "model_vocab_size": engine.model_config.vocab_size,
-            "num_blocks": engine.kv_cache_manager.num_blocks}
+            "num_blocks": engine.kv_cache_manager.num_usable_blocks}
 
 
 def block_counts(engine) -> dict:
@@ -101,7 +101,7 @@ def block_counts(engine) -> dict:
     block and queue counts; call on the engine's loop thread."""
     kv = engine.kv_cache_manager
     engine.check_invariants()
-    return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+    return {"num_blocks": kv.num_usable_blocks, "num_free_blocks": kv.num_free_blocks,
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,

@@ -111,7 +111,7 @@ class CostModelPolicy(PreemptionPolicy):
 
     def swap_cost_s(self, request: Request, kv: KVCacheManager) -> float:
         """Estimated seconds to copy the request's blocks out and back in."""
-        num_blocks = kv.num_blocks_of(request.request_id)
+        num_blocks = kv.num_held_blocks(request.request_id)   # null slots do not move
         shared = kv.num_shared_cached_prefix_blocks(request.request_id)
         return (2 * num_blocks - shared) * self.bytes_per_block / self.swap_bytes_per_s
 

@@ -4,7 +4,8 @@ another engine.
 A remote-prefill request waits in the ordinary waiting queue and is admitted in
 (priority, arrival) order like any other, so a reservation is never refused
 merely because other requests wait: it waits its turn. On admission its blocks
-for the whole prompt are reserved (prefix-cache hits reused) and it moves here,
+for the whole prompt are reserved (prefix-cache hits reused; with a sliding window
+on every layer, only the blocks its first decode reads) and it moves here,
 in state ``WAITING_FOR_REMOTE_KV``, until
 
 * every layer landed (the KV connector says so) **and** its first token, sampled
@@ -48,16 +49,29 @@ class RemoteKVRequests:
         return len(self.requests)
 
     def reserve(self, req: Request) -> bool:
-        """Reserve blocks for ``req``'s whole prompt; False (nothing changed) if they do not fit."""
+        """Reserve blocks for ``req``'s whole prompt; False (nothing changed) if they do not fit.
+
+        With a sliding window only the blocks its first decode step reads are
+        reserved (that step's query, the first output token, is at position
+        ``num_prompt_tokens``); the slots before them hold the null block and
+        receive nothing (:meth:`num_tokens_not_received`)."""
         rid = req.request_id
         blocks, num_cached = self.kv.get_computed_blocks(rid, req.prompt_token_ids)
-        if not self.kv.allocate_slots(rid, num_cached, req.num_prompt_tokens - num_cached, blocks):
+        if not self.kv.allocate_slots(rid, num_cached, req.num_prompt_tokens - num_cached, blocks,
+                                      first_query_position=req.num_prompt_tokens):
             return False
         req.num_cached_tokens = req.num_computed_tokens = num_cached
         req.kv_load_finished = req.kv_load_ok = False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests.append(req)
         return True
+
+    def num_tokens_not_received(self, req: Request) -> int:
+        """Leading prompt tokens of reserved ``req`` whose KV the transfer need not
+        bring: those cached here, and those before its first block inside the
+        sliding window (null slots). A multiple of the block size."""
+        skipped = self.kv.num_skipped_blocks(req.request_id) * self.kv.block_size
+        return max(req.num_cached_tokens, skipped)
 
     def load_finished(self, req: Request | None, request_id: str, ok: bool) -> bool:
         """The connector reports the end of ``request_id``'s load (``ok``: every layer landed).

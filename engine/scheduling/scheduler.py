@@ -35,7 +35,9 @@ needs blocks sorts before it (or is the victim itself, when the requests before
 it hold the blocks); in step 1 only for a strictly more important request. So
 the first running request in sort order is never preempted while others run; it
 is scheduled first every step, and a lone request always fits in the pool (the
-engine caps ``max_model_len`` at the pool's size), so it progresses and
+engine caps ``max_model_len`` at the pool's size; for a model with a sliding
+window on every layer and chunked prefill it checks instead that the pool holds
+one step's blocks, :meth:`KVCacheManager.max_blocks_per_step`), so it progresses and
 finishes. Preempted requests go back into their queue at their original
 position and resume before everything that arrived after them. By induction
 over the sort order, every request finishes in a bounded number of steps as
@@ -309,7 +311,8 @@ class Scheduler:
     def _blocks_to_swap_in(self, req: Request, num_new: int) -> int:
         """Free device blocks a swap-in plus ``num_new`` tokens take. The tokens
         need no copy-on-write: the blocks found by hash are full, computed ones."""
-        num_table = len(self.kv.get_host_block_ids(req.request_id))
+        num_table = (len(self.kv.get_host_block_ids(req.request_id))
+                     + self.kv.num_skipped_blocks(req.request_id))   # null slots: no copy
         extra = max(0, _cdiv(req.num_computed_tokens + num_new, self.kv.block_size) - num_table)
         return self.kv.num_blocks_to_swap_in(req.request_id) + extra
 

@@ -105,7 +105,7 @@ def assert_greedy_and_cached(llm: LLM, reference: list[list[int]]) -> None:
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert [o.num_cached_tokens for o in outs] == ([0, 32, 64] if cached else [0, 0, 0])
         kv = llm.engine.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
+        assert kv.num_free_blocks == kv.num_usable_blocks
 
 
 def test_greedy_tokens_equal_transformers(served):
