@@ -431,6 +431,12 @@ class EngineConfig:
             llama.cpp's CPU backend does. Needs weights kept in quantized blocks
             (``quantization`` gguf, or a GPTQ / AWQ checkpoint); see
             docs/quantization.md.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-LM's
+            column/row split, :mod:`tandem.engine.parallel`): rank 0 runs in the
+            engine's process with the scheduler and the sampler, ranks 1.. are
+            worker processes (Gloo on the CPU, NCCL on CUDA); 1: no sharding. Above
+            1 it needs a dense model (``quantization`` none), ``kv_cache_dtype``
+            auto and no draft model; see docs/tensor_parallel.md.
     """
 
     model: str | None = None
@@ -443,6 +449,7 @@ class EngineConfig:
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None
     activation_quantization: str = "none"
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -477,9 +484,27 @@ class EngineConfig:
             if self.cache.kv_cache_dtype != "auto":
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto (the invariant "
                                  f"attention path has no {self.cache.kv_cache_dtype!r} KV cache)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size: must be an integer >= 1, "
+                             f"got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
             raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
                              "can complete a block, which is then quantized per channel with it)")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if self.quantization != "none":
+            raise ValueError(f"tensor_parallel_size: {tp} ranks need dense weights "
+                             f"(quantization 'none'), not {self.quantization!r}: quantized "
+                             "layers are not sharded yet")
+        if self.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"tensor_parallel_size: {tp} ranks need kv_cache_dtype 'auto', not "
+                             f"{self.cache.kv_cache_dtype!r}")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError(f"tensor_parallel_size: {tp} ranks do not run a draft model yet "
+                             "(speculative method 'ngram' works)")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

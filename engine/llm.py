@@ -44,7 +44,9 @@ class LLM:
         num_threads: torch intra-op threads. ``LLM`` is the process's entry
             point in offline use, so it applies them to the whole process
             (:func:`~tandem.engine.runtime.threads.apply_thread_settings`) before
-            building its engine; None leaves them as they are.
+            building its engine; None leaves them as they are (with
+            ``tensor_parallel_size`` above 1: this process's cores shared evenly
+            among the ranks, each rank's process setting its own).
         batch_invariant: see :class:`EngineConfig` (outputs independent of batch
             composition; CPU).
         speculative_config: speculative decoding, a
@@ -52,6 +54,9 @@ class LLM:
             (vLLM style: ``{"method": "ngram", "num_speculative_tokens": 4}``);
             None: off.
         weights_from: an existing ``LLM`` whose loaded weights to share.
+        tensor_parallel_size: ranks the model is sharded over (``EngineConfig``):
+            rank 0 runs here with the scheduler, the others as worker processes that
+            :meth:`shutdown` stops (or this process's exit).
 
     Raises:
         ValueError: a bad configuration field (named in the message).
@@ -68,7 +73,7 @@ class LLM:
                  speculative_config: "SpeculativeConfig | dict | None" = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto",
                  activation_quantization: str = "none",
-                 weights_from: "LLM | None" = None):
+                 weights_from: "LLM | None" = None, tensor_parallel_size: int = 1):
         if isinstance(speculative_config, dict):
             unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
             if unknown:
@@ -76,11 +81,17 @@ class LLM:
             if "method" not in speculative_config:
                 raise ValueError("speculative_config: method is required (ngram or draft_model)")
             speculative_config = SpeculativeConfig(**speculative_config)
+        if num_threads is None and isinstance(tensor_parallel_size, int) \
+                and tensor_parallel_size > 1:
+            from tandem.engine.parallel.group import threads_per_rank
+
+            num_threads = threads_per_rank(tensor_parallel_size)
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, attention_backend=attention_backend,
             quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             activation_quantization=activation_quantization,
             batch_invariant=batch_invariant, speculative=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
@@ -94,6 +105,11 @@ class LLM:
         self.engine = LLMEngine(self.config,
                                 weights_from=weights_from.engine if weights_from else None)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (idempotent; nothing to
+        do with ``tensor_parallel_size`` 1). Generation is over afterwards."""
+        self.engine.shutdown()
 
     def generate(self, prompts: "PromptType | Sequence[PromptType]",
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

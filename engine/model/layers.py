@@ -17,13 +17,23 @@ embedding scale, ``(1 + w)`` norms and sandwich norms), and the rest comes from 
 attention scale); the model files (``llama.py``, ``qwen.py``, ``gemma.py``,
 ``phi3.py``) are wiring.
 
+Tensor parallelism: built with a :class:`~tandem.engine.parallel.communicator.Communicator`
+(``tensor_parallel_size`` > 1), a model holds its rank's shard of every layer (Megatron-LM's
+split, :mod:`tandem.engine.parallel.layers`): Q/K/V and gate-up column-parallel,
+the output and down projections row-parallel (one all-reduce each), the embedding
+and the LM head vocabulary-parallel; attention runs on the rank's heads
+(:func:`~tandem.engine.parallel.partition.head_partition`). The forward pass is the
+same code: the collectives are inside those layers. Without a communicator (one
+rank) the layers are the plain ones.
+
 Shapes: ``T`` packed tokens of the step, ``H`` hidden size, ``Hq``/``Hkv`` query
-and KV heads, ``D`` head dim, ``V`` vocab size, ``F`` FFN width.
+and KV heads (of this rank under tensor parallelism), ``D`` head dim, ``V`` vocab
+size, ``F`` FFN width.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -34,6 +44,9 @@ from tandem.engine.model.registry import UnsupportedModelError
 from tandem.engine.model.rotary import local_rope_cos_sin_cache, rope_cos_sin_cache
 from tandem.engine.model.weights import copy_checked
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
+
+if TYPE_CHECKING:   # tensor-parallel modules are imported only where a model is sharded
+    from tandem.engine.parallel.communicator import Communicator
 
 # Checkpoint projection -> (fused projection, shard id): the sub-matrices that
 # load into one fused layer, in the order of its output sizes.
@@ -82,6 +95,8 @@ class Attention(nn.Module):
         layer_idx: the layer's index: its sliding window (``cfg.layer_windows``; one
             of ``max_model_len`` or more is dropped, it cannot bind) and, with
             ``cfg.rope_local_theta``, the local RoPE table for a sliding layer.
+        comm: tensor parallelism's communicator: this rank's heads only, Q/K/V
+            column-parallel and the output projection row-parallel; None: all heads.
 
     The softmax scale is ``cfg.query_pre_attn_scalar ** -0.5`` when set, else
     ``D ** -0.5``; ``cfg.attn_logit_softcapping`` caps the scores.
@@ -89,14 +104,17 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: bool = False, qk_norm_offset: bool = False,
-                 layer_idx: int = 0):
+                 layer_idx: int = 0, comm: Communicator | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               linear_method, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, linear_method, bias=o_bias)
+        if comm is None:
+            self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                   linear_method, bias=qkv_bias)
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, linear_method, bias=o_bias)
+        else:
+            self._shard_heads(cfg, linear_method, qkv_bias, o_bias, comm)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, qk_norm_offset) if qk_norm else None
         self.scale = (cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar
@@ -108,6 +126,25 @@ class Attention(nn.Module):
         # Passed to the backend only when set: backends without them keep their signature.
         self.options = {k: v for k, v in (("window", self.window), ("softcap", self.softcap))
                         if v is not None}
+
+    def _shard_heads(self, cfg: ModelConfig, linear_method: LinearMethodBase, qkv_bias: bool,
+                     o_bias: bool, comm: Communicator) -> None:
+        """Tensor parallelism: keep this rank's heads of the Q/K/V and output projections."""
+        from tandem.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from tandem.engine.parallel.partition import head_partition
+
+        heads = head_partition(cfg.num_heads, cfg.num_kv_heads, comm.world_size, comm.rank)
+        d = cfg.head_dim
+        q_rows = (heads.q_start * d, heads.num_heads * d)
+        kv_rows = (heads.kv_start * d, heads.num_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [self.q_size, self.kv_size,
+                                                               self.kv_size],
+                                             [q_rows, kv_rows, kv_rows], linear_method,
+                                             bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, q_rows, comm,
+                                        linear_method, bias=o_bias)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.q_size, self.kv_size = q_rows[1], kv_rows[1]
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
@@ -135,14 +172,24 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``, gate and up fused into one ``[2F, H]`` matmul;
     ``act`` is ``cfg.hidden_act``: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU).
     ``intermediate_size`` overrides ``cfg.intermediate_size`` (a MoE model's shared
-    expert)."""
+    expert). With ``comm`` (tensor parallelism) this rank's share of the ``F``
+    features: gate-up column-parallel, down row-parallel."""
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, comm: Communicator | None = None):
         super().__init__()
         f = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [f, f], linear_method)
-        self.down_proj = Linear(f, cfg.hidden_size, linear_method)
+        if comm is None:
+            self.gate_up_proj = Linear(cfg.hidden_size, [f, f], linear_method)
+            self.down_proj = Linear(f, cfg.hidden_size, linear_method)
+        else:
+            from tandem.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+            from tandem.engine.parallel.partition import split_evenly
+
+            cols = split_evenly(f, comm.world_size, comm.rank)
+            self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [f, f], [cols, cols],
+                                                     linear_method)
+            self.down_proj = RowParallelLinear(f, cfg.hidden_size, cols, comm, linear_method)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -162,11 +209,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase, layer_idx: int = 0,
                  sandwich: bool = False, norm_offset: bool = False,
-                 mlp: nn.Module | None = None, **attention_options):
+                 mlp: nn.Module | None = None, comm: Communicator | None = None,
+                 **attention_options):
         super().__init__()
-        self.self_attn = Attention(cfg, linear_method, layer_idx=layer_idx,
+        self.self_attn = Attention(cfg, linear_method, layer_idx=layer_idx, comm=comm,
                                    **attention_options)
-        self.mlp = mlp if mlp is not None else GatedMLP(cfg, linear_method)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg, linear_method, comm=comm)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(h, eps, norm_offset)
@@ -188,6 +236,15 @@ class DecoderForCausalLM(nn.Module):
     Args:
         cfg: the model's :class:`ModelConfig`.
         linear_method: the decoder layers' linear method (dense when None).
+        comm: tensor parallelism: this rank's shard of every layer (module
+            docstring); None: the whole model.
+
+    Raises:
+        NotImplementedError: ``comm`` for an architecture whose class does not set
+            :attr:`supports_tensor_parallel`, or with a quantized ``linear_method``
+            (the message names ``tensor_parallel_size``).
+        ValueError: head counts the ranks cannot share
+            (:func:`~tandem.engine.parallel.partition.head_partition`).
     """
 
     scale_embeddings: bool = False
@@ -196,6 +253,9 @@ class DecoderForCausalLM(nn.Module):
     """Every RMSNorm multiplies by ``1 + w`` (Gemma)."""
     sandwich_norms: bool = False
     """Attention and MLP outputs normed too (:class:`DecoderLayer`; Gemma 2/3)."""
+    supports_tensor_parallel: bool = False
+    """Whether the class may be built with a communicator (its tensor-parallel
+    outputs are tested against the unsharded model's)."""
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:
@@ -208,14 +268,20 @@ class DecoderForCausalLM(nn.Module):
         (mixture-of-experts architectures return their expert block)."""
         return None
 
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None,
+                 comm: Communicator | None = None):
         super().__init__()
         self.cfg = cfg
         linear_method = linear_method or UnquantizedLinearMethod()
         self.model = nn.Module()
         gguf = linear_method.name == "gguf"
         tied = cfg.tie_word_embeddings
-        if gguf:
+        if comm is not None:
+            self._check_tensor_parallel(linear_method, comm)
+            from tandem.engine.parallel.layers import VocabParallelEmbedding
+
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        elif gguf:
             # The embedding and the output projection keep the file's blocks too; a
             # tied output projection reads the embedding's (see load_model).
             from tandem.engine.quantization.gguf_linear import GGUFEmbedding
@@ -232,13 +298,18 @@ class DecoderForCausalLM(nn.Module):
         options = self.attention_options(cfg)
         self.model.layers = nn.ModuleList(
             DecoderLayer(cfg, linear_method, i, self.sandwich_norms, self.norm_offset,
-                         self.make_mlp(cfg, linear_method, i), **options)
+                         self.make_mlp(cfg, linear_method, i), comm, **options)
             for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
-        # Otherwise the output projection stays dense: it multiplies by the dense
-        # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
-                              linear_method if gguf else UnquantizedLinearMethod())
+        if comm is not None:
+            from tandem.engine.parallel.layers import ParallelLMHead
+
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, comm)
+        else:
+            # Otherwise the output projection stays dense: it multiplies by the dense
+            # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                                  linear_method if gguf else UnquantizedLinearMethod())
         leaves = ("qweight", "qweight_type") if gguf else ("weight",)
         self.tied_parameters = ({f"lm_head.{x}": f"model.embed_tokens.{x}" for x in leaves}
                                 if tied else {})
@@ -247,6 +318,18 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache: torch.Tensor | None = None
         self.local_cos_sin_cache: torch.Tensor | None = None
+
+    def _check_tensor_parallel(self, linear_method: LinearMethodBase, comm: Communicator) -> None:
+        if not self.supports_tensor_parallel:
+            raise NotImplementedError(
+                f"tensor_parallel_size {comm.world_size}: not implemented for "
+                f"{type(self).__name__} yet (the Llama family is: LlamaForCausalLM, "
+                "MistralForCausalLM)")
+        if linear_method.name != "none":
+            raise NotImplementedError(
+                f"tensor_parallel_size {comm.world_size}: quantized linear layers "
+                f"({linear_method.name!r}) are not sharded yet; use quantization 'none' "
+                "with a dense checkpoint")
 
     # -- loading ---------------------------------------------------------------------------
     def weight_mapping(self, name: str) -> tuple[str, int | None]:

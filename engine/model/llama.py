@@ -12,7 +12,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """Llama 2/3.x (and the Llama-architecture checkpoints, SmolLM2 among them):
     ``attention_bias`` puts biases on all four attention projections (transformers'
     ``LlamaAttention``); RoPE scaling (``llama3``, ``linear``, ``yarn``) is the
-    config's."""
+    config's. Tensor parallelism: see :mod:`tandem.engine.model.layers`."""
+
+    supports_tensor_parallel = True
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:
@@ -24,3 +26,5 @@ class MistralForCausalLM(DecoderForCausalLM):
     ``attention_bias`` for it). A ``sliding_window`` applies to every layer (as
     transformers, which ignores ``layer_types`` for Mistral;
     :func:`~tandem.engine.model.hf_config.hf_layer_windows`)."""
+
+    supports_tensor_parallel = True

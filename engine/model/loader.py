@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import process_weights_after_loading
 from tandem.engine.model.registry import MODEL_REGISTRY
 from tandem.engine.quantization.checkpoint import linear_method_for
+
+if TYPE_CHECKING:
+    from tandem.engine.parallel.communicator import Communicator
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +114,8 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-               batch_invariant: bool = False,
-               activation_quantization: str = "none") -> tuple[nn.Module, ModelConfig]:
+               batch_invariant: bool = False, activation_quantization: str = "none",
+               comm: "Communicator | None" = None) -> tuple[nn.Module, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The class is the registered one of the checkpoint's architecture
@@ -131,6 +134,9 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
             when this is ``none`` (:func:`~tandem.engine.quantization.checkpoint.linear_method_for`).
         batch_invariant: batch-invariant linear kernels (``EngineConfig.batch_invariant``).
         activation_quantization: ``EngineConfig.activation_quantization``.
+        comm: tensor parallelism: build this rank's shard of the model (each layer
+            takes its slice of the full checkpoint tensors as they stream by, so a
+            rank holds only its shard); None: the whole model.
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
@@ -142,6 +148,8 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
             with; ``batch_invariant`` off the CPU; ``activation_quantization`` int8
             for a model without quantized blocks.
         WeightLoadError: the checkpoint does not match the architecture.
+        NotImplementedError: ``comm`` for an architecture or a quantization that
+            does not shard yet (the message names ``tensor_parallel_size``).
     """
     from tandem.engine.model import weights
 
@@ -154,8 +162,9 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = weights.iter_safetensors(files.path)
     linear_method = linear_method_for(files, quantization)
+    cls = MODEL_REGISTRY.model_class(cfg.architecture)
     with torch.device("meta"):
-        model = MODEL_REGISTRY.model_class(cfg.architecture)(cfg, linear_method)
+        model = cls(cfg, linear_method) if comm is None else cls(cfg, linear_method, comm=comm)
     _materialize(model, device, dtype)
     for module in model.modules():
         # Packed layers hold no float parameter for .to(dtype) to convert: tell them

@@ -48,6 +48,15 @@ class LLMEngine:
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
         enable_kv_events: record prefix-cache events (blocks stored / removed) for
             a router's prefix-aware routing (workers); off for offline use.
+
+    With ``config.tensor_parallel_size`` above 1 this engine is rank 0 of a
+    tensor-parallel group (:mod:`tandem.engine.parallel`): it starts the other
+    ranks as worker processes, holds rank 0's shard and KV cache, and runs the
+    scheduler and the sampler; :meth:`shutdown` stops the workers.
+
+    Raises:
+        ValueError: ``weights_from`` or ``kv_transport`` with ``tensor_parallel_size``
+            above 1.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
@@ -58,6 +67,17 @@ class LLMEngine:
         # process's (see tandem.engine.runtime.threads.apply_thread_settings).
         self.device = torch.device(config.device)
         self.model_files = resolve_model(config.model)
+        self.parallel = comm = None
+        """The :class:`~tandem.engine.parallel.group.TensorParallelGroup` of the other
+        ranks (``tensor_parallel_size`` > 1), else None."""
+        if config.tensor_parallel_size > 1:
+            if weights_from is not None or kv_transport is not None:
+                raise ValueError("tensor_parallel_size: a sharded engine neither shares "
+                                 "weights_from another nor transfers KV (kv_transport) yet")
+            from tandem.engine.parallel.group import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup.start(config)
+            comm = self.parallel.comm
         pending_tokenizer = None
         if tokenizer is None and weights_from is None:
             # Loading the tokenizer is mostly importing transformers (~1 s of Python);
@@ -77,10 +97,14 @@ class LLMEngine:
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
         else:
-            self.model, self.model_config = load_model(self.model_files, config.torch_dtype,
-                                                       self.device, config.quantization,
-                                                       config.batch_invariant,
-                                                       config.activation_quantization)
+            try:
+                self.model, self.model_config = load_model(
+                    self.model_files, config.torch_dtype, self.device, config.quantization,
+                    config.batch_invariant, config.activation_quantization, comm=comm)
+            except BaseException:
+                if self.parallel is not None:     # an architecture that does not shard
+                    self.parallel.shutdown()
+                raise
         if pending_tokenizer is not None:
             tokenizer = pending_tokenizer.result()
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
@@ -94,7 +118,11 @@ class LLMEngine:
                 kv_scales = calibrate_kv_scales(
                     self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
                     config.torch_dtype, self.device)
-        bytes_per_block = KVCache.bytes_per_block(self.model_config, cc.block_size, kv_dtype)
+        # Under tensor parallelism every rank keeps the same blocks of its own heads:
+        # rank 0's (the most heads) size them.
+        kv_model_config = (self.model_config if self.parallel is None
+                           else self.parallel.rank_model_config(self.model_config))
+        bytes_per_block = KVCache.bytes_per_block(kv_model_config, cc.block_size, kv_dtype)
         open_entries = store_bytes = 0
         if kv_dtype == torch.uint8:
             # int4: the open-block K store (one entry per running sequence's open
@@ -116,9 +144,11 @@ class LLMEngine:
             num_host_blocks = cc.num_host_blocks
         else:
             num_host_blocks = cc.swap_space_bytes // bytes_per_block
-        self.kv_cache = KVCache(self.model_config, num_blocks, cc.block_size, kv_dtype,
+        self.kv_cache = KVCache(kv_model_config, num_blocks, cc.block_size, kv_dtype,
                                 self.device, num_host_blocks, kv_scales, config.torch_dtype,
                                 open_entries or None)
+        if self.parallel is not None:
+            self.parallel.setup_workers(num_blocks, num_host_blocks)
         kv = self.kv_cache_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks,
             enable_kv_events, kv_sliding_window(self.model_config.layer_windows))
@@ -150,10 +180,15 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(
             lambda: get_grammar_backend_class()(tok, vocab_size), vocab_size, tok.eos_token_id)
         """Compiled grammars and the matchers of constrained requests (structured outputs)."""
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend,
-                                  self.kv_cache_manager.get_block_ids, self.device,
-                                  kv_connector=self.kv_connector,
-                                  structured_outputs=self.structured_outputs)
+        runner_class, runner_kwargs = ModelRunner, {}
+        if self.parallel is not None:
+            from tandem.engine.parallel.runner import TensorParallelModelRunner
+
+            runner_class, runner_kwargs = TensorParallelModelRunner, {"comm": comm}
+        self.runner = runner_class(self.model, self.kv_cache, self.backend,
+                                   self.kv_cache_manager.get_block_ids, self.device,
+                                   kv_connector=self.kv_connector,
+                                   structured_outputs=self.structured_outputs, **runner_kwargs)
         self._ids = itertools.count()
         self.beam_search = BeamSearchManager(self)
         """Running beam searches (``params.use_beam_search``)."""
@@ -426,6 +461,12 @@ class LLMEngine:
                     "%d of %d draft tokens accepted, %.1f%%)", 1 + accepted / drafts, drafts,
                     accepted, tokens, 100.0 * accepted / max(tokens, 1))
         self._spec_logged = (now, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; nothing to do with
+        one rank). The engine cannot step afterwards."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     @property
     def num_preemptions(self) -> int:

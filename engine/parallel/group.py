@@ -1,0 +1,218 @@
+"""Rank 0's handle on a tensor-parallel engine's other ranks: it starts them as
+worker processes, forms the group with them, and stops them.
+
+Process model (``EngineConfig.tensor_parallel_size`` ``W`` > 1)::
+
+    caller's process = rank 0                      rank r = 1 .. W-1 (subprocesses)
+    ------------------------------                 ----------------------------------
+    TensorParallelGroup.start(config)  --spawn-->  python -P -m tandem.engine.parallel.worker
+      TCPStore on 127.0.0.1:<OS port>  <--join---    (config, rank, port read from stdin)
+      process group (Gloo / NCCL)      <-------->    process group
+    load_model(comm) -> shard 0                      load_model(comm) -> shard r
+    KV cache sized, WorkerSetup        --bcast-->    KV cache of the same blocks
+    scheduler, runner, sampler                       follow(): forward, LM head shard
+      each step: StepInput, LogitsRequest --bcast--> (tandem.engine.parallel.messages)
+
+Workers are subprocesses started with ``-m`` (not ``multiprocessing`` spawn): a
+script that builds ``LLM(tensor_parallel_size=2)`` needs no ``__main__`` guard.
+Each worker keeps its stdin pipe from rank 0 open and exits when it closes, so
+no worker outlives its engine's process, however that ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.parallel.communicator import TorchDistributedCommunicator
+from tandem.engine.parallel.messages import Shutdown, WorkerSetup
+from tandem.engine.parallel.partition import head_partition
+
+STORE_PREFIX = "tandem-tp"
+"""The group's keys and process group live under this prefix of the rendezvous store."""
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """What a worker process reads from its stdin (pickled, length-prefixed).
+
+    Attributes:
+        config: the engine's config.
+        rank, world_size: the worker's rank and the group's size.
+        host, port: rank 0's rendezvous ``TCPStore``.
+        timeout_s: how long startup and each collective may wait.
+    """
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    timeout_s: float
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU for ``cpu``; for ``cuda[:i]``, GPU ``i + rank``."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return d
+    return torch.device(d.type, (d.index or 0) + rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend of a device: ``gloo`` on the CPU, ``nccl`` on CUDA."""
+    return "gloo" if device.type == "cpu" else "nccl"
+
+
+def rank_model_config(cfg: ModelConfig, world_size: int, rank: int) -> ModelConfig:
+    """``cfg`` with rank ``rank``'s head counts (what its attention layers and its
+    KV cache hold; :func:`~tandem.engine.parallel.partition.head_partition`)."""
+    heads = head_partition(cfg.num_heads, cfg.num_kv_heads, world_size, rank)
+    return dataclasses.replace(cfg, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Torch intra-op threads for each rank when none are configured: this process's
+    cores (its CPU affinity) shared evenly, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+class TensorParallelGroup:
+    """The ranks of one tensor-parallel engine, seen from rank 0 (module docstring).
+
+    Use :meth:`start`; then load rank 0's shard with :attr:`comm`, and call
+    :meth:`setup_workers` once the KV cache is sized. :meth:`shutdown` (also run
+    when the group is garbage-collected or the process exits) stops the workers.
+
+    Attributes:
+        comm: rank 0's :class:`~tandem.engine.parallel.communicator.Communicator`.
+        world_size: ranks in the group (``config.tensor_parallel_size``).
+    """
+
+    def __init__(self, comm: TorchDistributedCommunicator, store: dist.Store,
+                 procs: list[subprocess.Popen], timeout_s: float):
+        self.comm, self.world_size = comm, comm.world_size
+        self._store, self._procs, self._timeout_s = store, procs, timeout_s
+        self._state = {"following": False}
+        self._finalizer = weakref.finalize(self, _stop, comm, procs, self._state)
+
+    @classmethod
+    def start(cls, config: EngineConfig, timeout_s: float = 600.0) -> "TensorParallelGroup":
+        """Start ranks ``1 .. W-1`` as worker processes and form the group with them.
+
+        Returns once every rank joined the process group (the workers then load their
+        shards while rank 0 loads its own).
+
+        Raises:
+            RuntimeError: a worker exited, or did not join within ``timeout_s``.
+        """
+        world = config.tensor_parallel_size
+        device = rank_device(config.device, 0)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        procs = []
+        try:
+            for rank in range(1, world):
+                proc = subprocess.Popen([sys.executable, "-P", "-m",
+                                         "tandem.engine.parallel.worker"],
+                                        stdin=subprocess.PIPE)
+                payload = pickle.dumps(WorkerInit(config, rank, world, "127.0.0.1", store.port,
+                                                  timeout_s))
+                proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
+                proc.stdin.flush()
+                procs.append(proc)
+            prefixed = dist.PrefixStore(STORE_PREFIX, store)
+            _wait_for(prefixed, procs, "joined", "joining the group", timeout_s)
+            comm = TorchDistributedCommunicator(prefixed, 0, world, backend_for(device), device,
+                                                timeout_s=timeout_s)
+        except BaseException:
+            _stop(None, procs, {"following": False})
+            raise
+        return cls(comm, store, procs, timeout_s)
+
+    def rank_model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """Rank 0's head counts (the most any rank holds: it sizes every rank's KV
+        cache blocks); see :func:`rank_model_config`."""
+        return rank_model_config(cfg, self.world_size, 0)
+
+    def setup_workers(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Wait until every worker loaded its shard, then send the KV cache's size;
+        the workers then follow each step.
+
+        Raises:
+            RuntimeError: a worker failed to load (its error in the message) or exited.
+        """
+        _wait_for(dist.PrefixStore(STORE_PREFIX, self._store), self._procs, "loaded",
+                  "loading its shard", self._timeout_s)
+        self.comm.broadcast_object(WorkerSetup(num_blocks, num_host_blocks))
+        self._state["following"] = True
+
+    @property
+    def worker_exit_codes(self) -> list[int | None]:
+        """Ranks 1..'s process exit codes, None while one runs."""
+        return [proc.poll() for proc in self._procs]
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent): a :class:`~tandem.engine.parallel.messages.Shutdown`
+        when they follow steps, then their stdin closed; one still running after 10 s
+        is killed."""
+        self._finalizer()
+
+
+def _wait_for(store: dist.Store, procs: list[subprocess.Popen], key: str, what: str,
+              timeout_s: float) -> None:
+    """Wait until every worker set ``<key>/<rank>`` (``ok``, or an error text)."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(1, len(procs) + 1))
+    while pending:
+        for rank in sorted(pending):
+            name = f"{key}/{rank}"
+            if store.check([name]):
+                value = store.get(name).decode()
+                if value != "ok":
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {value}")
+                pending.discard(rank)
+            elif procs[rank - 1].poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code "
+                                   f"{procs[rank - 1].returncode} before {what}")
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks {sorted(pending)}: no answer after "
+                               f"{timeout_s:.0f} s {what}")
+        if pending:
+            time.sleep(0.02)
+
+
+def _stop(comm: TorchDistributedCommunicator | None, procs: list[subprocess.Popen],
+          state: dict) -> None:
+    if comm is not None and state.get("following"):
+        state["following"] = False
+        try:
+            comm.broadcast_object(Shutdown())
+        except RuntimeError:     # a worker is gone already: the pipes below end the rest
+            pass
+    for proc in procs:
+        if proc.stdin is not None and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+    deadline = time.monotonic() + 10.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if comm is not None:
+        comm.close()

@@ -1,0 +1,262 @@
+"""Tensor-parallel layers: Megatron-LM's column/row split of a linear layer, and the
+vocabulary-parallel embedding and LM head (vLLM's names and roles).
+
+Reference: Shoeybi et al. 2019, "Megatron-LM", sec. 3. A transformer layer needs
+two all-reduces in its forward pass: the attention's Q/K/V projection is split
+by output rows (**column-parallel**: each rank computes its heads' Q, K, V from
+the whole input, no communication), attention runs on each rank's own heads, and
+the output projection is split by input columns (**row-parallel**: each rank
+multiplies its heads' slice and the partial sums are all-reduced). The MLP is the
+same pair: gate/up column-parallel, down row-parallel.
+
+::
+
+    x [T, H] (every rank) --qkv_proj, rank r's rows--> q_r, k_r, v_r
+                          --attention(heads of r)-->   o_r [T, Hq_r D]
+                          --o_proj, rank r's columns--> partial_r [T, H]
+                          --all-reduce (sum over r)--> [T, H] (every rank)
+
+Each layer here is a :class:`~tandem.engine.model.linear.Linear` (or an
+embedding) whose parameters are its rank's shard, and which takes that shard
+from the full checkpoint tensor at load (``load_weight`` narrows, then the dense
+method copies). Only the dense weight format shards so far: a quantized method
+raises :class:`NotImplementedError`.
+
+Shapes: ``T`` tokens, ``H`` hidden size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.model.linear import Linear, LinearMethodBase
+from tandem.engine.model.weights import WeightLoadError, copy_checked
+from tandem.engine.parallel.communicator import Communicator
+from tandem.engine.parallel.partition import vocab_partition
+
+
+def _check_dense(quant_method: LinearMethodBase | None) -> None:
+    if quant_method is not None and quant_method.name != "none":
+        raise NotImplementedError(
+            "tensor_parallel_size > 1: quantized linear layers "
+            f"({quant_method.name!r}) are not sharded yet; use quantization 'none' "
+            "with a dense checkpoint")
+
+
+def _narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int
+                    ) -> torch.Tensor:
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)}: expected {full} "
+                              f"along dim {dim} to take this rank's slice from")
+    return loaded.narrow(dim, start, size)
+
+
+class ColumnParallelLinear(Linear):
+    """``y_r = x W_r^T (+ b_r)``: the weight ``W`` ``[N, K]`` split by output rows; the
+    output stays split (``[T, N_r]`` on rank ``r``), for a row-parallel layer or
+    per-rank attention heads to consume. No communication.
+
+    A fused layer (``[q, kv, kv]``, gate-up) is split per sub-matrix: rank ``r`` holds
+    ``partitions[i]`` of each sub-matrix ``i``, stacked as its local fused weight.
+
+    Args:
+        in_features: input width ``K`` (whole: the input is replicated).
+        output_sizes: the full rows of each fused sub-matrix (the checkpoint's).
+        partitions: per sub-matrix, ``(first row, rows)`` this rank holds.
+        quant_method: only the dense method (None) shards so far.
+        params_dtype, bias: as :class:`Linear` (the bias split like the rows).
+
+    Raises:
+        NotImplementedError: a quantized ``quant_method``.
+        ValueError: ``partitions`` not one per sub-matrix, or outside it.
+    """
+
+    def __init__(self, in_features: int, output_sizes: int | Sequence[int],
+                 partitions: Sequence[tuple[int, int]],
+                 quant_method: LinearMethodBase | None = None,
+                 params_dtype: torch.dtype | None = None, bias: bool = False):
+        full = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        if len(partitions) != len(full) or any(
+                s < 0 or n < 0 or s + n > f for (s, n), f in zip(partitions, full)):
+            raise ValueError(f"partitions: {list(partitions)} do not fit output sizes {full}")
+        _check_dense(quant_method)
+        super().__init__(in_features, [n for _, n in partitions], quant_method, params_dtype, bias)
+        self.full_output_sizes = full
+        self.partitions = [tuple(p) for p in partitions]
+
+    def _local(self, loaded: torch.Tensor, i: int) -> torch.Tensor:
+        start, size = self.partitions[i]
+        return _narrow_checked(loaded, 0, self.full_output_sizes[i], start, size)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy this rank's rows of a full checkpoint tensor (sub-matrix ``shard_id``,
+        or with None the whole, possibly fused, tensor).
+
+        Raises:
+            WeightLoadError: a tensor whose height is not the full one.
+        """
+        if shard_id is None and len(self.partitions) > 1:
+            # Fused in the checkpoint too (Phi-3's qkv_proj): split it first.
+            if loaded.shape[0] != sum(self.full_output_sizes):
+                raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)}: expected "
+                                      f"{sum(self.full_output_sizes)} rows")
+            for i, piece in enumerate(loaded.split(self.full_output_sizes, dim=0)):
+                super().load_weight(param_name, self._local(piece, i), i)
+            return
+        super().load_weight(param_name, self._local(loaded, shard_id or 0), shard_id)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", partitions={self.partitions}"
+
+
+class RowParallelLinear(Linear):
+    """``y = sum_r x_r W_r^T (+ b)``: the weight ``W`` ``[N, K]`` split by input columns;
+    the input arrives split (``x_r`` ``[T, K_r]``, a column-parallel layer's output)
+    and the partial products are summed by one all-reduce. The bias (whole on
+    every rank) is added once, after the sum.
+
+    Args:
+        in_features: the full input width ``K``.
+        output_size: ``N`` (whole).
+        partition: ``(first column, columns)`` of ``W`` this rank holds.
+        comm: the group's :class:`Communicator`.
+        quant_method: only the dense method (None) shards so far.
+        params_dtype, bias: as :class:`Linear`.
+
+    Shapes: ``x_r`` ``[T, K_r]`` -> ``[T, N]``, the same on every rank.
+
+    Raises:
+        NotImplementedError: a quantized ``quant_method``.
+    """
+
+    def __init__(self, in_features: int, output_size: int, partition: tuple[int, int],
+                 comm: Communicator, quant_method: LinearMethodBase | None = None,
+                 params_dtype: torch.dtype | None = None, bias: bool = False):
+        start, size = partition
+        if start < 0 or size < 0 or start + size > in_features:
+            raise ValueError(f"partition: {partition} outside {in_features} input columns")
+        _check_dense(quant_method)
+        super().__init__(size, output_size, quant_method, params_dtype, bias)
+        self.full_in_features = in_features
+        self.partition = (start, size)
+        self.comm = comm
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy this rank's columns of the full weight (the bias whole).
+
+        Raises:
+            WeightLoadError: a weight whose width is not the full one.
+        """
+        if param_name == "weight":
+            loaded = _narrow_checked(loaded, 1, self.full_in_features, *self.partition)
+        super().load_weight(param_name, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comm.all_reduce(self.quant_method.apply(self, x))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", partition={self.partition}, all-reduce"
+
+
+def _padded_rows(loaded: torch.Tensor, vocab_size: int, start: int, size: int,
+                 padded: int) -> torch.Tensor:
+    rows = _narrow_checked(loaded, 0, vocab_size, start, size)
+    if size == padded:
+        return rows
+    out = torch.zeros(padded, *loaded.shape[1:], dtype=loaded.dtype)
+    out[:size] = rows
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding split by vocabulary rows: rank ``r`` holds rows
+    ``[start_r, start_r + size_r)`` (:func:`~tandem.engine.parallel.partition.vocab_partition`,
+    padded to equal heights); each rank looks up the tokens in its range, writes
+    zeros for the others, and one all-reduce sums the ranks' rows (exact: every
+    element is one rank's value plus zeros).
+
+    Args:
+        num_embeddings: the vocabulary ``V`` (whole).
+        embedding_dim: ``H``.
+        comm: the group's :class:`Communicator`.
+
+    Shapes: ``input_ids`` ``[T]`` int64 -> ``[T, H]`` on every rank.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.comm = num_embeddings, embedding_dim, comm
+        self.shard = vocab_partition(num_embeddings, comm.world_size, comm.rank)
+        weight = torch.zeros(self.shard.padded_size, embedding_dim, dtype=params_dtype)
+        if not weight.is_meta:
+            nn.init.normal_(weight[:self.shard.size])
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy this rank's rows of the full ``[V, H]`` table (padding rows zeroed).
+
+        Raises:
+            WeightLoadError: a leaf other than ``weight``, or a table of another height.
+        """
+        if leaf != "weight":
+            raise WeightLoadError(f"an embedding stores no {leaf!r}")
+        s = self.shard
+        copy_checked(self.weight.data, _padded_rows(loaded, self.num_embeddings, s.start,
+                                                    s.size, s.padded_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.size)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)        # [T, H]
+        return self.comm.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def extra_repr(self) -> str:
+        s = self.shard
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{s.start}, "
+                f"{s.start + s.size}) of {s.padded_size}")
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """The output projection split by vocabulary rows, as the embedding is (so that a
+    tied head shares its embedding's shard): each rank computes the logits of its
+    rows, and rank 0 gathers them into the whole ``[N, V]``.
+
+    Args:
+        hidden_size: ``H``.
+        vocab_size: ``V`` (whole).
+        comm: the group's :class:`Communicator`.
+
+    Shapes: ``hidden`` ``[N, H]`` -> ``[N, V]`` on rank 0, None on the other ranks
+    (only rank 0 samples). Every rank must call it for the same ``N`` rows.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, comm: Communicator,
+                 params_dtype: torch.dtype | None = None):
+        self.shard = vocab_partition(vocab_size, comm.world_size, comm.rank)
+        padded = self.shard.padded_size
+        # Built over the padded height: the padding rows load as zeros (load_weight).
+        super().__init__(hidden_size, comm.world_size * padded, [(comm.rank * padded, padded)],
+                         None, params_dtype)
+        self.vocab_size, self.comm = vocab_size, comm
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy this rank's rows of the full ``[V, H]`` weight (padding rows zeroed).
+
+        Raises:
+            WeightLoadError: a weight of another height.
+        """
+        s = self.shard
+        Linear.load_weight(self, param_name, _padded_rows(loaded, self.vocab_size, s.start,
+                                                          s.size, s.padded_size), shard_id)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.comm.gather(self.quant_method.apply(self, hidden), dst=0)
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[:, :self.vocab_size].contiguous()

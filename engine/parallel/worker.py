@@ -1,0 +1,126 @@
+"""A tensor-parallel engine's rank 1, 2, ...: a process that holds its shard of the
+model and its own paged KV cache, and follows rank 0 step by step.
+
+It runs no scheduler and no sampler. Rank 0 broadcasts what each step needs
+(:mod:`tandem.engine.parallel.messages`); the worker applies the block operations
+to its cache, runs the same forward pass on its shard (taking part in each
+row-parallel layer's all-reduce) and its share of the LM head (taking part in the
+gather of logits to rank 0). Started by
+:class:`~tandem.engine.parallel.group.TensorParallelGroup` as
+``python -P -m tandem.engine.parallel.worker``, with a pickled
+:class:`~tandem.engine.parallel.group.WorkerInit` on its stdin.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tandem.engine.model.layers import DecoderForCausalLM
+from tandem.engine.parallel.communicator import Communicator, TorchDistributedCommunicator
+from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for,
+                                          rank_device, rank_model_config, threads_per_rank)
+from tandem.engine.parallel.messages import (BlockOps, LogitsRequest, Shutdown, StepInput,
+                                             WorkerSetup)
+from tandem.engine.runtime.model_runner import KVCache
+from tandem.kernels.attention_backend import AttentionBackend
+
+
+@torch.inference_mode()
+def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
+           backend: AttentionBackend) -> None:
+    """Run rank 0's steps on this rank's shard until a
+    :class:`~tandem.engine.parallel.messages.Shutdown`.
+
+    Raises:
+        RuntimeError: a message of an unknown kind, or the group broke (rank 0 gone).
+    """
+    while True:
+        msg = comm.broadcast_object(None, src=0)
+        if isinstance(msg, StepInput):
+            model(msg.input_ids, msg.positions, kv_cache.tensor, msg.meta, backend)
+        elif isinstance(msg, LogitsRequest):
+            model.lm_head(msg.hidden)            # this rank's vocabulary rows, gathered on rank 0
+        elif isinstance(msg, BlockOps):
+            kv_cache.swap_out(msg.blocks_to_swap_out)
+            kv_cache.swap_in(msg.blocks_to_swap_in)
+            kv_cache.copy_blocks(msg.block_copies)
+        elif isinstance(msg, Shutdown):
+            return
+        else:
+            raise RuntimeError(f"tensor-parallel worker: unexpected message {type(msg).__name__}")
+
+
+def run_worker(init: WorkerInit) -> None:
+    """Join the group, load this rank's shard, allocate the KV cache rank 0 sized,
+    and :func:`follow`. A failure before following is written to the store (rank 0
+    raises it) and re-raised.
+    """
+    from tandem.engine.model.loader import load_model
+    from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.runtime.kv_scales import kv_cache_torch_dtype
+    from tandem.kernels.registry import get_attention_backend
+
+    config, rank = init.config, init.rank
+    torch.set_num_threads(config.num_threads or threads_per_rank(init.world_size))
+    store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(
+        init.host, init.port, is_master=False, timeout=datetime.timedelta(seconds=init.timeout_s)))
+    device = rank_device(config.device, rank)
+    store.set(f"joined/{rank}", "ok")
+    comm = TorchDistributedCommunicator(store, rank, init.world_size, backend_for(device), device,
+                                        timeout_s=init.timeout_s)
+    try:
+        model, cfg = load_model(resolve_model(config.model), config.torch_dtype, device,
+                                config.quantization, config.batch_invariant,
+                                config.activation_quantization, comm=comm)
+    except BaseException as exc:
+        store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
+        raise
+    store.set(f"loaded/{rank}", "ok")
+    setup = comm.broadcast_object(None, src=0)
+    if isinstance(setup, Shutdown):
+        return
+    assert isinstance(setup, WorkerSetup), type(setup)
+    kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, config.torch_dtype)
+    kv_cache = KVCache(rank_model_config(cfg, init.world_size, rank), setup.num_blocks,
+                       config.cache.block_size, kv_dtype, device, setup.num_host_blocks)
+    backend = get_attention_backend(config.attention_backend, device, config.torch_dtype,
+                                    config.batch_invariant)
+    try:
+        follow(comm, model, kv_cache, backend)
+    finally:
+        comm.close()
+
+
+def _exit_when_stdin_closes(stream) -> None:
+    # Rank 0 holds the other end: EOF means its engine shut down or its process died.
+    while stream.read(1 << 16):
+        pass
+    os._exit(0)
+
+
+def main() -> None:
+    """The worker process's entry point (reads its :class:`WorkerInit` from stdin)."""
+    stream = sys.stdin.buffer
+    n = int.from_bytes(stream.read(8), "little")
+    init: WorkerInit = pickle.loads(stream.read(n))
+    threading.Thread(target=_exit_when_stdin_closes, args=(stream,), daemon=True,
+                     name="tp-parent-watch").start()
+    try:
+        run_worker(init)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
