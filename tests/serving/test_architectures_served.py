@@ -6,7 +6,8 @@ tokens exactly (float32).
 Gemma 3 stands for the features the layers add beyond Llama's (sliding-window and
 global layers with their own RoPE bases, sandwich norms, GeGLU), Qwen3 for Q/K
 norms, Phi-3 for longrope (the long prompts start past the original context) and
-Mistral for a window shorter than the prompts. The offline engine's exactness per architecture is
+Mistral for a window shorter than the prompts, Qwen2-MoE for mixture-of-experts
+blocks (routed experts, a shared expert, Q/K/V biases). The offline engine's exactness per architecture is
 tests/models/test_architectures.py; this checks that the KV layout, the transfer
 and the decode worker carry it unchanged. One cluster per checkpoint.
 """
@@ -30,7 +31,8 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 40, 70)]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "phi3-longrope", "mistral-window"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "phi3-longrope", "mistral-window",
+                                        "qwen2-moe"])
 def served(request, ray_session, tmp_path_factory):
     from tandem.engine.config import CacheConfig, EngineConfig
     from tandem.router.launcher import ServeConfig
