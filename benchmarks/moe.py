@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import VLLM_PYTHON  # noqa: E402
+from bench_peers import VLLM_PYTHON, run_vllm_offline  # noqa: E402
 
 
 def make_checkpoint(path: Path, args) -> None:
@@ -168,25 +168,14 @@ def vllm_row(path: Path, dtype: str, prompts, decode_prompt, args) -> dict:
     none reserved) on the same checkpoint: the same three timings, best of
     ``--repeats`` rounds (round-robin within its own process: vLLM cannot share the
     other systems' rounds)."""
-    import subprocess
-
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_HOST_IP": "127.0.0.1"}
     budget = args.num_prompts * args.prompt_len
-    with tempfile.TemporaryDirectory() as tmp:
-        workload, result = Path(tmp, "workload.json"), Path(tmp, "result.json")
-        workload.write_text(json.dumps({
-            "model": str(path), "dtype": dtype, "max_num_seqs": args.num_prompts,
-            "max_num_batched_tokens": budget, "repeats": args.repeats,
-            "runs": [{"prompts": prompts, "output_len": 1},
-                     {"prompts": [decode_prompt], "output_len": 1},
-                     {"prompts": [decode_prompt], "output_len": 1 + args.decode_tokens}]}))
-        script = Path(__file__).resolve().with_name("vllm_offline.py")
-        proc = subprocess.run([args.vllm_python, str(script), str(workload), str(result)],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vllm failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-        out = json.loads(result.read_text())
+    out = run_vllm_offline(args.vllm_python, {
+        "model": str(path), "dtype": dtype, "max_num_seqs": args.num_prompts,
+        "max_num_batched_tokens": budget, "repeats": args.repeats,
+        "runs": [{"prompts": prompts, "output_len": 1},
+                 {"prompts": [decode_prompt], "output_len": 1},
+                 {"prompts": [decode_prompt], "output_len": 1 + args.decode_tokens}]},
+        kv_cache_gib=1)
     prefill, first, full = (r["seconds"] for r in out["runs"])
     return {"prefill_tok_s": budget / prefill,
             "decode_tok_s": args.decode_tokens / (full - first), "vllm": out["vllm"]}

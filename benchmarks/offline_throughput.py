@@ -26,9 +26,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402  -- also used by llama_cpp_peer.py
-from bench_peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
+from bench_peers import HF_MODEL, VLLM_PYTHON, run_vllm_offline  # noqa: E402
 
 
 class Breakdown:
@@ -148,21 +146,10 @@ def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
 def run_vllm(prompts, output_len: int, dtype: str, args) -> dict:
     """vLLM's offline engine in its own venv (vllm_offline.py), on both cores with none
     reserved (its CPU defaults reserve one) and a 2 GiB KV cache."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(args.threads or os.cpu_count()) - 1}",
-           "VLLM_HOST_IP": "127.0.0.1"}
-    with tempfile.TemporaryDirectory() as tmp:
-        workload, result = Path(tmp, "workload.json"), Path(tmp, "result.json")
-        workload.write_text(json.dumps({
-            "model": args.hf_model, "dtype": dtype, "prompts": prompts, "output_len": output_len,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens}))
-        script = Path(__file__).resolve().with_name("vllm_offline.py")
-        proc = subprocess.run([args.vllm_python, str(script), str(workload), str(result)],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vllm failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-        out = json.loads(result.read_text())
+    out = run_vllm_offline(args.vllm_python, {
+        "model": args.hf_model, "dtype": dtype, "prompts": prompts, "output_len": output_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens}, args.threads)
     n, dt = out["output_tokens"], out["seconds"]
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
             "total_tok_s": (n + sum(map(len, prompts))) / dt, "vllm": out["vllm"],

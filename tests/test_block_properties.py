@@ -134,6 +134,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.num_computed[child] = self.num_computed[parent]
+        self._forked(parent, child)
+
+    def _forked(self, parent: str, child: str) -> None:
+        """What a subclass tracks per request, copied to a fork."""
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -16,7 +16,7 @@ least 0. After every step:
 from __future__ import annotations
 
 from hypothesis import event
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant
 
 from tandem.engine.kv.kv_cache_manager import KVCacheManager
 from tests.test_block_properties import BLOCK_SIZE, NUM_BLOCKS, KVCacheMachine, _settings, st
@@ -46,14 +46,7 @@ class WindowedKVCacheMachine(KVCacheMachine):
             self.skipped[rid] = _skipped(start)
         return ok
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = self._pick(data)
-        child = self._new_id()
-        self.m.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        self.num_computed[child] = self.num_computed[parent]
+    def _forked(self, parent: str, child: str) -> None:
         self.skipped[child] = self.skipped.get(parent, 0)
 
     @invariant()

@@ -23,6 +23,7 @@ from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.scheduling.request import RequestStatus
 from tandem.kvtransfer.layout import KVLayout
 from tests.models.conftest import VOCAB, hf_greedy, save_tiny_checkpoint
+from tests.test_disagg_engine import _run
 
 BS, WINDOW, NUM_TOKENS = 4, 16, 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -209,13 +210,6 @@ def test_disaggregated_transfer_sends_only_the_window(mistral):
         consumer.kv_connector.close()
 
 
-def _run(engine: LLMEngine, until, max_steps: int = 400) -> None:
-    for _ in range(max_steps):
-        if until():
-            return
-        engine.step()
-        engine.check_invariants()
-    raise AssertionError("engine did not get there")
 
 
 def test_a_model_with_a_global_layer_keeps_every_block(tmp_path):
