@@ -435,8 +435,8 @@ class EngineConfig:
             column/row split, :mod:`tandem.engine.parallel`): rank 0 runs in the
             engine's process with the scheduler and the sampler, ranks 1.. are
             worker processes (Gloo on the CPU, NCCL on CUDA); 1: no sharding. Above
-            1 it needs a dense model (``quantization`` none), ``kv_cache_dtype``
-            auto and no draft model; see docs/tensor_parallel.md.
+            1 it needs ``kv_cache_dtype`` auto and no draft model; dense, GGUF,
+            GPTQ and AWQ weights shard; see docs/tensor_parallel.md.
     """
 
     model: str | None = None
@@ -495,10 +495,6 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if self.quantization != "none":
-            raise ValueError(f"tensor_parallel_size: {tp} ranks need dense weights "
-                             f"(quantization 'none'), not {self.quantization!r}: quantized "
-                             "layers are not sharded yet")
         if self.cache.kv_cache_dtype != "auto":
             raise ValueError(f"tensor_parallel_size: {tp} ranks need kv_cache_dtype 'auto', not "
                              f"{self.cache.kv_cache_dtype!r}")

@@ -257,8 +257,6 @@ def test_config_refusals_name_tensor_parallel_size():
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
             EngineConfig(tensor_parallel_size=bad)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need dense weights"):
-        EngineConfig(tensor_parallel_size=2, quantization="gguf")
     from tandem.engine.config import CacheConfig
 
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need kv_cache_dtype"):
@@ -268,14 +266,14 @@ def test_config_refusals_name_tensor_parallel_size():
 def test_architectures_not_yet_sharded_are_refused(f32_weights):
     import dataclasses
 
-    from tandem.engine.model.qwen import Qwen3ForCausalLM
+    from tandem.engine.model.qwen_moe import Qwen3MoeForCausalLM
 
     cfg = dataclasses.replace(f32_weights.engine.model_config, num_layers=1,
-                              architecture="Qwen3ForCausalLM")
+                              architecture="Qwen3MoeForCausalLM")
     with torch.device("meta"), pytest.raises(NotImplementedError,
                                              match="tensor_parallel_size 1: not implemented "
-                                                   "for Qwen3ForCausalLM"):
-        Qwen3ForCausalLM(cfg, comm=SingleProcessCommunicator())
+                                                   "for Qwen3MoeForCausalLM"):
+        Qwen3MoeForCausalLM(cfg, comm=SingleProcessCommunicator())
 
 
 def test_one_rank_builds_the_plain_layers(f32_weights):

@@ -13,8 +13,12 @@ from tandem.engine.model.layers import DecoderForCausalLM
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    """Gemma 2: ``attention_bias`` on all four attention projections."""
+    """Gemma 2: ``attention_bias`` on all four attention projections. Tensor
+    parallelism (Gemma 3 too): the embedding scale follows the vocabulary-parallel
+    lookup's all-reduce, norms are replicated, GeGLU acts on each rank's features,
+    soft-capping runs per head and, on the gathered logits, on rank 0."""
 
+    supports_tensor_parallel = True
     scale_embeddings = True
     norm_offset = True
     sandwich_norms = True

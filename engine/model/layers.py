@@ -184,9 +184,9 @@ class GatedMLP(nn.Module):
             self.down_proj = Linear(f, cfg.hidden_size, linear_method)
         else:
             from tandem.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
-            from tandem.engine.parallel.partition import split_evenly
+            from tandem.engine.parallel.partition import split_in_units
 
-            cols = split_evenly(f, comm.world_size, comm.rank)
+            cols = split_in_units(f, linear_method.shard_units, comm.world_size, comm.rank)
             self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [f, f], [cols, cols],
                                                      linear_method)
             self.down_proj = RowParallelLinear(f, cfg.hidden_size, cols, comm, linear_method)
@@ -241,8 +241,8 @@ class DecoderForCausalLM(nn.Module):
 
     Raises:
         NotImplementedError: ``comm`` for an architecture whose class does not set
-            :attr:`supports_tensor_parallel`, or with a quantized ``linear_method``
-            (the message names ``tensor_parallel_size``).
+            :attr:`supports_tensor_parallel`, or with a ``linear_method`` whose format
+            does not shard (the message names ``tensor_parallel_size``).
         ValueError: head counts the ranks cannot share
             (:func:`~tandem.engine.parallel.partition.head_partition`).
     """
@@ -280,7 +280,8 @@ class DecoderForCausalLM(nn.Module):
             self._check_tensor_parallel(linear_method, comm)
             from tandem.engine.parallel.layers import VocabParallelEmbedding
 
-            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm,
+                                                             gguf=gguf)
         elif gguf:
             # The embedding and the output projection keep the file's blocks too; a
             # tied output projection reads the embedding's (see load_model).
@@ -304,7 +305,9 @@ class DecoderForCausalLM(nn.Module):
         if comm is not None:
             from tandem.engine.parallel.layers import ParallelLMHead
 
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, comm)
+            # GGUF: the head keeps the file's blocks (a tied one shares the embedding's).
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, comm,
+                                          quant_method=linear_method if gguf else None)
         else:
             # Otherwise the output projection stays dense: it multiplies by the dense
             # embedding when tied, and is what GPTQ/AWQ checkpoints keep dense otherwise.
@@ -323,13 +326,12 @@ class DecoderForCausalLM(nn.Module):
         if not self.supports_tensor_parallel:
             raise NotImplementedError(
                 f"tensor_parallel_size {comm.world_size}: not implemented for "
-                f"{type(self).__name__} yet (the Llama family is: LlamaForCausalLM, "
-                "MistralForCausalLM)")
-        if linear_method.name != "none":
+                f"{type(self).__name__} yet (mixture-of-experts blocks are not sharded; "
+                "the dense Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 models are)")
+        if not linear_method.supports_tensor_parallel:
             raise NotImplementedError(
-                f"tensor_parallel_size {comm.world_size}: quantized linear layers "
-                f"({linear_method.name!r}) are not sharded yet; use quantization 'none' "
-                "with a dense checkpoint")
+                f"tensor_parallel_size {comm.world_size}: {linear_method.name!r} linear "
+                "layers are not sharded")
 
     # -- loading ---------------------------------------------------------------------------
     def weight_mapping(self, name: str) -> tuple[str, int | None]:

@@ -99,6 +99,51 @@ class LinearMethodBase(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x W^T``: ``[T, in_features]`` -> ``[T, out_features]``, in ``x``'s dtype."""
 
+    # -- tensor parallelism (tandem.engine.parallel.layers) -------------------------------
+    shard_units: tuple[int, ...] = (1,)
+    """Tensor parallelism: the multiples of which a split of an MLP's intermediate
+    features may be made (whole packed words and quantization groups or blocks on
+    every rank), in order of preference
+    (:func:`~tandem.engine.parallel.partition.split_in_units`)."""
+
+    @property
+    def supports_tensor_parallel(self) -> bool:
+        """Whether this format's layers shard (it overrides :meth:`narrow_output` and
+        :meth:`narrow_input`)."""
+        return type(self).narrow_output is not LinearMethodBase.narrow_output
+
+    def narrow_output(self, layer: Linear, param_name: str, loaded: torch.Tensor, full: int,
+                      start: int, size: int) -> torch.Tensor:
+        """The part of checkpoint tensor ``param_name`` (of a sub-matrix with ``full``
+        output rows) that holds output rows ``[start, start + size)``: what a
+        column-parallel rank keeps. Called before :meth:`load_weight`.
+
+        Raises:
+            WeightLoadError: a tensor of another size, or a slice that cuts a packed
+                word.
+            NotImplementedError: a format that does not shard (the default).
+        """
+        raise NotImplementedError(f"tensor_parallel_size > 1: {self.name!r} linear layers "
+                                  "are not sharded")
+
+    def narrow_input(self, layer: Linear, param_name: str, loaded: torch.Tensor, full: int,
+                     start: int, size: int) -> torch.Tensor:
+        """The part of checkpoint tensor ``param_name`` (of a weight with ``full``
+        input columns) that holds input columns ``[start, start + size)``: what a
+        row-parallel rank keeps (:meth:`narrow_output`'s counterpart; same errors)."""
+        raise NotImplementedError(f"tensor_parallel_size > 1: {self.name!r} linear layers "
+                                  "are not sharded")
+
+
+def narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int
+                   ) -> torch.Tensor:
+    """``loaded.narrow(dim, start, size)`` of a tensor that must be ``full`` long along
+    ``dim`` (raises :class:`WeightLoadError` otherwise)."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)}: expected {full} "
+                              f"along dim {dim} to take this rank's slice from")
+    return loaded.narrow(dim, start, size)
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Dense weight ``[out_features, in_features]`` in the model's dtype.
@@ -163,6 +208,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         # The packed copy is all apply() reads: drop this layer's plain one (a tied
         # weight stays alive through the module it is shared with).
         del layer.weight
+
+    def narrow_output(self, layer, param_name, loaded, full, start, size):
+        return narrow_checked(loaded, 0, full, start, size)         # weight [N, K]: rows
+
+    def narrow_input(self, layer, param_name, loaded, full, start, size):
+        return narrow_checked(loaded, 1, full, start, size)         # columns
 
     def apply(self, layer, x):
         if layer.invariant_weight is not None:

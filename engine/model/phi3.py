@@ -10,4 +10,9 @@ from tandem.engine.model.layers import DecoderForCausalLM
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    """Phi-3: Llama's computation, no biases, fused Q/K/V and gate/up tensors."""
+    """Phi-3: Llama's computation, no biases, fused Q/K/V and gate/up tensors.
+    Tensor parallelism: a fused checkpoint tensor is cut into its Q, K, V (gate,
+    up) rows first and each is sliced by the rank's heads (features)
+    (:class:`~tandem.engine.parallel.layers.ColumnParallelLinear`)."""
+
+    supports_tensor_parallel = True

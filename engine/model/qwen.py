@@ -11,7 +11,10 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
     """Qwen2 / Qwen2.5: biases on Q, K and V (always; none on the output
     projection), as transformers' ``Qwen2Attention``. With ``use_sliding_window``
     the layers from ``max_window_layers`` on (``layer_types``) attend within
-    ``sliding_window`` tokens."""
+    ``sliding_window`` tokens. Tensor parallelism: the Q/K/V biases split with
+    their heads' rows."""
+
+    supports_tensor_parallel = True
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:
@@ -20,7 +23,11 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3 (dense): per-head RMSNorm of Q and K before RoPE (``q_norm`` /
-    ``k_norm``, weight ``[D]``); ``attention_bias`` on all four projections."""
+    ``k_norm``, weight ``[D]``); ``attention_bias`` on all four projections.
+    Tensor parallelism: the norms act within a head, so every rank applies the
+    whole (replicated) ``[D]`` weights to its own heads."""
+
+    supports_tensor_parallel = True
 
     @classmethod
     def attention_options(cls, cfg: ModelConfig) -> dict:

@@ -18,9 +18,12 @@ same pair: gate/up column-parallel, down row-parallel.
 
 Each layer here is a :class:`~tandem.engine.model.linear.Linear` (or an
 embedding) whose parameters are its rank's shard, and which takes that shard
-from the full checkpoint tensor at load (``load_weight`` narrows, then the dense
-method copies). Only the dense weight format shards so far: a quantized method
-raises :class:`NotImplementedError`.
+from the full checkpoint tensor at load: ``load_weight`` asks the layer's linear
+method for the rank's slice, since where a tensor is cut depends on its format
+(:meth:`~tandem.engine.model.linear.LinearMethodBase.narrow_output` /
+``narrow_input``: rows of a dense weight, columns of a GPTQ ``qweight``, whole GGUF
+blocks along a row), then the method copies it. A method without them raises
+:class:`NotImplementedError`.
 
 Shapes: ``T`` tokens, ``H`` hidden size, ``V`` vocabulary.
 """
@@ -33,26 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.model.linear import Linear, LinearMethodBase
+from tandem.engine.model.linear import Linear, LinearMethodBase, narrow_checked
 from tandem.engine.model.weights import WeightLoadError, copy_checked
 from tandem.engine.parallel.communicator import Communicator
 from tandem.engine.parallel.partition import vocab_partition
 
 
-def _check_dense(quant_method: LinearMethodBase | None) -> None:
-    if quant_method is not None and quant_method.name != "none":
+def _check_shardable(quant_method: LinearMethodBase | None) -> None:
+    if quant_method is not None and not quant_method.supports_tensor_parallel:
         raise NotImplementedError(
-            "tensor_parallel_size > 1: quantized linear layers "
-            f"({quant_method.name!r}) are not sharded yet; use quantization 'none' "
-            "with a dense checkpoint")
-
-
-def _narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int
-                    ) -> torch.Tensor:
-    if loaded.dim() <= dim or loaded.shape[dim] != full:
-        raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)}: expected {full} "
-                              f"along dim {dim} to take this rank's slice from")
-    return loaded.narrow(dim, start, size)
+            f"tensor_parallel_size > 1: {quant_method.name!r} linear layers are not "
+            "sharded")
 
 
 class ColumnParallelLinear(Linear):
@@ -67,11 +61,12 @@ class ColumnParallelLinear(Linear):
         in_features: input width ``K`` (whole: the input is replicated).
         output_sizes: the full rows of each fused sub-matrix (the checkpoint's).
         partitions: per sub-matrix, ``(first row, rows)`` this rank holds.
-        quant_method: only the dense method (None) shards so far.
+        quant_method: the linear method (dense when None); it narrows each
+            checkpoint tensor to the rank's rows.
         params_dtype, bias: as :class:`Linear` (the bias split like the rows).
 
     Raises:
-        NotImplementedError: a quantized ``quant_method``.
+        NotImplementedError: a ``quant_method`` whose format does not shard.
         ValueError: ``partitions`` not one per sub-matrix, or outside it.
     """
 
@@ -83,14 +78,17 @@ class ColumnParallelLinear(Linear):
         if len(partitions) != len(full) or any(
                 s < 0 or n < 0 or s + n > f for (s, n), f in zip(partitions, full)):
             raise ValueError(f"partitions: {list(partitions)} do not fit output sizes {full}")
-        _check_dense(quant_method)
+        _check_shardable(quant_method)
         super().__init__(in_features, [n for _, n in partitions], quant_method, params_dtype, bias)
         self.full_output_sizes = full
         self.partitions = [tuple(p) for p in partitions]
 
-    def _local(self, loaded: torch.Tensor, i: int) -> torch.Tensor:
+    def _local(self, param_name: str, loaded: torch.Tensor, i: int) -> torch.Tensor:
         start, size = self.partitions[i]
-        return _narrow_checked(loaded, 0, self.full_output_sizes[i], start, size)
+        full = self.full_output_sizes[i]
+        if param_name == "bias":
+            return narrow_checked(loaded, 0, full, start, size)
+        return self.quant_method.narrow_output(self, param_name, loaded, full, start, size)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
         """Copy this rank's rows of a full checkpoint tensor (sub-matrix ``shard_id``,
@@ -101,13 +99,16 @@ class ColumnParallelLinear(Linear):
         """
         if shard_id is None and len(self.partitions) > 1:
             # Fused in the checkpoint too (Phi-3's qkv_proj): split it first.
+            if param_name != "bias" and self.quant_method.name != "none":
+                raise WeightLoadError(f"a fused {self.quant_method.name!r} checkpoint tensor "
+                                      "is not split per rank (only dense ones are)")
             if loaded.shape[0] != sum(self.full_output_sizes):
                 raise WeightLoadError(f"checkpoint shape {tuple(loaded.shape)}: expected "
                                       f"{sum(self.full_output_sizes)} rows")
             for i, piece in enumerate(loaded.split(self.full_output_sizes, dim=0)):
-                super().load_weight(param_name, self._local(piece, i), i)
+                super().load_weight(param_name, self._local(param_name, piece, i), i)
             return
-        super().load_weight(param_name, self._local(loaded, shard_id or 0), shard_id)
+        super().load_weight(param_name, self._local(param_name, loaded, shard_id or 0), shard_id)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", partitions={self.partitions}"
@@ -124,13 +125,15 @@ class RowParallelLinear(Linear):
         output_size: ``N`` (whole).
         partition: ``(first column, columns)`` of ``W`` this rank holds.
         comm: the group's :class:`Communicator`.
-        quant_method: only the dense method (None) shards so far.
+        quant_method: the linear method (dense when None); it narrows each
+            checkpoint tensor to the rank's columns (whole quantization groups or
+            blocks: a partition that cuts one raises :class:`WeightLoadError` at load).
         params_dtype, bias: as :class:`Linear`.
 
     Shapes: ``x_r`` ``[T, K_r]`` -> ``[T, N]``, the same on every rank.
 
     Raises:
-        NotImplementedError: a quantized ``quant_method``.
+        NotImplementedError: a ``quant_method`` whose format does not shard.
     """
 
     def __init__(self, in_features: int, output_size: int, partition: tuple[int, int],
@@ -139,7 +142,7 @@ class RowParallelLinear(Linear):
         start, size = partition
         if start < 0 or size < 0 or start + size > in_features:
             raise ValueError(f"partition: {partition} outside {in_features} input columns")
-        _check_dense(quant_method)
+        _check_shardable(quant_method)
         super().__init__(size, output_size, quant_method, params_dtype, bias)
         self.full_in_features = in_features
         self.partition = (start, size)
@@ -151,8 +154,9 @@ class RowParallelLinear(Linear):
         Raises:
             WeightLoadError: a weight whose width is not the full one.
         """
-        if param_name == "weight":
-            loaded = _narrow_checked(loaded, 1, self.full_in_features, *self.partition)
+        if param_name != "bias":
+            loaded = self.quant_method.narrow_input(self, param_name, loaded,
+                                                    self.full_in_features, *self.partition)
         super().load_weight(param_name, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +169,7 @@ class RowParallelLinear(Linear):
 
 def _padded_rows(loaded: torch.Tensor, vocab_size: int, start: int, size: int,
                  padded: int) -> torch.Tensor:
-    rows = _narrow_checked(loaded, 0, vocab_size, start, size)
+    rows = narrow_checked(loaded, 0, vocab_size, start, size)
     if size == padded:
         return rows
     out = torch.zeros(padded, *loaded.shape[1:], dtype=loaded.dtype)
@@ -184,37 +188,78 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: the vocabulary ``V`` (whole).
         embedding_dim: ``H``.
         comm: the group's :class:`Communicator`.
+        gguf: keep the rank's rows in the GGUF file's blocks (``quantization``
+            ``gguf``: a :class:`~tandem.engine.quantization.gguf_linear.GGUFEmbedding`
+            of ``padded_size`` rows, padding rows of zero bytes, which decode to
+            zeros); else a dense ``weight``.
 
     Shapes: ``input_ids`` ``[T]`` int64 -> ``[T, H]`` on every rank.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator,
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None, gguf: bool = False):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.comm = num_embeddings, embedding_dim, comm
         self.shard = vocab_partition(num_embeddings, comm.world_size, comm.rank)
+        self.gguf = gguf
+        if gguf:
+            from tandem.engine.quantization.gguf_linear import init_gguf_table
+
+            init_gguf_table(self, params_dtype or torch.get_default_dtype())
+            return
         weight = torch.zeros(self.shard.padded_size, embedding_dim, dtype=params_dtype)
         if not weight.is_meta:
             nn.init.normal_(weight[:self.shard.size])
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
-        """Copy this rank's rows of the full ``[V, H]`` table (padding rows zeroed).
+        """Copy this rank's rows of the full ``[V, H]`` table (padding rows zeroed);
+        with ``gguf``, of the ``qweight`` rows (``qweight_type`` as is).
 
         Raises:
-            WeightLoadError: a leaf other than ``weight``, or a table of another height.
+            WeightLoadError: a leaf this table does not store, or a table of another
+                height.
         """
+        s = self.shard
+        if self.gguf:
+            from tandem.engine.quantization.gguf_linear import load_gguf_table
+
+            if leaf == "qweight":
+                loaded = _padded_rows(loaded, self.num_embeddings, s.start, s.size,
+                                      s.padded_size)
+            load_gguf_table(self, leaf, loaded, s.padded_size)
+            return
         if leaf != "weight":
             raise WeightLoadError(f"an embedding stores no {leaf!r}")
-        s = self.shard
         copy_checked(self.weight.data, _padded_rows(loaded, self.num_embeddings, s.start,
                                                     s.size, s.padded_size))
+
+    def share_with(self, layer: Linear) -> None:
+        """With ``gguf``: give the tied LM head (a :class:`ParallelLMHead` of the same
+        rows) this rank's loaded blocks, before either is processed."""
+        if self.gguf:
+            from tandem.engine.quantization.gguf_linear import share_gguf_table
+
+            share_gguf_table(self, layer)
+
+    def process_weights_after_loading(self) -> None:
+        """With ``gguf``: pack the loaded rows (idempotent); nothing to do otherwise."""
+        if self.gguf:
+            from tandem.engine.quantization.gguf_linear import pack_gguf_table
+
+            pack_gguf_table(self, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.size)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)        # [T, H]
-        return self.comm.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))
+        local = local.masked_fill(outside, 0)
+        if self.gguf:
+            from tandem.engine.quantization.gguf_linear import gguf_table_lookup
+
+            h = gguf_table_lookup(self, local, self.embedding_dim)
+        else:
+            h = F.embedding(local, self.weight)
+        return self.comm.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0))    # [T, H]
 
     def extra_repr(self) -> str:
         s = self.shard
@@ -231,29 +276,34 @@ class ParallelLMHead(ColumnParallelLinear):
         hidden_size: ``H``.
         vocab_size: ``V`` (whole).
         comm: the group's :class:`Communicator`.
+        quant_method: dense when None; the GGUF method keeps the rank's rows in the
+            file's blocks (padding rows of zero bytes).
 
     Shapes: ``hidden`` ``[N, H]`` -> ``[N, V]`` on rank 0, None on the other ranks
     (only rank 0 samples). Every rank must call it for the same ``N`` rows.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, comm: Communicator,
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None,
+                 quant_method: LinearMethodBase | None = None):
         self.shard = vocab_partition(vocab_size, comm.world_size, comm.rank)
         padded = self.shard.padded_size
         # Built over the padded height: the padding rows load as zeros (load_weight).
         super().__init__(hidden_size, comm.world_size * padded, [(comm.rank * padded, padded)],
-                         None, params_dtype)
+                         quant_method, params_dtype)
         self.vocab_size, self.comm = vocab_size, comm
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
-        """Copy this rank's rows of the full ``[V, H]`` weight (padding rows zeroed).
+        """Copy this rank's rows of the full ``[V, H]`` weight (padding rows zeroed;
+        a GGUF ``qweight``'s rows, its ``qweight_type`` as is).
 
         Raises:
             WeightLoadError: a weight of another height.
         """
-        s = self.shard
-        Linear.load_weight(self, param_name, _padded_rows(loaded, self.vocab_size, s.start,
-                                                          s.size, s.padded_size), shard_id)
+        if param_name in ("weight", "qweight"):
+            s = self.shard
+            loaded = _padded_rows(loaded, self.vocab_size, s.start, s.size, s.padded_size)
+        Linear.load_weight(self, param_name, loaded, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.comm.gather(self.quant_method.apply(self, hidden), dst=0)

@@ -34,6 +34,23 @@ def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
+def split_in_units(n: int, units: tuple[int, ...], world_size: int, rank: int
+                   ) -> tuple[int, int]:
+    """:func:`split_evenly` of ``n`` features in whole units (a quantized layer's
+    groups or blocks): the first of ``units`` that divides ``n`` into at least
+    ``world_size`` units.
+
+    Raises:
+        ValueError: no such unit (the message names ``tensor_parallel_size``).
+    """
+    for unit in units:
+        if n % unit == 0 and n // unit >= world_size:
+            start, size = split_evenly(n // unit, world_size, rank)
+            return start * unit, size * unit
+    raise ValueError(f"tensor_parallel_size: {n} features cannot be split over {world_size} "
+                     f"ranks in whole units of {' or '.join(map(str, units))}")
+
+
 @dataclass(frozen=True)
 class HeadPartition:
     """One rank's attention heads: query heads ``[q_start, q_start + num_heads)``

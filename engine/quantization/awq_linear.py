@@ -26,6 +26,7 @@ negative, and every bit still means what the layout says.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch
@@ -138,6 +139,11 @@ class AWQLinearMethod(LinearMethodBase):
             ``g = K / rows`` of the first ``scales`` or ``qzeros`` tensor a layer
             receives; every later tensor of the layer must agree.
 
+    Tensor parallelism: a column-parallel layer keeps whole int32 words of 8
+    outputs (``qweight`` and ``qzeros`` words, ``scales`` columns); a row-parallel
+    one whole groups of inputs (``qweight`` rows, ``scales`` / ``qzeros`` rows of its
+    groups).
+
     Raises:
         WeightLoadError: (constructor of a layer) a sub-matrix width or ``N`` that is
             not a multiple of 8, or ``K`` not a multiple of ``group_size``.
@@ -150,6 +156,35 @@ class AWQLinearMethod(LinearMethodBase):
             raise ValueError(f"group_size: must be >= 1, got {group_size}")
         self.group_size = group_size
         self._dense = UnquantizedLinearMethod()
+        # Whole words and groups per rank (group size unknown: AWQ's usual ones).
+        self.shard_units = ((math.lcm(32, PACK_FACTOR, group_size),
+                             math.lcm(PACK_FACTOR, group_size)) if group_size
+                            else (128, 64, 32))
+
+    # -- tensor parallelism ------------------------------------------------------------------
+    def narrow_output(self, layer, param_name, loaded, full, start, size):
+        from tandem.engine.model.linear import narrow_checked
+
+        if param_name == "scales":                                    # [K / g, N]
+            return narrow_checked(loaded, 1, full, start, size)
+        if start % PACK_FACTOR or size % PACK_FACTOR:
+            raise WeightLoadError(f"tensor_parallel_size: output rows [{start}, {start + size})"
+                                  f" cut the {PACK_FACTOR}-output words of {param_name}")
+        return narrow_checked(loaded, 1, full // PACK_FACTOR, start // PACK_FACTOR,
+                              size // PACK_FACTOR)                    # qweight, qzeros
+
+    def narrow_input(self, layer, param_name, loaded, full, start, size):
+        from tandem.engine.model.linear import narrow_checked
+
+        if param_name == "qweight":                                   # [K, N / 8]
+            return narrow_checked(loaded, 0, full, start, size)
+        rows = loaded.shape[0] if loaded.dim() == 2 else 0
+        g = full // rows if rows and full % rows == 0 else 0
+        if not g or start % g or size % g:
+            raise WeightLoadError(f"tensor_parallel_size: input columns [{start}, "
+                                  f"{start + size}) of {full} do not fall on whole groups "
+                                  f"({rows} group rows in {param_name})")
+        return narrow_checked(loaded, 0, rows, start // g, size // g)  # scales, qzeros
 
     @classmethod
     def from_config(cls, quantization_config: dict[str, Any]) -> "AWQLinearMethod":

@@ -84,13 +84,37 @@ class GGUFLinearMethod(LinearMethodBase):
     """
 
     name = "gguf"
+    shard_units = (256, 32)     # whole K-quant super-blocks, else whole 32-weight blocks
 
     def create_weights(self, layer, in_features, output_sizes, params_dtype):
         _init_gguf_params(layer, params_dtype)
+        layer.gguf_input_slice = None   # tensor parallelism: (full K, start, size)
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         rows = layer.out_features if shard_id is None else layer.output_sizes[shard_id]
         _load_shard(layer, param_name, loaded, shard_id, rows)
+        if layer.gguf_input_slice is not None:
+            _narrow_input_blocks(layer, shard_id)
+
+    def narrow_output(self, layer, param_name, loaded, full, start, size):
+        """Whole rows of blocks (a row is one output feature); the type id as is."""
+        if param_name == "qweight":
+            from tandem.engine.model.linear import narrow_checked
+
+            return narrow_checked(loaded, 0, full, start, size)
+        return loaded
+
+    def narrow_input(self, layer, param_name, loaded, full, start, size):
+        """The rank's whole blocks along each row. A row's bytes are cut once its ggml
+        type is known too (``qweight`` comes before ``qweight_type`` in the file's
+        stream), so here the slice is only recorded.
+
+        Raises:
+            WeightLoadError: (at load) ``start`` or ``size`` not on a block boundary
+                of the tensor's type (32 weights, 256 for the K-quants).
+        """
+        layer.gguf_input_slice = (full, start, size)
+        return loaded
 
     def process_weights_after_loading(self, layer):
         if (layer.qtype is not None or layer.dense_weight is not None
@@ -126,6 +150,28 @@ def _matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int
                            activations=activations).to(x.dtype)
     return gguf_linear(x, qweight, qtype, in_features, fused_only=batch_invariant,
                        activations=activations)
+
+
+def _narrow_input_blocks(layer: nn.Module, shard_id: int | None) -> None:
+    """Cut a loaded shard's rows to the rank's input columns
+    (``layer.gguf_input_slice``) once its bytes and its type are both in."""
+    if shard_id not in layer.gguf_shards or shard_id not in layer.gguf_shard_types:
+        return
+    full, start, size = layer.gguf_input_slice
+    rows, qtype = layer.gguf_shards[shard_id], layer.gguf_shard_types[shard_id]
+    if size == full:
+        return
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if full % block or start % block or size % block:
+        raise WeightLoadError(f"tensor_parallel_size: input columns [{start}, {start + size}) "
+                              f"of {full} do not fall on whole {block}-weight "
+                              f"{_ggml_type_name(qtype)} blocks")
+    if rows.shape[1] != full // block * nbytes:
+        return      # already cut (this shard's second tensor came after the cut)
+    layer.gguf_shards[shard_id] = rows[:, start // block * nbytes:
+                                       (start + size) // block * nbytes].contiguous()
 
 
 def _pack_shards(layer: nn.Module, ids, in_features: int) -> None:
@@ -237,31 +283,64 @@ class GGUFEmbedding(nn.Module):
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
         """See :meth:`LinearMethodBase.load_weight` (raises :class:`WeightLoadError`)."""
-        _load_shard(self, param_name, loaded, shard_id, self.num_embeddings)
+        load_gguf_table(self, param_name, loaded, self.num_embeddings)
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded table (idempotent)."""
-        if self.qtype is None and self.dense_weight is None and self.shard_weights is None:
-            _pack_shards(self, (None,), self.embedding_dim)
+        pack_gguf_table(self, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.dense_weight is not None:
-            return F.embedding(input_ids, self.dense_weight)
-        rows = self.qweight.index_select(0, input_ids)            # [T, row_bytes]
-        if rows.device.type == "cpu":
-            out = gguf_dequantize(rows, self.qtype, self.embedding_dim)
-        else:
-            from tandem.kernels.reference import dequantize_gguf_reference
-
-            out = dequantize_gguf_reference(rows, self.qtype, self.embedding_dim)
-        return out.to(self.params_dtype)
+        return gguf_table_lookup(self, input_ids, self.embedding_dim)
 
     def share_with(self, layer: Linear) -> None:
         """Give the tied output projection ``layer`` (a GGUF :class:`Linear` of shape
         ``[V, H]``) this table's loaded blocks, before either is processed: both then
         read the same tensor."""
-        layer.gguf_shards = dict(self.gguf_shards)
-        layer.gguf_shard_types = dict(self.gguf_shard_types)
+        share_gguf_table(self, layer)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"
+
+
+# The table functions below serve GGUFEmbedding and the vocabulary-parallel embedding
+# (tandem.engine.parallel.layers), each a module that _init_gguf_params set up.
+
+def load_gguf_table(module: nn.Module, param_name: str, loaded: torch.Tensor,
+                    rows: int) -> None:
+    """Keep a loaded ``qweight`` (``rows`` rows) or ``qweight_type`` of an embedding
+    table (raises :class:`WeightLoadError` on a mismatch)."""
+    _load_shard(module, param_name, loaded, None, rows)
+
+
+def init_gguf_table(module: nn.Module, params_dtype: torch.dtype) -> None:
+    """Register on ``module`` the GGUF table's ``qweight`` / ``qweight_type``."""
+    _init_gguf_params(module, params_dtype)
+
+
+def pack_gguf_table(module: nn.Module, embedding_dim: int) -> None:
+    """Pack ``module``'s loaded table (idempotent)."""
+    if module.qtype is None and module.dense_weight is None and module.shard_weights is None:
+        _pack_shards(module, (None,), embedding_dim)
+
+
+def gguf_table_lookup(module: nn.Module, input_ids: torch.Tensor,
+                      embedding_dim: int) -> torch.Tensor:
+    """``[T]`` ids -> ``[T, embedding_dim]`` rows of ``module``'s packed table,
+    dequantizing only those rows."""
+    if module.dense_weight is not None:
+        return F.embedding(input_ids, module.dense_weight)
+    rows = module.qweight.index_select(0, input_ids)            # [T, row_bytes]
+    if rows.device.type == "cpu":
+        out = gguf_dequantize(rows, module.qtype, embedding_dim)
+    else:
+        from tandem.kernels.reference import dequantize_gguf_reference
+
+        out = dequantize_gguf_reference(rows, module.qtype, embedding_dim)
+    return out.to(module.params_dtype)
+
+
+def share_gguf_table(module: nn.Module, layer: Linear) -> None:
+    """Give the tied output projection ``layer`` ``module``'s loaded blocks, before
+    either is processed: both then read the same tensor."""
+    layer.gguf_shards = dict(module.gguf_shards)
+    layer.gguf_shard_types = dict(module.gguf_shard_types)

@@ -7,6 +7,7 @@ and chosen by :mod:`tandem.engine.quantization.checkpoint` for a checkpoint whos
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -74,6 +75,13 @@ class GPTQLinearMethod(LinearMethodBase):
         zero_offset: added to each stored zero point, modulo ``2**bits``: 1 for
             ``checkpoint_format`` ``gptq`` (v1, AutoGPTQ), 0 for ``gptq_v2``.
 
+    Tensor parallelism: a column-parallel layer keeps whole packed columns (its
+    outputs' ``qweight`` / ``scales`` columns, ``qzeros`` words of ``pf`` outputs;
+    ``g_idx`` whole); a row-parallel one whole groups of inputs (``qweight`` words,
+    ``scales`` / ``qzeros`` rows of its groups, its slice of ``g_idx`` renumbered).
+    An act-order ``g_idx`` (``desc_act``) is refused there: a rank's inputs would
+    read groups all over ``scales``.
+
     Raises:
         ValueError: unsupported ``bits`` or ``group_size``.
     """
@@ -87,6 +95,11 @@ class GPTQLinearMethod(LinearMethodBase):
             raise ValueError(f"group_size: expected -1 or an integer >= 1, got {group_size!r}")
         self.bits, self.group_size, self.desc_act = bits, group_size, bool(desc_act)
         self.zero_offset = zero_offset
+        pf = self.pack_factor
+        # Whole int32 words and whole groups per rank; multiples of 32 preferred (the
+        # INT4_ZP kernel's blocks).
+        self.shard_units = ((math.lcm(32, pf), pf) if group_size == -1
+                            else (math.lcm(32, pf, group_size), math.lcm(pf, group_size)))
 
     @classmethod
     def from_config(cls, quantization_config: dict) -> "GPTQLinearMethod":
@@ -155,6 +168,45 @@ class GPTQLinearMethod(LinearMethodBase):
                 offset, size = offset // self.pack_factor, size // self.pack_factor
             target = target.narrow(1, offset, size)
         copy_checked(target, loaded)
+
+    def narrow_output(self, layer, param_name, loaded, full, start, size):
+        from tandem.engine.model.linear import narrow_checked
+
+        if param_name == "g_idx":
+            return loaded                        # along the inputs, which every rank has
+        if param_name == "qzeros":
+            pf = self.pack_factor
+            if start % pf or size % pf:
+                raise WeightLoadError(f"tensor_parallel_size: output rows [{start}, "
+                                      f"{start + size}) cut the {pf}-output words of qzeros")
+            return narrow_checked(loaded, 1, full // pf, start // pf, size // pf)
+        return narrow_checked(loaded, 1, full, start, size)   # qweight, scales: [., N]
+
+    def narrow_input(self, layer, param_name, loaded, full, start, size):
+        from tandem.engine.model.linear import narrow_checked
+
+        pf, g = self.pack_factor, self.group_size
+        if self.desc_act:
+            raise NotImplementedError("tensor_parallel_size > 1: a GPTQ checkpoint quantized "
+                                      "in act-order (desc_act) is not sharded")
+        if start % pf or size % pf or (g != -1 and (start % g or (size % g and
+                                                                    start + size != full))):
+            raise WeightLoadError(
+                f"tensor_parallel_size: input columns [{start}, {start + size}) of {full} do "
+                f"not fall on whole {pf}-input words and groups of {g}")
+        if param_name == "qweight":                                  # [K / pf, N]
+            return narrow_checked(loaded, 0, full // pf, start // pf, size // pf)
+        if param_name == "g_idx":
+            want = (torch.zeros(full, dtype=torch.int32) if g == -1
+                    else torch.arange(full, dtype=torch.int32) // g)
+            if not torch.equal(loaded.cpu().to(torch.int32), want):
+                raise WeightLoadError("g_idx: not the contiguous groups of a checkpoint "
+                                      "without act-order; it is not sharded")
+            return narrow_checked(loaded, 0, full, start, size) - (0 if g == -1 else start // g)
+        if g == -1:                                                 # one group: whole
+            return loaded
+        return narrow_checked(loaded, 0, num_groups(full, g), start // g,
+                              num_groups(size, g))                  # scales, qzeros rows
 
     @staticmethod
     def _load_g_idx(layer, target, loaded, shard_id):

@@ -1,0 +1,337 @@
+"""Tensor parallelism across architectures and weight formats: ``LLM(tensor_parallel_size=2)``
+on tiny checkpoints transformers wrote gives its greedy tokens in float32 (and so one
+rank's, which ``tests/models/test_architectures.py`` checks against the same reference)
+for Qwen2 (Q/K/V biases, sliding layers), Qwen3 (per-head Q/K norms, one KV head held
+by both ranks), Gemma 2 and 3 (embedding scale, ``(1 + w)`` and sandwich norms, GeGLU,
+soft-capping, sliding and global layers) and Phi-3 (fused ``qkv_proj`` and
+``gate_up_proj`` cut per rank, ``longrope``); each with chunked prefill and, on a
+second pass, prefix-cache hits.
+
+Quantized weights shard by whole packed words, groups and blocks: each format's
+rank slice against the whole layer (exact, one process), then whole engines (the
+default model's GGUF blocks, tiny GPTQ and AWQ checkpoints) against one rank: the
+same greedy tokens, each rank's bytes exactly one rank's cut, logprobs within the
+float32 summation order of the row-parallel sums. Last, n-gram speculative decoding
+on 2 ranks gives one rank's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.engine.llm import LLM
+from tandem.engine.sampling.sampling_params import SamplingParams
+
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts(vocab: int = 512) -> list[list[int]]:
+    """5, 40 and 70 tokens: within one 16-token block, and across 3 and 5 blocks."""
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 40, 70)]
+
+
+# case -> (transformers config class, overrides of tests/models/conftest.py's BASE
+# (4 query heads, 2 KV heads, head_dim 16, hidden 64, FFN 128, 2 layers, vocab 512),
+# (query heads, KV heads) on rank 0)
+ARCHITECTURES = {
+    # biases on Q, K, V split with their rows; layer 1 slides (window 20)
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 20,
+                                     "max_window_layers": 1}, (2, 1)),
+    # per-head Q/K norms; one KV head, held by both ranks (each with 2 query heads);
+    # biases on all four projections
+    "qwen3-one-kv-head": ("Qwen3Config", {"num_key_value_heads": 1, "attention_bias": True},
+                          (2, 1)),
+    # sliding layer 0 (window 24) and global layer 1, attention and final soft-caps,
+    # a query scalar unlike head_dim, (1 + w) sandwich norms, GeGLU, sqrt(H) embeddings;
+    # the head tied to the embedding (one vocabulary shard for both)
+    "gemma2": ("Gemma2Config", {"sliding_window": 24, "query_pre_attn_scalar": 32,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                                "tie_word_embeddings": True}, (2, 1)),
+    # Gemma 2's layout plus (1 + w) per-head Q/K norms, a local RoPE base on the
+    # sliding layer and linear scaling on the global one
+    "gemma3": ("Gemma3TextConfig", {
+        "sliding_window": 24, "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}},
+        (2, 1)),
+    # fused qkv_proj [Q; K; V] and gate_up_proj [gate; up] in the checkpoint; longrope
+    # with an original context of 32 (the 40- and 70-token prompts read the long factors,
+    # which every rank decides from the broadcast prompt lengths)
+    "phi3-longrope": ("Phi3Config", {
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
+        (2, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARCHITECTURES))
+def test_architectures_tp2_equal_transformers(case, tmp_path):
+    """Chunked prefill (32-token steps) on the first pass, the prompts' full blocks
+    from the prefix cache on the second; transformers' greedy tokens both times."""
+    from tests.models.conftest import hf_greedy, save_tiny_checkpoint
+
+    config_class, overrides, heads = ARCHITECTURES[case]
+    hf = save_tiny_checkpoint(tmp_path, config_class, **overrides)
+    want = [hf_greedy(hf, p, NUM_TOKENS) for p in _prompts()]
+    llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              max_num_batched_tokens=32)
+    try:
+        attn = llm.engine.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == heads
+        for cached in (False, True):
+            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY)
+            assert _ids(outs) == want
+            assert [o.num_cached_tokens for o in outs] == ([0, 32, 64] if cached else [0, 0, 0])
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks
+    finally:
+        llm.shutdown()
+    assert llm.engine.parallel.worker_exit_codes == [0]
+
+
+# -- quantized layers: each rank keeps whole packed words, groups and blocks -------------------
+#
+# A single-process communicator (world size 1) lets a layer take any partition: the
+# rank's slice of the full checkpoint tensors, loaded and processed, must hold exactly
+# the full layer's weights of its rows or columns.
+
+def _gptq_tensors(n: int, k: int, group_size: int) -> tuple[dict, torch.Tensor]:
+    """RTN-quantized GPTQ tensors of a random ``[n, k]`` weight, and its dequantization."""
+    from tandem.quantize.rtn import quantize_rtn
+
+    q = quantize_rtn(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)),
+                     bits=4, group_size=group_size)
+    return q.pack(), q.dequantize()
+
+
+def _gptq_layer(cls_args, tensors, group_size, shard_ids=(None,)):
+    from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
+
+    cls, args = cls_args
+    layer = cls(*args, quant_method=GPTQLinearMethod(group_size=group_size),
+                params_dtype=torch.float32)
+    for sid, parts in zip(shard_ids, tensors):
+        for leaf, t in parts.items():
+            layer.load_weight(leaf, t, sid)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def test_gptq_row_parallel_keeps_whole_groups():
+    """``down_proj``-like ``[64, 128]`` in groups of 32: columns 32..95 (two groups)
+    on this rank hold exactly the full weight's columns, still as INT4_ZP blocks."""
+    from tandem.engine.model.weights import WeightLoadError
+    from tandem.engine.parallel.communicator import SingleProcessCommunicator
+    from tandem.engine.parallel.layers import RowParallelLinear
+
+    comm = SingleProcessCommunicator()
+    packed, dense = _gptq_tensors(64, 128, 32)
+    layer = _gptq_layer((RowParallelLinear, (128, 64, (32, 64), comm)), [packed], 32)
+    assert layer.int4_blocks is not None and tuple(layer.int4_blocks.shape) == (64, 2 * 19)
+    w = layer.quant_method.dequantized_weight(layer)
+    assert torch.equal(w, dense[:, 32:96])
+    with pytest.raises(WeightLoadError, match=r"input columns \[16, 48\) of 128 do not fall"):
+        _gptq_layer((RowParallelLinear, (128, 64, (16, 32), comm)), [packed], 32)
+
+
+def test_gptq_column_parallel_keeps_whole_packed_columns():
+    """A fused ``[q, k, v]`` = ``[32, 16, 16]`` layer: rows 16..31 of Q and 8..15 of K
+    and V (words of 8 outputs)."""
+    from tandem.engine.parallel.layers import ColumnParallelLinear
+
+    parts = [_gptq_tensors(n, 64, 32) for n in (32, 16, 16)]
+    layer = _gptq_layer((ColumnParallelLinear, (64, [32, 16, 16], [(16, 16), (8, 8), (8, 8)])),
+                        [p for p, _ in parts], 32, shard_ids=(0, 1, 2))
+    w = layer.quant_method.dequantized_weight(layer)
+    assert torch.equal(w, torch.cat([parts[0][1][16:32], parts[1][1][8:16],
+                                     parts[2][1][8:16]]))
+
+
+def test_gptq_act_order_is_refused_by_name():
+    from tandem.engine.parallel.communicator import SingleProcessCommunicator
+    from tandem.engine.parallel.layers import RowParallelLinear
+    from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
+
+    packed, _ = _gptq_tensors(64, 128, 32)
+    layer = RowParallelLinear(128, 64, (0, 64), SingleProcessCommunicator(),
+                              quant_method=GPTQLinearMethod(group_size=32, desc_act=True))
+    with pytest.raises(NotImplementedError, match="act-order \\(desc_act\\) is not sharded"):
+        layer.load_weight("qweight", packed["qweight"], None)
+
+
+def test_awq_row_and_column_parallel_keep_whole_groups_and_words():
+    from tandem.engine.parallel.communicator import SingleProcessCommunicator
+    from tandem.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from tandem.engine.quantization.awq_linear import AWQLinearMethod, pack_int4
+    from tandem.quantize.rtn import quantize_rtn
+
+    q = quantize_rtn(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)),
+                     bits=4, group_size=32)
+    tensors = {"qweight": pack_int4(q.codes.t()), "qzeros": pack_int4(q.zeros),
+               "scales": q.scales}
+    dense = q.dequantize()
+    for layer, want in (
+            (RowParallelLinear(128, 64, (64, 64), SingleProcessCommunicator(),
+                               quant_method=AWQLinearMethod(32), params_dtype=torch.float32),
+             dense[:, 64:]),
+            (ColumnParallelLinear(128, 64, [(24, 16)], quant_method=AWQLinearMethod(32),
+                                  params_dtype=torch.float32), dense[24:40])):
+        for leaf, t in tensors.items():
+            layer.load_weight(leaf, t.contiguous(), None)
+        layer.process_weights_after_loading()
+        assert layer.int4_blocks is not None
+        assert torch.equal(layer.quant_method.dequantized_weight(layer), want)
+
+
+@pytest.mark.parametrize("qtype_name, start, size", [("Q4_1", 64, 128), ("Q4_K", 256, 256)])
+def test_gguf_row_parallel_keeps_whole_blocks(qtype_name, start, size):
+    """A row of 512 weights in Q4_1 (32-weight blocks) or Q4_K (256-weight super-blocks):
+    the rank's bytes are its blocks, and decode to exactly the full row's columns;
+    a slice inside a block is refused naming the block."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from tandem.engine.model.weights import WeightLoadError
+    from tandem.engine.parallel.communicator import SingleProcessCommunicator
+    from tandem.engine.parallel.layers import RowParallelLinear
+    from tandem.engine.quantization.gguf_linear import GGUFLinearMethod, dequantize_rows
+
+    qtype = GGMLQuantizationType[qtype_name]
+    w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    if qtype_name == "Q4_K":           # gguf's Python package has no Q4_K quantizer
+        from tandem.quantize.kquants import quantize_q4_k
+
+        rows = torch.from_numpy(quantize_q4_k(w))
+    else:
+        rows = torch.from_numpy(quantize(w, qtype))
+    full = dequantize_rows(rows, int(qtype), 512)
+
+    def load(part):
+        layer = RowParallelLinear(512, 16, part, SingleProcessCommunicator(),
+                                  quant_method=GGUFLinearMethod(), params_dtype=torch.float32)
+        layer.load_weight("qweight", rows, None)
+        layer.load_weight("qweight_type", torch.tensor(int(qtype)), None)
+        return layer
+
+    layer = load((start, size))
+    got = dequantize_rows(layer.gguf_shards[None], int(qtype), size)
+    assert torch.equal(got, full[:, start:start + size])
+    with pytest.raises(WeightLoadError, match=f"whole {256 if qtype_name == 'Q4_K' else 32}-"
+                                              f"weight {qtype_name} blocks"):
+        load((start + 16, size - 16))
+
+
+# -- whole engines: quantized weights with 2 ranks ---------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "List three colors:"]
+
+
+def _logprob_gap(a, b) -> float:
+    return max(abs(x.logprob - y.logprob)
+               for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].logprobs,
+                                                       ob.outputs[0].logprobs))
+
+
+def test_default_model_gguf_blocks_tp2_equal_tp1():
+    """The default model's GGUF (Q4_1 matrices, a Q8_0 embedding tied to the head)
+    kept in its blocks (``quantization="gguf"``) on 2 ranks: every rank holds whole
+    blocks of its rows / columns (rank 0's bytes are exactly one rank's, cut), and the
+    greedy tokens are one rank's; the logprobs differ by the float32 order of the
+    row-parallel sums only."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    tp1 = LLM(dtype="float32", quantization="gguf", num_blocks=64)
+    want = tp1.generate(PROMPTS, params)
+    tp2 = LLM(dtype="float32", quantization="gguf", tensor_parallel_size=2, num_blocks=64)
+    try:
+        got = tp2.generate(PROMPTS, params)
+        assert _ids(got) == _ids(want)
+        assert _ids(want)[0][:8] == [7042, 30, 198, 198, 504, 2988, 314, 42]
+        assert _logprob_gap(got, want) < 1e-4
+        one, two = tp1.engine.model, tp2.engine.model
+        a1, a2 = one.model.layers[0].self_attn, two.model.layers[0].self_attn
+        # o_proj: rank 0's 6 query heads = input columns 0..383, 12 Q4_1 blocks of 20 bytes
+        assert a2.o_proj.qtype == a1.o_proj.qtype
+        assert torch.equal(a2.o_proj.qweight, a1.o_proj.qweight[:, :384 // 32 * 20])
+        # qkv_proj: rank 0's Q rows 0..383 and K, V rows 0..127 (KV heads 0-1)
+        q1, k1, v1 = a1.qkv_proj.qweight.split([576, 192, 192])
+        assert torch.equal(a2.qkv_proj.qweight, torch.cat([q1[:384], k1[:128], v1[:128]]))
+        # the embedding and the tied head: vocabulary rows 0..24575 in Q8_0, one tensor
+        emb, head = two.model.embed_tokens, two.lm_head
+        assert head.qweight.data_ptr() == emb.qweight.data_ptr()
+        assert torch.equal(emb.qweight, one.model.embed_tokens.qweight[:24576])
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_int4_checkpoint_tp2_equals_tp1(method, tmp_path):
+    """A tiny Llama whose attention and MLP linears are 4-bit in groups of 32 (GPTQ v1
+    or AWQ gemm layout): on 2 ranks every projection keeps INT4_ZP blocks of whole
+    groups (rank 0's down_proj: input columns 0..63, exactly one rank's blocks cut),
+    and the greedy tokens are one rank's, prompt logprobs within float32 summation
+    order."""
+    from tests.models.test_quantized_experts import _int4_checkpoints
+
+    int4_dir, _, _ = _int4_checkpoints(tmp_path, "llama", method)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    tp1 = LLM(int4_dir, dtype="float32", num_blocks=64)
+    want = tp1.generate(prompts, params)
+    tp2 = LLM(int4_dir, dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              max_num_batched_tokens=32)
+    try:
+        got = tp2.generate(prompts, params)
+        assert _ids(got) == _ids(want)
+        for o, w in zip(got, want):
+            assert max(abs(a.logprob - b.logprob) for a, b in
+                       zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:])) < 1e-4
+        down1 = tp1.engine.model.model.layers[0].mlp.down_proj
+        down2 = tp2.engine.model.model.layers[0].mlp.down_proj
+        assert down2.quant_method.name == method and down2.partition == (0, 64)
+        assert torch.equal(down2.int4_blocks, down1.int4_blocks[:, :64 // 32 * 19])
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+# -- other features with 2 ranks -----------------------------------------------------------------
+
+def test_ngram_speculative_decoding_tp2_equals_tp1(f32_weights):
+    """Prompt-lookup drafts verified on 2 ranks (several rows per request through the
+    sharded LM head): the greedy tokens of one rank without speculation, with drafts
+    accepted on the copy prompt."""
+    passage = ("The river runs past the old mill, under the stone bridge and into the lake, "
+               "where the fishermen wait for the morning mist to lift before they row out.")
+    prompts = [f"Repeat this sentence word for word.\n\nSentence: {passage}\n\nRepeated: ",
+               "List three facts about the moon."]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = _ids(LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+                .generate(prompts, params))
+    tp2 = LLM(dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    try:
+        assert _ids(tp2.generate(prompts, params)) == want
+        st = tp2.engine.scheduler.spec_stats
+        assert st.num_drafts > 0 and st.num_accepted_tokens >= 16
+        kv = tp2.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
