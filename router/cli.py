@@ -28,6 +28,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks each engine's model is sharded over (Megatron-style; rank 0 in "
+                        "the worker's process, the others its subprocesses); needs "
+                        "--quantization none (see docs/tensor_parallel.md)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int4"],
                    help="KV cache element type: auto (the model dtype), fp8_e4m3 (1 byte "
                         "per element with per-head scales calibrated at start; twice the "
@@ -105,6 +109,7 @@ def _engine_config(args):
         speculative = SpeculativeConfig(method=args.speculative_method, **given)
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend, quantization=args.quantization,
         activation_quantization=args.activation_quantization,
         batch_invariant=args.batch_invariant, speculative=speculative,
@@ -210,6 +215,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "the threads that deliver their tokens; 0: same priority")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="prefill workers' block size if different (must match; for testing)")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
+                       help=f"{pool} workers' tensor-parallel ranks (default: "
+                            "--tensor-parallel-size); above 1 only in colocated mode for now")
     _add_autoscale_args(p)
 
 
@@ -348,11 +357,14 @@ def _serve_config(args):
     from tandem.engine.config import CacheConfig
     from tandem.router.launcher import ServeConfig
 
-    engine = _engine_config(args)
+    prefill_tp, decode_tp = _tensor_parallel_sizes(args)
+    engine = dataclasses.replace(_engine_config(args), tensor_parallel_size=decode_tp)
     prefill_engine = None
-    if args.prefill_block_size is not None:
+    if args.prefill_block_size is not None or prefill_tp != decode_tp:
         prefill_engine = dataclasses.replace(
-            engine, cache=dataclasses.replace(engine.cache, block_size=args.prefill_block_size))
+            engine, tensor_parallel_size=prefill_tp,
+            cache=dataclasses.replace(engine.cache, block_size=args.prefill_block_size
+                                      or engine.cache.block_size))
     return ServeConfig(mode=args.mode, host=args.host, port=args.port,
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
@@ -362,6 +374,41 @@ def _serve_config(args):
                        autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout,
                        worker_wait_timeout_s=args.worker_wait_timeout,
                        engine_nice=args.engine_nice, **_tool_config(args))
+
+
+def _tensor_parallel_sizes(args) -> tuple[int, int]:
+    """The prefill and decode (or colocated) workers' ``tensor_parallel_size`` from
+    ``--tensor-parallel-size`` and the per-pool flags.
+
+    Raises:
+        ValueError: naming the flag: a size below 1, a prefill size in colocated
+            mode (no prefill pool there), or a size above 1 in disaggregated mode
+            (a sharded worker does not transfer KV yet).
+    """
+    default = args.tensor_parallel_size
+    sizes = {"--tensor-parallel-size": default}
+    prefill = args.prefill_tensor_parallel_size
+    decode = args.decode_tensor_parallel_size
+    if prefill is not None:
+        sizes["--prefill-tensor-parallel-size"] = prefill
+    if decode is not None:
+        sizes["--decode-tensor-parallel-size"] = decode
+    for flag, n in sizes.items():
+        if n < 1:
+            raise ValueError(f"{flag}: must be at least 1, got {n}")
+    if args.mode == "colocated":
+        if prefill is not None:
+            raise ValueError("--prefill-tensor-parallel-size: colocated mode has no prefill "
+                             "workers; size its workers with --tensor-parallel-size (or "
+                             "--decode-tensor-parallel-size)")
+    else:
+        for flag, n in sizes.items():
+            if n > 1:
+                raise ValueError(f"{flag}: {n} ranks per worker is not supported in "
+                                 "disaggregated mode yet: the KV transfer between sharded "
+                                 "prefill and decode workers is not implemented; use "
+                                 "--mode colocated")
+    return (prefill or default), (decode or default)
 
 
 def _cmd_serve(args) -> int:
@@ -512,7 +559,8 @@ def _cmd_generate(args) -> int:
               attention_backend=args.attention_backend, quantization=args.quantization,
               activation_quantization=args.activation_quantization,
               batch_invariant=args.batch_invariant,
-              speculative_config=_engine_config(args).speculative)
+              speculative_config=_engine_config(args).speculative,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = _sampling_params(args)
     t0 = time.perf_counter()
     if args.chat:

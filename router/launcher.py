@@ -51,6 +51,9 @@ class ServeConfig:
         kv_transport: ``gloo`` (CPU) or ``nccl``.
         cpu_affinity: pin prefill and decode workers to disjoint cores (the
             colocated worker gets them all), torch threads to match.
+            A worker of ``tensor_parallel_size`` N ranks (``engine``) is one group:
+            its ranks 1.. are subprocesses of its actor and share its cores, each
+            rank running 1/N of the worker's torch threads.
         metrics_port: HTTP port for ``/metrics`` and ``/health`` (None = off, 0 = any).
         http_port: the OpenAI-compatible HTTP API's port (None = off, 0 = any free
             port); it also serves ``/metrics`` and ``/health``.
@@ -149,10 +152,19 @@ class ServeConfig:
             get_tool_parser(self.tool_call_parser)        # an unknown name: ValueError
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice: needs tool_call_parser to be set")
+        if self.mode == "disaggregated":
+            for pool, eng in (("decode", self.engine),
+                              ("prefill", self.prefill_engine or self.engine)):
+                if eng.tensor_parallel_size > 1:
+                    raise ValueError(
+                        f"tensor_parallel_size: {pool} workers of {eng.tensor_parallel_size} "
+                        "ranks in disaggregated mode: the KV transfer between sharded workers "
+                        "is not implemented yet (use mode=colocated)")
 
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
-    """Cores per prefill and decode worker, and torch threads each."""
+    """Cores per prefill and decode worker, and torch threads each (0: as many as the
+    worker's cores); a worker's ranks share them (:func:`_rank_threads`)."""
     cores = sorted(os.sched_getaffinity(0))
     n_workers = cfg.num_decode + (cfg.num_prefill if cfg.mode == "disaggregated" else 0)
     if not cfg.cpu_affinity or cfg.mode == "colocated" or len(cores) < 2:
@@ -166,6 +178,17 @@ def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int]
         per = max(1, len(pool) // n)
         return [pool[(i * per) % len(pool):(i * per) % len(pool) + per] for i in range(n)]
     return split(pre, cfg.num_prefill), split(dec, cfg.num_decode), 0
+
+
+def _rank_threads(worker_threads: int | None, tensor_parallel_size: int) -> int | None:
+    """Torch threads per rank of a worker given ``worker_threads`` for the whole
+    worker (None: torch's default, which a lone rank keeps): its ranks share them
+    evenly, at least one each."""
+    if tensor_parallel_size == 1:
+        return worker_threads
+    if worker_threads is None:
+        return None          # the group sizes them from the worker's CPU affinity
+    return max(1, worker_threads // tensor_parallel_size)
 
 
 EMBEDDED_NODE_IP = "127.0.0.2"
@@ -201,8 +224,8 @@ def init_ray(address: str | None = None) -> None:
 def actor_options(role: str, engine: EngineConfig, require_resource: bool = False) -> dict:
     """Ray placement for a worker: on a cluster whose nodes advertise a ``prefill`` /
     ``decode`` custom resource (deploy/ray, deploy/kubernetes) each worker takes one
-    unit of its kind, and a GPU when it runs on CUDA; an embedded cluster has no such
-    resources and any node will do.
+    unit of its kind, and on CUDA one GPU per tensor-parallel rank (its ranks share
+    the actor's node); an embedded cluster has no such resources and any node will do.
 
     Args:
         require_resource: ask for the unit even if no node has it now (autoscaling:
@@ -215,7 +238,8 @@ def actor_options(role: str, engine: EngineConfig, require_resource: bool = Fals
     if require_resource or ray.cluster_resources().get(kind, 0) > 0:
         opts["resources"] = {kind: 1}
     if engine.device.startswith("cuda"):
-        opts["num_gpus"] = 1
+        # Rank r of a tensor-parallel group runs on GPU i + r of the actor's node.
+        opts["num_gpus"] = engine.tensor_parallel_size
     return opts
 
 
@@ -540,7 +564,8 @@ class TandemServer(RouterServer):
         engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
         if role == "prefill":       # only decode steps speculate: no draft model to load there
             engine = dataclasses.replace(engine, speculative=None)
-        engine = dataclasses.replace(engine, num_threads=(threads or len(cpus or [])) or None)
+        engine = dataclasses.replace(engine, num_threads=_rank_threads(
+            (threads or len(cpus or [])) or None, engine.tensor_parallel_size))
         self._spawned += 1
         name = f"{cfg.namespace}:{worker_id}:{self._spawned}"
         try:        # a replacement outranks its predecessor even if Redis lost the counter

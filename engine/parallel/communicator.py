@@ -24,9 +24,10 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,25 @@ SHM_ALL_REDUCE_BYTES = 4 << 20
 """Largest all-reduce (bytes per rank) the CPU ranks run through shared memory: a
 decode step's (``batch x hidden`` activations) and prefill chunks up to 1,820
 tokens at SmolLM2's hidden size in float32; larger ones go through Gloo."""
+
+PEER_EXIT_GRACE_S = 2.0
+"""After a Gloo collective failed, how long (seconds) rank 0 looks for a rank that
+exited before it re-raises Gloo's error as it is: a killed peer's sockets close a
+moment before its exit can be reaped."""
+
+
+class RankDiedError(RuntimeError):
+    """A rank of the group is gone (its process exited): the group cannot run another
+    collective, and the engine it serves cannot step again.
+
+    Attributes:
+        rank: the rank that exited; exit_code: its process's exit status (negative:
+            the signal that ended it, as ``subprocess`` reports it).
+    """
+
+    def __init__(self, rank: int, exit_code: int):
+        super().__init__(f"tensor-parallel rank {rank} exited with code {exit_code}")
+        self.rank, self.exit_code = rank, exit_code
 
 
 class Communicator(ABC):
@@ -121,6 +141,11 @@ class TorchDistributedCommunicator(Communicator):
         shm_all_reduce_bytes: Gloo: all-reduce CPU tensors of up to this many bytes
             through a shared mapping (every rank on this machine; x86-64); 0: always
             through Gloo.
+        peer_check: raises :class:`RankDiedError` when another rank's process has
+            exited (rank 0, which started them, passes one). Called while a
+            shared-memory all-reduce waits (about every 50 ms) and after a Gloo
+            collective fails, so a dead rank is reported within moments instead of
+            after ``timeout_s``.
 
     Blocks until every rank constructed its end.
 
@@ -133,14 +158,17 @@ class TorchDistributedCommunicator(Communicator):
     Raises:
         ValueError: an unknown backend, or a rank outside ``[0, world_size)``.
         RuntimeError: the group did not form within ``timeout_s``.
+        RankDiedError: (any collective, with ``peer_check``) another rank exited.
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, backend: str = "gloo",
                  device: torch.device | str = "cpu", host: str = "127.0.0.1",
-                 timeout_s: float = 1800.0, shm_all_reduce_bytes: int = SHM_ALL_REDUCE_BYTES):
+                 timeout_s: float = 1800.0, shm_all_reduce_bytes: int = SHM_ALL_REDUCE_BYTES,
+                 peer_check: Callable[[], None] | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: {rank} outside [0, {world_size})")
         self.rank, self.world_size = rank, world_size
+        self._peer_check = peer_check
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         if backend == "gloo":
@@ -174,12 +202,30 @@ class TorchDistributedCommunicator(Communicator):
             else:
                 path = store.get("shm_all_reduce/path").decode()
             shm = shm_all_reduce.SharedMemoryAllReduce(path, self.rank, self.world_size,
-                                                       slot_bytes, timeout_s)
+                                                       slot_bytes, timeout_s, self._peer_check)
             self.group.barrier().wait()
         finally:
             if self.rank == 0:
                 os.unlink(path)
         return shm
+
+    def _run(self, collective: Callable[[], Any]) -> None:
+        """Start a Gloo / NCCL collective and wait for it; a failure caused by a rank
+        that exited becomes :class:`RankDiedError` (with ``peer_check``)."""
+        try:
+            collective().wait()
+        except RuntimeError as exc:      # Gloo: "Connection closed by peer", ...
+            if self._peer_check is not None:
+                deadline = time.monotonic() + PEER_EXIT_GRACE_S
+                while True:
+                    try:
+                        self._peer_check()
+                    except RankDiedError as died:
+                        raise died from exc
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            raise
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] += 1
@@ -189,14 +235,14 @@ class TorchDistributedCommunicator(Communicator):
         self._count("all_reduce", tensor)
         if self._shm is not None and self._shm.fits(tensor):
             return self._shm.all_reduce(tensor)
-        self.group.allreduce([tensor]).wait()
+        self._run(lambda: self.group.allreduce([tensor]))
         return tensor
 
     def all_gather(self, tensor, dim=-1):
         tensor = tensor.contiguous()
         self._count("all_gather", tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.group.allgather([parts], [tensor]).wait()
+        self._run(lambda: self.group.allgather([parts], [tensor]))
         return torch.cat(parts, dim=dim)
 
     def gather(self, tensor, dst=0, dim=-1):
@@ -206,16 +252,16 @@ class TorchDistributedCommunicator(Communicator):
         opts.rootRank = dst
         if self.rank == dst:
             parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            self.group.gather([parts], [tensor], opts).wait()
+            self._run(lambda: self.group.gather([parts], [tensor], opts))
             return torch.cat(parts, dim=dim)
-        self.group.gather([], [tensor], opts).wait()
+        self._run(lambda: self.group.gather([], [tensor], opts))
         return None
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._count("broadcast", tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.group.broadcast([tensor], opts).wait()
+        self._run(lambda: self.group.broadcast([tensor], opts))
 
     def broadcast_object(self, obj=None, src=0):
         buf = self._buffer

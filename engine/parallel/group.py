@@ -17,6 +17,13 @@ Workers are subprocesses started with ``-m`` (not ``multiprocessing`` spawn): a
 script that builds ``LLM(tensor_parallel_size=2)`` needs no ``__main__`` guard.
 Each worker keeps its stdin pipe from rank 0 open and exits when it closes, so
 no worker outlives its engine's process, however that ends.
+
+A worker that dies is seen by rank 0 within moments: its communicator polls the
+workers' processes while a shared-memory all-reduce waits and after a Gloo
+collective fails, and raises
+:class:`~tandem.engine.parallel.communicator.RankDiedError` (the engine's step
+raises it; a serving worker then ends its process, see
+:class:`~tandem.engine.runtime.engine_worker.EngineWorker`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engine.config import EngineConfig, ModelConfig
-from tandem.engine.parallel.communicator import TorchDistributedCommunicator
+from tandem.engine.parallel.communicator import RankDiedError, TorchDistributedCommunicator
 from tandem.engine.parallel.messages import Shutdown, WorkerSetup
 from tandem.engine.parallel.partition import head_partition
 
@@ -116,6 +123,9 @@ class TensorParallelGroup:
 
         Raises:
             RuntimeError: a worker exited, or did not join within ``timeout_s``.
+
+        The workers inherit this process's environment and CPU affinity; each runs
+        ``config.num_threads`` torch threads (default :func:`threads_per_rank`).
         """
         world = config.tensor_parallel_size
         device = rank_device(config.device, 0)
@@ -135,7 +145,8 @@ class TensorParallelGroup:
             prefixed = dist.PrefixStore(STORE_PREFIX, store)
             _wait_for(prefixed, procs, "joined", "joining the group", timeout_s)
             comm = TorchDistributedCommunicator(prefixed, 0, world, backend_for(device), device,
-                                                timeout_s=timeout_s)
+                                                timeout_s=timeout_s,
+                                                peer_check=lambda: check_workers(procs))
         except BaseException:
             _stop(None, procs, {"following": False})
             raise
@@ -163,11 +174,30 @@ class TensorParallelGroup:
         """Ranks 1..'s process exit codes, None while one runs."""
         return [proc.poll() for proc in self._procs]
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Ranks 1..'s process ids, in rank order."""
+        return [proc.pid for proc in self._procs]
+
+    def check_workers(self) -> None:
+        """Raise :class:`~tandem.engine.parallel.communicator.RankDiedError` for the
+        first worker whose process has exited."""
+        check_workers(self._procs)
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent): a :class:`~tandem.engine.parallel.messages.Shutdown`
         when they follow steps, then their stdin closed; one still running after 10 s
         is killed."""
         self._finalizer()
+
+
+def check_workers(procs: list[subprocess.Popen]) -> None:
+    """Raise :class:`~tandem.engine.parallel.communicator.RankDiedError` for the first
+    of ranks 1.. (``procs`` in rank order) whose process has exited."""
+    for rank, proc in enumerate(procs, start=1):
+        code = proc.poll()
+        if code is not None:
+            raise RankDiedError(rank, code)
 
 
 def _wait_for(store: dist.Store, procs: list[subprocess.Popen], key: str, what: str,

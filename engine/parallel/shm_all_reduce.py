@@ -29,12 +29,14 @@ import os
 import platform
 import tempfile
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
 _FLAG_STRIDE = 8        # int64s per rank's flag line (64 bytes)
 _SPINS_BEFORE_YIELD = 64
+_PEER_CHECK_INTERVAL_S = 0.05
 
 
 def available() -> bool:
@@ -66,12 +68,16 @@ class SharedMemoryAllReduce:
         rank, world_size: this rank and the group's size.
         slot_bytes: the largest tensor (bytes) :meth:`all_reduce` takes.
         timeout_s: how long a rank waits for the others before it raises.
+        peer_check: called about every 50 ms while a rank waits; it raises when a
+            peer's process is gone (rank 0 polls the processes it started), so a
+            dead rank ends the wait at once instead of after ``timeout_s``.
     """
 
     def __init__(self, path: str, rank: int, world_size: int, slot_bytes: int,
-                 timeout_s: float):
+                 timeout_s: float, peer_check: Callable[[], None] | None = None):
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.timeout_s = timeout_s
+        self._peer_check = peer_check
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _segment_bytes(world_size, slot_bytes))
         flag_bytes = world_size * _FLAG_STRIDE * 8
@@ -93,7 +99,8 @@ class SharedMemoryAllReduce:
         rank); it must :meth:`fits`.
 
         Raises:
-            RuntimeError: a rank did not publish within ``timeout_s`` (gone).
+            RuntimeError: a rank did not publish within ``timeout_s`` (gone), or
+                what ``peer_check`` raised.
         """
         self._seq += 1
         seq, n = self._seq, tensor.numel() * tensor.element_size()
@@ -109,7 +116,7 @@ class SharedMemoryAllReduce:
         return tensor
 
     def _wait(self, seq: int) -> None:
-        flags, spins, deadline = self._flags, 0, None
+        flags, spins, deadline, next_check = self._flags, 0, None, 0.0
         while flags.min() < seq:
             spins += 1
             if spins > _SPINS_BEFORE_YIELD:
@@ -117,6 +124,9 @@ class SharedMemoryAllReduce:
                 if spins % 4096 == 0:
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout_s
+                    if self._peer_check is not None and now >= next_check:
+                        next_check = now + _PEER_CHECK_INTERVAL_S
+                        self._peer_check()
                     if now > deadline:
                         raise RuntimeError(f"shared-memory all-reduce: ranks "
                                            f"{np.flatnonzero(flags < seq).tolist()} did not "

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from tandem.engine.parallel.communicator import RankDiedError
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.engine.runtime.subscribers import DEFAULT, Subscribers
@@ -44,10 +45,20 @@ class EngineLoop:
             and results go to :meth:`track` futures, as on a prefill worker).
         subscriber_timeout_s: seconds a subscriber may go without polling before it
             is dropped and its requests aborted (local monotonic clock).
+        on_rank_lost: called on the loop thread when a step fails because a rank of
+            the engine's tensor-parallel group died (or, while idle, the loop finds
+            one dead: it looks every ``idle_wait_s``)
+            (:class:`~tandem.engine.parallel.communicator.RankDiedError`), instead of
+            finishing the requests with ``error``: the failure is the worker's, not
+            the requests', so a serving worker ends its process there and its
+            requests resume on another (the router migrates them). None, or a
+            callback that returns: the requests end with ``error`` as after any
+            other failure.
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,
-                 publish_deltas: bool = True, subscriber_timeout_s: float = 15.0):
+                 publish_deltas: bool = True, subscriber_timeout_s: float = 15.0,
+                 on_rank_lost: Callable[[RankDiedError], None] | None = None):
         self.engine = engine
         self.worker_id, self.role = worker_id, role
         self.idle_wait_s = idle_wait_s
@@ -58,6 +69,7 @@ class EngineLoop:
         self._published: dict[str, int] = {}       # request id -> output tokens already sent
         self._tracked: dict[str, Future] = {}      # request id -> future of its final delta
         self.publish_deltas = publish_deltas
+        self.on_rank_lost = on_rank_lost
         if engine.kv_connector is not None:
             engine.kv_connector.notify = self._wake.set
         self._thread: threading.Thread | None = None   # set by start() or build()
@@ -158,11 +170,16 @@ class EngineLoop:
                         self._wake.wait(self.idle_wait_s)
                         self._wake.clear()
                 else:
+                    if self.engine.parallel is not None:
+                        # No step finds a dead rank while idle: look (raises RankDiedError).
+                        self.engine.parallel.check_workers()
                     self._publish_idle_stats()
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # the worker reports it; the thread must not die silently
             logger.exception("engine loop %s failed", self.worker_id)
+            if isinstance(exc, RankDiedError) and self.on_rank_lost is not None:
+                self.on_rank_lost(exc)
             self.error = exc
             self._fail_all(exc)
 

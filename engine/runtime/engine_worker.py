@@ -10,15 +10,26 @@ Ray actor's async methods.
 start their control-plane client (the engine layer does not import the control
 plane). The router calls all of them through
 :class:`~tandem.router.worker_client.WorkerClient`.
+
+With ``config.tensor_parallel_size`` N > 1 a worker is a group of N ranks: rank 0
+is the engine in this (the actor's) process, ranks 1.. its subprocesses
+(:mod:`tandem.engine.parallel.group`; they inherit this process's CPU pinning).
+The group lives and dies as one worker: a rank that dies makes rank 0's next
+collective raise within moments, and then this process ends
+(:meth:`EngineWorker._rank_lost`): the router sees the actor gone, moves its
+requests as for any dead worker and the supervisor starts a new group. When
+this process dies, the other ranks see their stdin pipe close and exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any, Callable
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.parallel.communicator import RankDiedError
 from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import StepOutput, WorkerStats
@@ -27,6 +38,8 @@ from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info
                                                   node_ip_address, pin_cpus)
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.scheduling.request import sample_request_id
+
+logger = logging.getLogger(__name__)
 
 
 class EngineWorker:
@@ -57,10 +70,34 @@ class EngineWorker:
         apply_thread_settings(config)     # this actor is its process's entry point
         # Built on the loop's thread: see EngineLoop.build.
         self.loop = EngineLoop.build(make_engine, worker_id, role,
-                                     publish_deltas=publish_deltas, nice=engine_nice)
+                                     publish_deltas=publish_deltas, nice=engine_nice,
+                                     on_rank_lost=self._rank_lost)
         self.engine = self.loop.engine
         self._fence = Fence(worker_id)
         self.control: Any = None
+
+    def _rank_lost(self, exc: RankDiedError) -> None:
+        """A rank of this worker's tensor-parallel group died: end the whole worker.
+
+        Runs on the engine loop's thread, instead of finishing the requests with
+        ``error``: they are not at fault and resume on another worker (the router
+        migrates them from its request journal when it sees this actor die). The
+        lease is dropped first, so every router sees the worker dead at once
+        rather than after its TTL; then the process exits with status 1, which
+        closes the other ranks' stdin pipes (they exit too).
+        """
+        logger.error("%s: %s; ending the worker (its tensor-parallel group is broken)",
+                     self.worker_id, exc)
+        control = self.control
+        if control is not None:
+            try:
+                control.lease.stop(deregister=False)
+                control.state.mark_suspect(self.worker_id, control.generation)
+            except Exception as err:     # Redis away: the lease lapses within its TTL
+                logger.warning("%s: could not drop the lease: %s", self.worker_id, err)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
 
     async def _call(self, fn, *args):
         """``fn(*args)`` on the engine loop's thread (between steps)."""
@@ -84,8 +121,9 @@ class EngineWorker:
     async def info(self) -> dict:
         """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
         plus this worker's KV layout (None without a KV connector), node address,
-        pid, cores and generation (its incarnation in the cluster state; 0 without
-        one)."""
+        pid, cores, ``tensor_parallel_size`` and ``rank_pids`` (the process ids of
+        its ranks 1..; empty with one rank), and generation (its incarnation in
+        the cluster state; 0 without one)."""
         return {**self._static_info(),
                 "generation": self.control.generation if self.control is not None else 0}
 
@@ -94,6 +132,9 @@ class EngineWorker:
         return {**model_info(self.engine, self.config), "worker_id": self.worker_id,
                 "role": self.role, "pid": os.getpid(), "cpus": self.cpus,
                 "node_ip": node_ip_address(),
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "rank_pids": self.engine.parallel.worker_pids
+                if self.engine.parallel is not None else [],
                 "kv_layout": connector.layout() if connector is not None else None}
 
     async def fence(self, reason: str) -> None:
@@ -140,9 +181,11 @@ class EngineWorker:
         return {}
 
     async def shutdown(self) -> None:
-        """Stop the control-plane client, the engine loop and the KV connector."""
+        """Stop the control-plane client, the engine loop, the KV connector and the
+        tensor-parallel ranks 1.. (if any)."""
         if self.control is not None:
             self.control.close()
         self.loop.shutdown()
         if self.engine.kv_connector is not None:
             self.engine.kv_connector.close()
+        await asyncio.to_thread(self.engine.shutdown)
