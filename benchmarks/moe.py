@@ -172,6 +172,7 @@ def vllm_row(path: Path, dtype: str, prompts, decode_prompt, args) -> dict:
     out = run_vllm_offline(args.vllm_python, {
         "model": str(path), "dtype": dtype, "max_num_seqs": args.num_prompts,
         "max_num_batched_tokens": budget, "repeats": args.repeats,
+        "enable_prefix_caching": False,        # as Tandem's: every round recomputes
         "runs": [{"prompts": prompts, "output_len": 1},
                  {"prompts": [decode_prompt], "output_len": 1},
                  {"prompts": [decode_prompt], "output_len": 1 + args.decode_tokens}]},

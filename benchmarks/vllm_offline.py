@@ -6,7 +6,9 @@ vllm_cli.py, whose import fixes that wheel's version lookup):
     VLLM_PYTHON benchmarks/vllm_offline.py WORKLOAD.json RESULT.json
 
 WORKLOAD.json: ``{"model": HF_DIR, "dtype": ..., "prompts": [[ids...], ...],
-"output_len": N, "max_num_seqs": ..., "max_num_batched_tokens": ...}``. The prompts
+"output_len": N, "max_num_seqs": ..., "max_num_batched_tokens": ...,
+"enable_prefix_caching": true}`` (the last optional; false when the same prompts
+are timed repeatedly, or later rounds would only read the cache). The prompts
 go in as token ids, greedy, EOS ignored; one untimed warm-up request first (vLLM's
 torch.compile and graph warm-up happen at load). RESULT.json: seconds, output
 tokens and every output's token ids. With ``"runs": [{"prompts", "output_len"},
@@ -30,7 +32,7 @@ def main(workload_path: str, result_path: str) -> None:
     w = json.loads(Path(workload_path).read_text())
     llm = LLM(model=w["model"], dtype=w["dtype"], max_num_seqs=w["max_num_seqs"],
               max_num_batched_tokens=w["max_num_batched_tokens"], gpu_memory_utilization=0.3,
-              seed=0)
+              enable_prefix_caching=w.get("enable_prefix_caching", True), seed=0)
     import vllm
     if "runs" in w:
         Path(result_path).write_text(json.dumps({
