@@ -263,17 +263,21 @@ def test_config_refusals_name_tensor_parallel_size():
         EngineConfig(tensor_parallel_size=2, cache=CacheConfig(kv_cache_dtype="fp8_e4m3"))
 
 
-def test_architectures_not_yet_sharded_are_refused(f32_weights):
+def test_a_class_that_does_not_shard_is_refused_by_name(f32_weights):
+    """Every registered architecture shards now; a class that says it does not
+    (``supports_tensor_parallel`` False) is refused before any layer is built."""
     import dataclasses
 
-    from tandem.engine.model.qwen_moe import Qwen3MoeForCausalLM
+    from tandem.engine.model.llama import LlamaForCausalLM
 
-    cfg = dataclasses.replace(f32_weights.engine.model_config, num_layers=1,
-                              architecture="Qwen3MoeForCausalLM")
+    class UnshardedLlama(LlamaForCausalLM):
+        supports_tensor_parallel = False
+
+    cfg = dataclasses.replace(f32_weights.engine.model_config, num_layers=1)
     with torch.device("meta"), pytest.raises(NotImplementedError,
                                              match="tensor_parallel_size 1: not implemented "
-                                                   "for Qwen3MoeForCausalLM"):
-        Qwen3MoeForCausalLM(cfg, comm=SingleProcessCommunicator())
+                                                   "for UnshardedLlama"):
+        UnshardedLlama(cfg, comm=SingleProcessCommunicator())
 
 
 def test_one_rank_builds_the_plain_layers(f32_weights):

@@ -3,8 +3,9 @@ on tiny checkpoints transformers wrote gives its greedy tokens in float32 (and s
 rank's, which ``tests/models/test_architectures.py`` checks against the same reference)
 for Qwen2 (Q/K/V biases, sliding layers), Qwen3 (per-head Q/K norms, one KV head held
 by both ranks), Gemma 2 and 3 (embedding scale, ``(1 + w)`` and sandwich norms, GeGLU,
-soft-capping, sliding and global layers) and Phi-3 (fused ``qkv_proj`` and
-``gate_up_proj`` cut per rank, ``longrope``); each with chunked prefill and, on a
+soft-capping, sliding and global layers), Phi-3 (fused ``qkv_proj`` and
+``gate_up_proj`` cut per rank, ``longrope``) and mixture-of-experts Mixtral and
+Qwen2-MoE (experts spread over the ranks); each with chunked prefill and, on a
 second pass, prefix-cache hits.
 
 Quantized weights shard by whole packed words, groups and blocks: each format's
@@ -74,6 +75,14 @@ ARCHITECTURES = {
                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
         (2, 1)),
+    # mixture of experts: the 8 experts spread over the ranks (4 each: expert
+    # parallelism, one all-reduce combines); Mixtral renormalises top-2 in float32
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, (2, 1)),
+    # Qwen2-MoE: no renormalisation, a shared expert (tensor-parallel) with its
+    # sigmoid gate, Q/K/V biases
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48}, (2, 1)),
 }
 
 
@@ -91,6 +100,11 @@ def test_architectures_tp2_equal_transformers(case, tmp_path):
     try:
         attn = llm.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == heads
+        mlp = llm.engine.model.model.layers[0].mlp
+        if hasattr(mlp, "local_experts"):           # rank 0 holds experts 0-3 of 8
+            held = (len(mlp._packed[0]) if mlp._packed is not None
+                    else mlp.experts.gate_up_proj.weight.shape[0])
+            assert (mlp.local_experts, held) == (range(0, 4), 4)
         for cached in (False, True):
             outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY)
             assert _ids(outs) == want

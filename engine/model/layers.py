@@ -263,9 +263,10 @@ class DecoderForCausalLM(nn.Module):
         return {}
 
     def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
-                 layer_idx: int) -> nn.Module | None:
-        """Layer ``layer_idx``'s feed-forward block, or None for the :class:`GatedMLP`
-        (mixture-of-experts architectures return their expert block)."""
+                 layer_idx: int, comm: Communicator | None = None) -> nn.Module | None:
+        """Layer ``layer_idx``'s feed-forward block (this rank's share of it with
+        ``comm``), or None for the :class:`GatedMLP` (mixture-of-experts
+        architectures return their expert block)."""
         return None
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None,
@@ -299,7 +300,7 @@ class DecoderForCausalLM(nn.Module):
         options = self.attention_options(cfg)
         self.model.layers = nn.ModuleList(
             DecoderLayer(cfg, linear_method, i, self.sandwich_norms, self.norm_offset,
-                         self.make_mlp(cfg, linear_method, i), comm, **options)
+                         self.make_mlp(cfg, linear_method, i, comm), comm, **options)
             for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         if comm is not None:

@@ -61,7 +61,7 @@ Shapes: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``k`` experts per token,
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,9 @@ from tandem.engine.model.weights import WeightLoadError, copy_checked
 from tandem.kernels.attention_backend import AttentionBackend
 from tandem.kernels.cpu.linear import pack_weight, packed_linear, packing_available
 
+if TYPE_CHECKING:
+    from tandem.engine.parallel.communicator import Communicator
+
 ExpertLinear = Callable[[int, torch.Tensor], torch.Tensor]
 """``(expert, x [n, in]) -> x W_e^T [n, out]`` for one stacked projection."""
 
@@ -86,20 +89,27 @@ class StackedExpertWeight(nn.Module):
     A checkpoint fills it whole (transformers 5's ``experts.gate_up_proj``, shard id
     None) or one expert's sub-matrix at a time: shard ``e * len(output_sizes) + j``
     is sub-matrix ``j`` of expert ``e``.
+
+    With ``experts`` (expert parallelism: this rank's contiguous range of the
+    ``num_experts``) ``weight`` holds only those, ``[len(experts), N, K]``; the
+    other experts' tensors are taken and dropped.
     """
 
-    def __init__(self, num_experts: int, in_features: int, output_sizes: Sequence[int]):
+    def __init__(self, num_experts: int, in_features: int, output_sizes: Sequence[int],
+                 experts: range | None = None):
         super().__init__()
         self.output_sizes = list(output_sizes)
         self.num_experts = num_experts
-        weight = torch.empty(num_experts, sum(output_sizes), in_features)
+        self.experts = experts if experts is not None else range(num_experts)
+        weight = torch.empty(len(self.experts), sum(output_sizes), in_features)
         if not weight.is_meta:
             nn.init.normal_(weight, std=in_features ** -0.5)
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     @property
     def shard_ids(self) -> tuple[int, ...]:
-        """Every (expert, sub-matrix) shard; all are needed unless loaded whole."""
+        """Every (expert, sub-matrix) shard; all are needed unless loaded whole (a
+        rank holding some experts takes every shard and keeps its own)."""
         return tuple(range(self.num_experts * len(self.output_sizes)))
 
     def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
@@ -111,12 +121,15 @@ class StackedExpertWeight(nn.Module):
         """
         if leaf != "weight":
             raise WeightLoadError(f"expert weights are dense; no {leaf!r}")
+        lo, hi = self.experts.start, self.experts.stop
         if shard_id is None:
-            copy_checked(self.weight.data, loaded)
+            copy_checked(self.weight.data, loaded[lo:hi])
             return
         expert, j = divmod(shard_id, len(self.output_sizes))
-        copy_checked(self.weight.data[expert].narrow(0, sum(self.output_sizes[:j]),
-                                                     self.output_sizes[j]), loaded)
+        if expert not in self.experts:
+            return                              # another rank's expert (expert parallelism)
+        copy_checked(self.weight.data[expert - lo].narrow(0, sum(self.output_sizes[:j]),
+                                                          self.output_sizes[j]), loaded)
 
 
 class QuantizedExpert(nn.Module):
@@ -167,7 +180,8 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
 
 def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                  act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                  experts: range | None = None) -> torch.Tensor:
     """The MoE feed-forward of ``x``, grouped by expert (see the module docstring).
 
     Args:
@@ -177,6 +191,8 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
         topk_weights: ``[T, k]`` routing weights (float32 or ``x``'s dtype).
         topk_ids: ``[T, k]`` int64 expert ids in ``0..E-1``.
         act_and_mul: ``[n, 2I]`` -> ``[n, I]`` (SiLU-and-mul).
+        experts: only these experts run (expert parallelism: this rank's; the
+            others' pairs add nothing here). None: all.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype: ``sum_j w_tj * expert_{id_tj}(x_t)``, each
@@ -196,26 +212,29 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
     out = torch.zeros_like(x)
     start = 0
     for expert, n in enumerate(counts):
-        if n:
+        if n and (experts is None or expert in experts):
             rows = slice(start, start + n)
             y = down(expert, act_and_mul(gate_up(expert, grouped[rows])))  # [n, H]
             # One index_add per expert: in bfloat16 a single index_add over all
             # pairs sums a token's contributions in float32 before rounding, while
             # transformers rounds after each expert.
             out.index_add_(0, token_ids[rows], (y * weights[rows]).to(x.dtype))
-            start += n
+        start += n
     return out
 
 
 def moe_loop_reference(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                       act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                       experts: range | None = None) -> torch.Tensor:
     """:func:`fused_experts` as transformers' eager ``*Experts.forward`` computes it
     (same arguments and result): for each expert that received tokens, a mask lookup
     of its tokens, its two matmuls, and one ``index_add`` of its weighted outputs."""
     out = torch.zeros_like(x)
     mask = F.one_hot(topk_ids, num_experts).permute(2, 1, 0)             # [E, k, T]
     for expert in torch.nonzero(mask.sum(dim=(1, 2))).flatten().tolist():
+        if experts is not None and expert not in experts:
+            continue
         slot, token = torch.where(mask[expert])
         y = down(expert, act_and_mul(gate_up(expert, x[token])))
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
@@ -232,16 +251,31 @@ class FusedMoE(nn.Module):
     method, else one :class:`QuantizedExpert` per expert (``experts.{e}.gate_up_proj``,
     ``experts.{e}.down_proj``) of the quantized method (:attr:`quantized_experts`).
 
+    **Expert parallelism** (``comm``; the group's ranks hold the same activations,
+    as tensor parallelism leaves them): rank ``r`` holds a contiguous share of the
+    experts (:attr:`local_experts`, :func:`~tandem.engine.parallel.partition.split_evenly`),
+    every rank routes every token with the whole router (the same float32 numerics),
+    runs only its experts' pairs, and one all-reduce sums the ranks' partial outputs:
+    the combine an all-to-all dispatch would end with, without moving tokens, since
+    each rank already has them all. A shared expert is tensor-parallel (its own
+    all-reduce). Quantized experts are not spread yet.
+
     Args:
         cfg: the model config (``cfg.moe`` set; ``hidden_act`` SiLU).
         linear_method: the routed and shared experts' linear method (None: dense);
             the router and ``shared_expert_gate`` are dense in every format.
+        comm: expert parallelism's communicator (None: every expert here).
+
+    Raises:
+        NotImplementedError: ``comm`` with quantized experts (the message names
+            ``tensor_parallel_size``).
 
     ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
     ``"loop"`` (:func:`moe_loop_reference`, for comparisons).
     """
 
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase):
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase,
+                 comm: Communicator | None = None):
         super().__init__()
         moe: MoEConfig = cfg.moe
         h, i = cfg.hidden_size, moe.moe_intermediate_size
@@ -249,16 +283,31 @@ class FusedMoE(nn.Module):
         self.norm_topk_prob, self.weights_float32 = moe.norm_topk_prob, moe.topk_weights_float32
         self.gate = Linear(h, moe.num_experts, UnquantizedLinearMethod())
         self.quantized_experts = linear_method is not None and linear_method.name != "none"
+        self.comm = comm
+        self.local_experts = range(moe.num_experts)
+        """The experts this rank holds and runs (all of them without ``comm``)."""
+        if comm is not None:
+            if self.quantized_experts:
+                raise NotImplementedError(
+                    f"tensor_parallel_size {comm.world_size}: quantized expert weights "
+                    f"({linear_method.name!r}) are not spread over ranks yet")
+            from tandem.engine.parallel.partition import split_evenly
+
+            start, size = split_evenly(moe.num_experts, comm.world_size, comm.rank)
+            self.local_experts = range(start, start + size)
         if self.quantized_experts:
             self.experts = nn.ModuleList(QuantizedExpert(h, i, linear_method)
                                          for _ in range(moe.num_experts))
         else:
             self.experts = nn.Module()
-            self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i])
-            self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h])
+            self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i],
+                                                            self.local_experts)
+            self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h],
+                                                         self.local_experts)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg, linear_method, moe.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(cfg, linear_method, moe.shared_expert_intermediate_size,
+                                          comm=comm)
             self.shared_expert_gate = Linear(h, 1, UnquantizedLinearMethod())
         self.impl = "fused"
         self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -275,8 +324,7 @@ class FusedMoE(nn.Module):
         if w13.device.type != "cpu" or not packing_available(w13.dtype):
             return
         w2 = self.experts.down_proj.weight
-        self._packed = ([pack_weight(w13[e]) for e in range(self.num_experts)],
-                        [pack_weight(w2[e]) for e in range(self.num_experts)])
+        self._packed = ([pack_weight(w) for w in w13], [pack_weight(w) for w in w2])
         del self.experts.gate_up_proj.weight, self.experts.down_proj.weight
 
     def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
@@ -284,18 +332,21 @@ class FusedMoE(nn.Module):
             experts = self.experts
             return ((lambda e, x: experts[e].gate_up_proj(x)),
                     (lambda e, x: experts[e].down_proj(x)))
+        lo = self.local_experts.start             # stacked weights hold the local ones
         if self._packed is not None:
             w13, w2 = self._packed
-            return (lambda e, x: packed_linear(x, w13[e])), (lambda e, x: packed_linear(x, w2[e]))
+            return ((lambda e, x: packed_linear(x, w13[e - lo])),
+                    (lambda e, x: packed_linear(x, w2[e - lo])))
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
-        return (lambda e, x: F.linear(x, w13[e])), (lambda e, x: F.linear(x, w2[e]))
+        return (lambda e, x: F.linear(x, w13[e - lo])), (lambda e, x: F.linear(x, w2[e - lo]))
 
     def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """``h`` ``[T, H]`` -> ``[T, H]``."""
         topk_weights, topk_ids = route(self.gate(h), self.top_k, self.norm_topk_prob,
                                        self.weights_float32)             # [T, k] each
         out = None
-        if self.impl == "fused" and self._packed is None and not self.quantized_experts:
+        if (self.impl == "fused" and self._packed is None and not self.quantized_experts
+                and self.comm is None):
             # Dense stacked weights not packed for oneDNN (a GPU): the backend's
             # fused kernel if it has one (Triton's kernels/fused_moe.py).
             out = backend.fused_moe(h, self.experts.gate_up_proj.weight,
@@ -303,8 +354,11 @@ class FusedMoE(nn.Module):
         if out is None:
             gate_up, down = self._expert_linears()
             run = fused_experts if self.impl == "fused" else moe_loop_reference
+            experts = self.local_experts if self.comm is not None else None
             out = run(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
-                      backend.silu_and_mul)
+                      backend.silu_and_mul, experts)
+            if self.comm is not None:
+                out = self.comm.all_reduce(out)         # the other ranks' experts
         if self.shared_expert is not None:
             shared = self.shared_expert(h, backend)                       # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
@@ -339,10 +393,15 @@ class MoEForCausalLM(DecoderForCausalLM):
         # Experts as per-expert linear layers of a quantized method (see FusedMoE).
         self.quantized_experts = linear_method is not None and linear_method.name != "none"
 
+    supports_tensor_parallel = True
+    """Attention splits by heads as the dense models'; the experts spread over the
+    ranks (expert parallelism, :class:`FusedMoE`)."""
+
     def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
-                 layer_idx: int) -> nn.Module | None:
-        """:class:`FusedMoE` for a sparse layer (its experts in ``linear_method``'s format)."""
-        return FusedMoE(cfg, linear_method) if cfg.moe.sparse_layers[layer_idx] else None
+                 layer_idx: int, comm: Communicator | None = None) -> nn.Module | None:
+        """:class:`FusedMoE` for a sparse layer (its experts in ``linear_method``'s
+        format; with ``comm`` this rank's share of them)."""
+        return FusedMoE(cfg, linear_method, comm) if cfg.moe.sparse_layers[layer_idx] else None
 
     def weight_mapping(self, name: str) -> tuple[str, int | None]:
         """Besides :meth:`DecoderForCausalLM.weight_mapping`:
