@@ -4,8 +4,8 @@ rank's, which ``tests/models/test_architectures.py`` checks against the same ref
 for Qwen2 (Q/K/V biases, sliding layers), Qwen3 (per-head Q/K norms, one KV head held
 by both ranks), Gemma 2 and 3 (embedding scale, ``(1 + w)`` and sandwich norms, GeGLU,
 soft-capping, sliding and global layers), Phi-3 (fused ``qkv_proj`` and
-``gate_up_proj`` cut per rank, ``longrope``) and mixture-of-experts Mixtral and
-Qwen2-MoE (experts spread over the ranks); each with chunked prefill and, on a
+``gate_up_proj`` cut per rank, ``longrope``) and mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (experts spread over the ranks); each with chunked prefill and, on a
 second pass, prefix-cache hits.
 
 Quantized weights shard by whole packed words, groups and blocks: each format's
@@ -83,6 +83,11 @@ ARCHITECTURES = {
     "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48}, (2, 1)),
+    # Qwen3-MoE: renormalised top-2, per-head Q/K norms, layer 0 dense (mlp_only_layers:
+    # a tensor-parallel GatedMLP beside layer 1's spread experts)
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "mlp_only_layers": [0]}, (2, 1)),
 }
 
 
@@ -100,7 +105,7 @@ def test_architectures_tp2_equal_transformers(case, tmp_path):
     try:
         attn = llm.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == heads
-        mlp = llm.engine.model.model.layers[0].mlp
+        mlp = llm.engine.model.model.layers[-1].mlp
         if hasattr(mlp, "local_experts"):           # rank 0 holds experts 0-3 of 8
             held = (len(mlp._packed[0]) if mlp._packed is not None
                     else mlp.experts.gate_up_proj.weight.shape[0])
