@@ -25,6 +25,7 @@ import torch
 
 from tandem.engine.llm import LLM
 from tandem.engine.sampling.sampling_params import SamplingParams
+from tests.models.test_architectures import CASES
 
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -59,35 +60,20 @@ ARCHITECTURES = {
                                 "tie_word_embeddings": True}, (2, 1)),
     # Gemma 2's layout plus (1 + w) per-head Q/K norms, a local RoPE base on the
     # sliding layer and linear scaling on the global one
-    "gemma3": ("Gemma3TextConfig", {
-        "sliding_window": 24, "query_pre_attn_scalar": 32,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}},
-        (2, 1)),
+    "gemma3": (*CASES["gemma3"][:2], (2, 1)),
     # fused qkv_proj [Q; K; V] and gate_up_proj [gate; up] in the checkpoint; longrope
     # with an original context of 32 (the 40- and 70-token prompts read the long factors,
     # which every rank decides from the broadcast prompt lengths)
-    "phi3-longrope": ("Phi3Config", {
-        "original_max_position_embeddings": 32,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-                            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}},
-        (2, 1)),
+    "phi3-longrope": (*CASES["phi3-longrope"][:2], (2, 1)),
     # mixture of experts: the 8 experts spread over the ranks (4 each: expert
     # parallelism, one all-reduce combines); Mixtral renormalises top-2 in float32
-    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, (2, 1)),
+    "mixtral": (*CASES["mixtral"][:2], (2, 1)),
     # Qwen2-MoE: no renormalisation, a shared expert (tensor-parallel) with its
     # sigmoid gate, Q/K/V biases
-    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32,
-                                     "shared_expert_intermediate_size": 48}, (2, 1)),
+    "qwen2-moe": (*CASES["qwen2-moe"][:2], (2, 1)),
     # Qwen3-MoE: renormalised top-2, per-head Q/K norms, layer 0 dense (mlp_only_layers:
     # a tensor-parallel GatedMLP beside layer 1's spread experts)
-    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
-                                     "mlp_only_layers": [0]}, (2, 1)),
+    "qwen3-moe": (*CASES["qwen3-moe"][:2], (2, 1)),
 }
 
 
