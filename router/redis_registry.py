@@ -171,8 +171,9 @@ class RedisRegistry(InProcessRegistry):
                 and self._all_silent_since is None):
             # Nobody heartbeats: Redis lost its state; the workers will re-assert.
             self._all_silent_since = now
-            logger.warning("no worker lease in the cluster state (Redis flushed or "
-                           "restarted?); keeping %d workers for %.0f s",
+            logger.warning("no worker lease in the cluster state (every worker gave up or "
+                           "lost its lease, or Redis was flushed or restarted); keeping %d "
+                           "workers for %.0f s unless they are found dead",
                            len(lapsed), self.flush_grace_s)
         if self._all_silent_since is not None:
             # After such a loss every worker gets the grace to re-assert, not only

@@ -177,9 +177,13 @@ class EngineLoop:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # the worker reports it; the thread must not die silently
-            logger.exception("engine loop %s failed", self.worker_id)
             if isinstance(exc, RankDiedError) and self.on_rank_lost is not None:
+                # The designed path for a lost rank: no traceback, the worker ends.
+                logger.warning("engine loop %s: %s; ending the worker (its requests "
+                               "resume elsewhere)", self.worker_id, exc)
                 self.on_rank_lost(exc)
+            else:
+                logger.exception("engine loop %s failed", self.worker_id)
             self.error = exc
             self._fail_all(exc)
 
