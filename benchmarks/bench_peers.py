@@ -44,3 +44,14 @@ def run_vllm_offline(vllm_python: str, workload: dict, threads: int | None = Non
         if proc.returncode != 0:
             raise RuntimeError(f"vllm failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.loads(result.read_text())
+
+
+def isa_flags() -> list[str]:
+    """This CPU's vector-ISA flags (``avx*``, ``amx*``, ``fma``) from /proc/cpuinfo,
+    sorted; every ratio against a peer is stated with them. Empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return sorted(x for x in flags if x.startswith(("avx", "amx", "fma")))

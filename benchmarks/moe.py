@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import VLLM_PYTHON, run_vllm_offline  # noqa: E402
+from bench_peers import VLLM_PYTHON, isa_flags, run_vllm_offline  # noqa: E402
 
 
 def make_checkpoint(path: Path, args) -> None:
@@ -304,15 +304,6 @@ def print_expert_memory(args) -> dict[str, dict[str, float]]:
         print(f"| {name} | {bits:.3f} | {nbytes} | {row['model_mib']:.1f} | "
               f"{row['mixtral_8x7b_gib']:.2f} |")
     return table
-
-
-def isa_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(x for x in flags if x.startswith(("avx", "amx", "fma")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompts import make_workload  # noqa: E402  -- also used by llama_cpp_peer.py
-from bench_peers import HF_MODEL, VLLM_PYTHON, run_vllm_offline  # noqa: E402
+from bench_peers import HF_MODEL, VLLM_PYTHON, isa_flags, run_vllm_offline  # noqa: E402
 
 
 class Breakdown:
@@ -196,7 +196,7 @@ def main() -> None:
     import transformers
 
     result = {"config": vars(args), "machine": platform.processor() or platform.machine(),
-              "cpu_flags": _isa_flags(), "torch": torch.__version__,
+              "cpu_flags": isa_flags(), "torch": torch.__version__,
               "transformers": transformers.__version__, "systems": {}}
     outputs = {}
     for name in systems:
@@ -233,15 +233,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-
-
-def _isa_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(x for x in flags if x.startswith(("avx", "amx", "fma")))
 
 
 if __name__ == "__main__":

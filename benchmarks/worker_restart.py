@@ -22,13 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_peers import isa_flags  # noqa: E402
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-
-def _cpu_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith("flags")).split(":")[1].split()
-    return sorted(f for f in flags if f.startswith(("avx", "amx")))
 
 
 def measure_restarts(role: str, rounds: int) -> list[dict]:
@@ -100,7 +96,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args()
-    result = {"role": args.role, "cpu_flags": _cpu_flags(),
+    result = {"role": args.role, "cpu_flags": isa_flags(),
               "restarts": measure_restarts(args.role, args.rounds), **measure_engine_build()}
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}))
     if args.out:
