@@ -41,6 +41,16 @@ Guards against flapping and against acting on bad data, in both modes:
 * samples of workers younger than ``warmup_s`` (cold start: first compilations,
   empty caches) and of requests they served are ignored;
 * targets stay within ``[min, max]`` of each pool.
+
+**A worker is its group.** A worker of tensor-parallel size N (its engine sharded
+over N ranks: N GPUs, or N core sets on the CPU) is one worker everywhere here:
+the capacities are per worker (``tandem profile`` measures the whole group), the
+sizing rules and the bounds count workers, and the loads are per worker (rank 0's
+KV cache manager governs every rank's cache). Only the device budget,
+``max_total_devices``, counts what a worker holds: each worker of a pool costs the
+pool's :attr:`PoolSize.devices_per_worker`, which the controller reads from the
+workers' engine configuration (the ``tandem serve`` flags), so the number is
+stated once.
 """
 
 from __future__ import annotations
@@ -90,9 +100,15 @@ class PlannerConfig:
         scale_down_intervals: consecutive intervals that must ask for fewer workers.
         warmup_s: seconds after a worker joins during which its samples are ignored.
         leader_ttl_s: the planner's leader lease, in seconds.
-        max_total_workers: the budget of both pools together (GPUs, nodes); None =
-            no cap beyond the pools' own maxima. It caps growth only: a pool grows
-            into the room the other pool leaves when its own rules shrink it.
+        max_total_workers: the budget of both pools together, in workers (nodes or
+            pods: one worker each); None = no cap beyond the pools' own maxima. It
+            caps growth only: a pool grows into the room the other pool leaves when
+            its own rules shrink it.
+        max_total_devices: the budget of both pools together, in devices (GPUs, or
+            CPU core sets): a worker counts its pool's ``devices_per_worker`` (its
+            tensor-parallel size, :class:`PoolSize`); None = no such cap. Like
+            ``max_total_workers`` it caps growth only, draining workers counting
+            until they are gone.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -120,6 +136,7 @@ class PlannerConfig:
     warmup_s: float = 10.0
     leader_ttl_s: float = 10.0
     max_total_workers: int | None = None
+    max_total_devices: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -146,10 +163,12 @@ class PlannerConfig:
                 raise ValueError(f"min_{pool}, max_{pool}: need 1 <= min <= max, got {lo}, {hi}")
         if self.sample_interval_s > self.interval_s:
             raise ValueError("sample_interval_s: must not exceed interval_s")
-        if self.max_total_workers is not None and \
-                self.max_total_workers < self.min_prefill + self.min_decode:
-            raise ValueError(f"max_total_workers: {self.max_total_workers} is below "
-                             f"min_prefill + min_decode")
+        # A worker holds at least one device, so neither budget may be below the
+        # smallest pools (the CLI checks the devices against the group sizes too).
+        for name in ("max_total_workers", "max_total_devices"):
+            v = getattr(self, name)
+            if v is not None and v < self.min_prefill + self.min_decode:
+                raise ValueError(f"{name}: {v} is below min_prefill + min_decode")
 
     def bounds(self, pool: str) -> tuple[int, int]:
         """``(min, max)`` workers of ``pool``."""
@@ -164,18 +183,39 @@ class PoolSize:
         ready: workers serving (not draining).
         pending: workers asked for and not yet serving.
         draining: workers being taken out (no new requests; finishing or migrating theirs).
+        devices_per_worker: devices (GPUs, or CPU core sets) each worker of the pool
+            holds: its tensor-parallel size (ranks per worker). The counts above are
+            workers (groups), whatever this is.
+
+    Raises:
+        ValueError: a negative count, or ``devices_per_worker`` < 1.
     """
 
     ready: int
     pending: int = 0
     draining: int = 0
+    devices_per_worker: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ready", "pending", "draining"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.devices_per_worker < 1:
+            raise ValueError(f"devices_per_worker: must be >= 1, got {self.devices_per_worker}")
+
+    @property
+    def devices(self) -> int:
+        """Devices the pool holds or has asked for: ready, pending and draining
+        workers, each ``devices_per_worker``."""
+        return (self.ready + self.pending + self.draining) * self.devices_per_worker
 
 
 class PoolController(Protocol):
     """Where a plan is applied (Ray actors, a Kubernetes scale subresource, ...)."""
 
     def pool_sizes(self) -> dict[str, PoolSize]:
-        """``{"prefill": PoolSize, "decode": PoolSize}`` now."""
+        """``{"prefill": PoolSize, "decode": PoolSize}`` now, each with the devices
+        one of its workers holds."""
 
     def worker_ages(self) -> dict[str, float]:
         """Seconds since each serving worker (by id) joined its pool."""
@@ -400,20 +440,36 @@ class Planner:
 
     def _within_budget(self, decisions: list[PoolDecision],
                        sizes: dict[str, PoolSize]) -> list[PoolDecision]:
-        """Cut growth to ``max_total_workers`` (draining workers still count), the
-        pool asking for the larger relative increase first."""
-        budget = self.config.max_total_workers
-        if budget is None:
+        """Cut growth to ``max_total_workers`` workers and ``max_total_devices``
+        devices, a worker costing its pool's ``devices_per_worker`` (draining
+        workers still count), the pool asking for the larger relative increase
+        first. A pool is never grown by part of a worker: a group of N devices
+        needs N free devices."""
+        cfg = self.config
+        if cfg.max_total_workers is None and cfg.max_total_devices is None:
             return decisions
-        room = budget - sum(d.current for d in decisions) - sum(s.draining for s in sizes.values())
+        workers_room = devices_room = 0
+        if cfg.max_total_workers is not None:
+            workers_room = (cfg.max_total_workers - sum(d.current for d in decisions)
+                            - sum(s.draining for s in sizes.values()))
+        if cfg.max_total_devices is not None:
+            devices_room = cfg.max_total_devices - sum(s.devices for s in sizes.values())
         out = {d.pool: d for d in decisions}
         for d in sorted((d for d in decisions if d.target > d.current),
                         key=lambda d: -d.target / max(1, d.current)):
-            grow = max(0, min(d.target - d.current, room))
-            room -= grow
-            if d.current + grow != d.target:
+            per = sizes[d.pool].devices_per_worker
+            grow, capped_by = d.target - d.current, ""
+            if cfg.max_total_workers is not None and workers_room < grow:
+                grow, capped_by = max(0, workers_room), f"{cfg.max_total_workers} workers in all"
+            if cfg.max_total_devices is not None and devices_room // per < grow:
+                grow = max(0, devices_room // per)
+                capped_by = (f"{cfg.max_total_devices} devices in all, {per} per "
+                             f"{d.pool} worker")
+            workers_room -= grow
+            devices_room -= grow * per
+            if capped_by:
                 out[d.pool] = PoolDecision(d.pool, d.current, d.wanted, d.current + grow, d.rule,
-                                           f"{d.reason}; capped: {budget} workers in all")
+                                           f"{d.reason}; capped: {capped_by}")
         return [out[d.pool] for d in decisions]
 
     def _slo_allows_down(self, pool: str, stats: IntervalStats, current: int) -> bool:

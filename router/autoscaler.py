@@ -9,6 +9,13 @@ adds a node of that type; shrinking a pool retires workers
 what is left), after which the autoscaler removes the idle node. A worker that
 was asked for and has not started is cancelled first when a pool shrinks.
 
+A worker of tensor-parallel size N is one worker here as in the planner: one
+actor asking for one unit of its pool's resource (and, on CUDA, N GPUs: rank 0
+in the actor, ranks 1.. its subprocesses on the same node). The controller
+tells the planner how many devices each pool's workers hold
+(:func:`devices_per_worker`, from the workers' engine configuration), so that
+its device budget counts N per worker.
+
 Every change is appended to :attr:`RayPoolController.events` (time, action,
 worker id), which the tests and the autoscaling benchmark read.
 """
@@ -42,10 +49,26 @@ def _pool(role: str) -> str:
     return "prefill" if role == "prefill" else "decode"
 
 
+def devices_per_worker(config) -> dict[str, int]:
+    """Devices (GPUs, or CPU core sets) one worker of each pool holds: its engine's
+    ``tensor_parallel_size``, the ranks of its group.
+
+    Args:
+        config: the workers' :class:`~tandem.router.launcher.ServeConfig`; prefill
+            workers run ``prefill_engine`` when it is set, every other worker ``engine``.
+
+    Returns:
+        ``{"prefill": N, "decode": M}`` (colocated workers count as ``decode``).
+    """
+    return {"prefill": (config.prefill_engine or config.engine).tensor_parallel_size,
+            "decode": config.engine.tensor_parallel_size}
+
+
 class RayPoolController:
     """Adds and retires the worker actors of a :class:`~tandem.router.launcher.TandemServer`.
 
-    Use it from the server's event loop.
+    Use it from the server's event loop. Counts are workers (tensor-parallel groups);
+    :meth:`pool_sizes` also says how many devices each holds.
 
     Args:
         server: the running server (its registry, actors and KV wiring).
@@ -61,6 +84,7 @@ class RayPoolController:
         self._draining: dict[str, asyncio.Task] = {}    # worker id -> retire task
         self._joined: dict[str, float] = {}
         self._started = time.monotonic()
+        self._devices = devices_per_worker(server.config)
         server.registry.add_worker_up_listener(self._up)
 
     def _up(self, w) -> None:
@@ -78,7 +102,8 @@ class RayPoolController:
                 ready=sum(1 for w in live if not w.draining and w.worker_id not in self._draining),
                 pending=sum(1 for p in self._pending.values() if p == pool),
                 draining=sum(1 for wid in self._draining
-                             if any(w.worker_id == wid for w in live)))
+                             if any(w.worker_id == wid for w in live)),
+                devices_per_worker=self._devices[pool])
         return out
 
     def worker_ages(self) -> dict[str, float]:

@@ -19,6 +19,13 @@ it down by ``slo / observed p90`` when the live latency exceeds the target (see
 
 Offline and in-process: an :class:`~tandem.engine.runtime.llm_engine.LLMEngine`
 stands for the worker (no Ray, no gRPC); on a GPU node, run it there.
+
+**Per worker, that is per group.** An engine of ``tensor_parallel_size`` N (``tandem
+profile --tensor-parallel-size N``) is measured whole, all N ranks together, so
+its capacities are those of one worker of N devices, which is what the planner
+assumes of each worker of a pool of that size. The profile records N, and its
+serve flags carry it, so that the capacities are not used for groups of another
+size.
 """
 
 from __future__ import annotations
@@ -50,8 +57,16 @@ class ProfilePoint:
 
 @dataclass
 class CapacityProfile:
-    """The result of :func:`profile_capacity`; capacities are None when no point met
-    its SLO (even one request alone is too slow for it)."""
+    """The result of :func:`profile_capacity`: capacities in tokens/s per worker,
+    None when no point met its SLO (even one request alone is too slow for it).
+
+    Attributes:
+        isl, osl: prompt and output lengths of the profiled requests (tokens).
+        ttft_slo_s, itl_slo_s: the targets (p90), seconds.
+        prefill, decode: the measured points, in sweep order.
+        tensor_parallel_size: ranks of the profiled worker; its capacities are the
+            whole group's (one worker of that many devices).
+    """
 
     isl: int
     osl: int
@@ -59,6 +74,7 @@ class CapacityProfile:
     itl_slo_s: float
     prefill: list[ProfilePoint] = field(default_factory=list)
     decode: list[ProfilePoint] = field(default_factory=list)
+    tensor_parallel_size: int = 1
 
     @property
     def prefill_capacity_tok_s(self) -> float | None:
@@ -69,9 +85,13 @@ class CapacityProfile:
         return _capacity(self.decode)
 
     def serve_flags(self) -> list[str]:
-        """The ``tandem serve --autoscale`` flags that use this profile."""
+        """The ``tandem serve --autoscale`` flags that use this profile; a profile
+        of a sharded worker names its ``--tensor-parallel-size``, since its
+        capacities are those of a group of that size."""
         flags = ["--planner-mode", "slo", "--ttft-slo", f"{self.ttft_slo_s:g}",
                  "--itl-slo", f"{self.itl_slo_s:g}"]
+        if self.tensor_parallel_size > 1:
+            flags += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.prefill_capacity_tok_s is not None:
             flags += ["--prefill-capacity", f"{self.prefill_capacity_tok_s:.1f}"]
         if self.decode_capacity_tok_s is not None:
@@ -152,7 +172,9 @@ def profile_capacity(engine, isl: int, osl: int, ttft_slo_s: float, itl_slo_s: f
 
     Args:
         engine: an idle :class:`~tandem.engine.runtime.llm_engine.LLMEngine` with the
-            workers' configuration (its prefix cache sees only random prompts).
+            workers' configuration (its prefix cache sees only random prompts); a
+            sharded one (``tensor_parallel_size`` N) is measured as the one worker
+            its N ranks make.
         isl, osl: prompt and output lengths (tokens) of the profiled requests.
         ttft_slo_s, itl_slo_s: the targets (p90), seconds.
         max_concurrency: the sweep's last concurrency (powers of two up to it).
@@ -173,7 +195,8 @@ def profile_capacity(engine, isl: int, osl: int, ttft_slo_s: float, itl_slo_s: f
     if engine.has_unfinished_requests():
         raise ValueError("engine: must be idle")
     gen = random.Random(seed)
-    prof = CapacityProfile(isl, osl, ttft_slo_s, itl_slo_s)
+    prof = CapacityProfile(isl, osl, ttft_slo_s, itl_slo_s,
+                           tensor_parallel_size=engine.config.tensor_parallel_size)
     _prefill_point(engine, 1, isl, ttft_slo_s, gen, "profile-warmup")      # first-call costs
     for kind, points in (("prefill", prof.prefill), ("decode", prof.decode)):
         c = 1

@@ -241,6 +241,9 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     for pool in ("prefill", "decode"):
         g.add_argument(f"--min-{pool}", type=int, default=1, help=f"fewest {pool} workers")
         g.add_argument(f"--max-{pool}", type=int, default=4, help=f"most {pool} workers")
+    g.add_argument("--max-total-devices", type=int, default=None,
+                   help="GPUs (CPU core sets) both pools may hold together; a worker of "
+                        "tensor-parallel size N counts N (default: no cap)")
     g.add_argument("--scale-down-cooldown", type=float, default=90.0,
                    help="seconds after a change of a pool before it may shrink")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -248,12 +251,26 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
                         "migrate to other workers")
 
 
-def _planner_config(args):
-    """The PlannerConfig of the autoscaling flags (None without --autoscale)."""
+def _planner_config(args, prefill_tp: int = 1, decode_tp: int = 1):
+    """The PlannerConfig of the autoscaling flags (None without --autoscale);
+    ``prefill_tp`` / ``decode_tp`` are the pools' tensor-parallel sizes (devices per
+    worker), against which ``--max-total-devices`` is checked.
+
+    Raises:
+        ValueError: naming the flag: a device budget that cannot hold the initial
+            pools (``--num-prefill`` x prefill size + ``--num-decode`` x decode size),
+            or any PlannerConfig error.
+    """
     from tandem.control.planner import PlannerConfig
 
     if not args.autoscale:
         return None
+    budget = args.max_total_devices
+    initial = args.num_prefill * prefill_tp + args.num_decode * decode_tp
+    if budget is not None and budget < initial:
+        raise ValueError(f"--max-total-devices: {budget} devices cannot hold the initial pools "
+                         f"({args.num_prefill} prefill x {prefill_tp} + {args.num_decode} "
+                         f"decode x {decode_tp} = {initial})")
     return PlannerConfig(mode=args.planner_mode, interval_s=args.planner_interval,
                          ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo,
                          prefill_capacity_tok_s=args.prefill_capacity,
@@ -261,7 +278,8 @@ def _planner_config(args):
                          min_prefill=args.min_prefill, max_prefill=args.max_prefill,
                          min_decode=args.min_decode, max_decode=args.max_decode,
                          scale_up_cooldown_s=min(30.0, args.planner_interval),
-                         scale_down_cooldown_s=args.scale_down_cooldown)
+                         scale_down_cooldown_s=args.scale_down_cooldown,
+                         max_total_devices=budget)
 
 
 def _add_http_arg(p: argparse.ArgumentParser, default: int) -> None:
@@ -371,7 +389,8 @@ def _serve_config(args):
                        cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
-                       autoscale=_planner_config(args), drain_timeout_s=args.drain_timeout,
+                       autoscale=_planner_config(args, prefill_tp, decode_tp),
+                       drain_timeout_s=args.drain_timeout,
                        worker_wait_timeout_s=args.worker_wait_timeout,
                        engine_nice=args.engine_nice, **_tool_config(args))
 

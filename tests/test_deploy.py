@@ -728,3 +728,220 @@ def test_ray_versions_agree(ray_cluster, k8s):
             for m in [re.search(r"ray\[default\]==([\d.]+)", c)] if m]
     (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
     assert pins == [cluster["spec"]["rayVersion"]]
+
+
+# -- tensor-parallel groups: a worker holds its N ranks' resources ---------------------------------
+#
+# The serve command states each pool's tensor-parallel size N (the one place); the
+# node type / worker group of that pool must hold what the worker's actor asks Ray
+# for (the real `actor_options`: one pool unit, N GPUs on CUDA), and N times the
+# same per-rank amount of everything else; the devices the planner may fill must
+# fit what the node types can bring.
+
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+POOL_RESOURCES = ("prefill", "decode")
+
+
+def _quantity(value) -> int:
+    """A Kubernetes quantity of whole units (``"8"``, ``"48Gi"``) as an integer."""
+    m = _QUANTITY.match(str(value))
+    assert m, f"unexpected quantity {value!r}"
+    return int(m.group(1)) * {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30,
+                              "Ti": 1 << 40}[m.group(2)]
+
+
+def _ray_node_groups(ray_cluster: dict) -> list[dict]:
+    """``{name, resources, min, max}`` of each worker node type, resources as Ray sees them."""
+    return [{"name": name, "resources": dict(t.get("resources", {})),
+             "min": t.get("min_workers", 0), "max": t.get("max_workers", 0)}
+            for name, t in ray_cluster["available_node_types"].items()
+            if name != ray_cluster["head_node_type"]]
+
+
+def _kuberay_groups(cluster: dict) -> list[dict]:
+    """The same for a RayCluster's worker groups: Ray resources from ``rayStartParams``,
+    the GPU count KubeRay reads from the limit, the pod's CPU and memory."""
+    out = []
+    for g in cluster["spec"]["workerGroupSpecs"]:
+        (container,) = g["template"]["spec"]["containers"]
+        res = container["resources"]
+        assert res["requests"] == res["limits"], f"{g['groupName']}: requests != limits"
+        limits = res["limits"]
+        resources = {**_ray_resources(g), "GPU": _quantity(limits.get("nvidia.com/gpu", 0)),
+                     "CPU": _quantity(limits["cpu"]), "memory": _quantity(limits["memory"])}
+        out.append({"name": g["groupName"], "resources": resources,
+                    "min": g["minReplicas"], "max": g["maxReplicas"]})
+    return out
+
+
+def tensor_parallel_errors(argv: list[str], cfg, groups: list[dict]) -> list[str]:
+    """Where the worker groups (``_ray_node_groups`` / ``_kuberay_groups``) disagree
+    with the serve command ``argv`` (parsed: ``cfg``); empty when they agree."""
+    from tandem.router.autoscaler import devices_per_worker
+    from tandem.router.launcher import actor_options
+
+    errors = []
+    pools = ("prefill", "decode") if cfg.mode == "disaggregated" else ("decode",)
+    stated = {"prefill": ["--prefill-tensor-parallel-size"],
+              "decode": ["--decode-tensor-parallel-size"]}
+    if cfg.mode == "colocated":
+        stated["decode"].append("--tensor-parallel-size")
+    sizes = devices_per_worker(cfg)
+    per_rank: dict[str, set] = {}
+    gpus_possible = 0
+    for pool in pools:
+        if not any(flag in argv for flag in stated[pool]):
+            errors.append(f"serve command: states no {pool} size ({' or '.join(stated[pool])})")
+        n = sizes[pool]
+        engine = (cfg.prefill_engine or cfg.engine) if pool == "prefill" else cfg.engine
+        role = pool if cfg.mode == "disaggregated" else "colocated"
+        opts = actor_options(role, engine, require_resource=True)
+        matching = [g for g in groups if g["resources"].get(pool)]
+        if len(matching) != 1:
+            errors.append(f"{pool}: {len(matching)} groups advertise `{pool}`, need 1")
+            continue
+        (group,) = matching
+        res = group["resources"]
+        for key, want in opts["resources"].items():
+            if res.get(key) != want:
+                errors.append(f"{group['name']}: {key} {res.get(key)}, its worker asks for {want}")
+        if res.get("GPU", 0) != opts.get("num_gpus", 0):
+            errors.append(f"{group['name']}: GPU {res.get('GPU', 0)}, a {pool} worker of "
+                          f"{n} ranks asks for {opts.get('num_gpus', 0)}")
+        for key in sorted(set(res) - {"GPU", *POOL_RESOURCES}):
+            if res[key] % n:
+                errors.append(f"{group['name']}: {key} {res[key]} is not {n} ranks' worth")
+            per_rank.setdefault(key, set()).add(res[key] // n)
+        gpus_possible += group["max"] * res.get("GPU", 0)
+        if cfg.autoscale is None:
+            workers = cfg.num_decode if pool == "decode" else cfg.num_prefill
+            if workers > group["max"]:
+                errors.append(f"{group['name']}: at most {group['max']} nodes, {workers} workers")
+    for key, amounts in per_rank.items():
+        if len(amounts) > 1:
+            errors.append(f"{key} per rank differs between the pools: {sorted(amounts)}")
+    if cfg.autoscale is not None and cfg.engine.device.startswith("cuda"):
+        # The GPUs the planner may fill, each worker counting its ranks.
+        wanted = sum(cfg.autoscale.bounds(p)[1] * sizes[p] for p in pools)
+        if cfg.autoscale.max_total_devices is not None:
+            wanted = min(wanted, cfg.autoscale.max_total_devices)
+        if wanted > gpus_possible:
+            errors.append(f"the planner may fill {wanted} GPUs, the groups bring at most "
+                          f"{gpus_possible}")
+    return errors
+
+
+def _ray_serve_argv(ray_cluster: dict) -> list[str]:
+    return serve_command("\n".join(ray_cluster["head_start_ray_commands"]))
+
+
+def test_ray_cluster_node_types_hold_their_pools_groups(ray_cluster, monkeypatch):
+    argv = _ray_serve_argv(ray_cluster)
+    cfg = parse_serve(argv, monkeypatch)
+    assert cfg.autoscale.max_total_devices is not None
+    assert tensor_parallel_errors(argv, cfg, _ray_node_groups(ray_cluster)) == []
+
+
+def test_raycluster_groups_hold_the_control_pods_groups(k8s, monkeypatch):
+    """Across files: control.yaml's serve flags against raycluster.yaml's pods."""
+    argv = serve_command(_script(k8s[("Deployment", "tandem-control")]))
+    cfg = parse_serve(argv, monkeypatch)
+    assert cfg.autoscale.max_total_devices is not None
+    (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
+    assert tensor_parallel_errors(argv, cfg, _kuberay_groups(cluster)) == []
+
+
+# deploy/README.md, "A tensor-parallel pool": two colocated workers of 2 ranks each.
+TP2_SERVE = ("tandem serve --mode colocated --ray-address auto --host 0.0.0.0 --port 50051 "
+             "--metrics-port 9400 --num-decode 2 --tensor-parallel-size 2 --device cuda "
+             "--dtype bfloat16 --kv-cache-gib 16")
+
+
+def _tp2_ray_cluster(ray_cluster: dict, gpu: int = 2, cpu: int = 8) -> dict:
+    """deploy/README.md's recipe applied to ray/cluster.yaml (``gpu``, ``cpu``: what
+    the decode node type is given)."""
+    c = json.loads(json.dumps(ray_cluster))
+    types = c["available_node_types"]
+    del types["prefill_gpu"]
+    types["decode_gpu"].update(min_workers=2, max_workers=2)
+    types["decode_gpu"]["resources"].update(GPU=gpu, CPU=cpu)
+    commands = c["head_start_ray_commands"]
+    (i,) = [i for i, cmd in enumerate(commands) if "tandem serve" in cmd]
+    commands[i] = f"nohup {TP2_SERVE} > ~/tandem-router.log 2>&1 < /dev/null &"
+    return c
+
+
+def _tp2_raycluster(cluster: dict, gpu: str = "2") -> dict:
+    """The same recipe applied to kubernetes/raycluster.yaml."""
+    c = json.loads(json.dumps(cluster))
+    c["spec"]["workerGroupSpecs"] = [g for g in c["spec"]["workerGroupSpecs"]
+                                     if g["groupName"] == "decode"]
+    (group,) = c["spec"]["workerGroupSpecs"]
+    group.update(replicas=2, minReplicas=2, maxReplicas=2)
+    (container,) = group["template"]["spec"]["containers"]
+    amounts = {"cpu": "16", "memory": "96Gi", "nvidia.com/gpu": gpu}
+    container["resources"] = {"requests": dict(amounts), "limits": dict(amounts)}
+    return c
+
+
+def test_the_readmes_two_rank_pool_passes_and_each_step_left_out_is_reported(
+        ray_cluster, k8s, monkeypatch):
+    util = pytest.importorskip("ray.autoscaler._private.util")
+    recipe = _tp2_ray_cluster(ray_cluster)
+    util.validate_config(util.prepare_config(json.loads(json.dumps(recipe))))    # as `ray up`
+    argv = _ray_serve_argv(recipe)
+    cfg = parse_serve(argv, monkeypatch)
+    assert cfg.mode == "colocated" and cfg.engine.tensor_parallel_size == 2
+    assert tensor_parallel_errors(argv, cfg, _ray_node_groups(recipe)) == []
+    assert tensor_parallel_errors(argv, cfg, _ray_node_groups(
+        _tp2_ray_cluster(ray_cluster, gpu=1))) == [
+        "decode_gpu: GPU 1, a decode worker of 2 ranks asks for 2"]
+    assert tensor_parallel_errors(argv, cfg, _ray_node_groups(
+        _tp2_ray_cluster(ray_cluster, cpu=3))) == ["decode_gpu: CPU 3 is not 2 ranks' worth"]
+    # Without the size on the command line the workers are of 1 rank: the doubled
+    # node type no longer matches, and the command states no size.
+    i = argv.index("--tensor-parallel-size")
+    bare = argv[:i] + argv[i + 2:]
+    errors = tensor_parallel_errors(bare, parse_serve(bare, monkeypatch), _ray_node_groups(recipe))
+    assert errors == ["serve command: states no decode size (--decode-tensor-parallel-size or "
+                      "--tensor-parallel-size)",
+                      "decode_gpu: GPU 2, a decode worker of 1 ranks asks for 1"]
+    # Two workers on node types that allow one.
+    one_node = _tp2_ray_cluster(ray_cluster)
+    one_node["available_node_types"]["decode_gpu"].update(min_workers=1, max_workers=1)
+    assert tensor_parallel_errors(argv, cfg, _ray_node_groups(one_node)) == [
+        "decode_gpu: at most 1 nodes, 2 workers"]
+
+    (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
+    recipe = _tp2_raycluster(cluster)
+    _, validator = crd_validator(CRDS / "ray.io_rayclusters.yaml", "v1")
+    assert _errors(validator, recipe) == []
+    assert tensor_parallel_errors(argv, cfg, _kuberay_groups(recipe)) == []
+    assert tensor_parallel_errors(argv, cfg, _kuberay_groups(_tp2_raycluster(cluster, "1"))) == [
+        "decode: GPU 1, a decode worker of 2 ranks asks for 2"]
+
+
+def test_the_pools_share_one_per_rank_shape(k8s, monkeypatch):
+    """Both pools' pods are N x the same per-rank amounts: a decode pod given more
+    CPUs than a prefill pod of the same size is reported."""
+    argv = serve_command(_script(k8s[("Deployment", "tandem-control")]))
+    cfg = parse_serve(argv, monkeypatch)
+    (cluster,) = [o for (kind, _), o in k8s.items() if kind == "RayCluster"]
+    groups = _kuberay_groups(cluster)
+    decode = next(g for g in groups if g["resources"].get("decode"))
+    decode["resources"]["CPU"] *= 2
+    cpu = decode["resources"]["CPU"]
+    assert tensor_parallel_errors(argv, cfg, groups) == [
+        f"CPU per rank differs between the pools: {[cpu // 2, cpu]}"]
+
+
+def test_a_device_budget_beyond_the_node_types_is_reported(ray_cluster, monkeypatch):
+    argv = _ray_serve_argv(ray_cluster)
+    groups = _ray_node_groups(ray_cluster)
+    gpus = sum(g["max"] * g["resources"]["GPU"] for g in groups)
+    more = [*argv, "--max-prefill", "5", "--max-total-devices", str(gpus + 1)]
+    assert tensor_parallel_errors(more, parse_serve(more, monkeypatch), groups) == [
+        f"the planner may fill {gpus + 1} GPUs, the groups bring at most {gpus}"]
+    # Within the budget the larger pool maximum is fine: the planner stops at the budget.
+    capped = [*argv, "--max-prefill", "5", "--max-total-devices", str(gpus)]
+    assert tensor_parallel_errors(capped, parse_serve(capped, monkeypatch), groups) == []

@@ -28,6 +28,21 @@ def test_capacity_is_the_best_point_within_the_slo():
                                   "0.1", "--prefill-capacity", "180.0"]
 
 
+def test_a_sharded_workers_profile_is_its_groups_and_names_the_size():
+    """A profile of a 2-rank worker holds the whole group's tokens/s: its flags carry
+    the size, so that serve runs workers of the size the capacity was measured for."""
+    from tandem.router.cli import build_parser
+
+    prof = CapacityProfile(16, 4, 1.0, 0.1, decode=[ProfilePoint(1, 0.05, 30.0, True)],
+                           tensor_parallel_size=2)
+    assert prof.serve_flags() == ["--planner-mode", "slo", "--ttft-slo", "1", "--itl-slo",
+                                  "0.1", "--tensor-parallel-size", "2", "--decode-capacity",
+                                  "30.0"]
+    assert prof.to_dict()["tensor_parallel_size"] == 2
+    args = build_parser().parse_args(["serve", "--autoscale", *prof.serve_flags()])
+    assert args.tensor_parallel_size == 2 and args.decode_capacity == 30.0
+
+
 @pytest.fixture(scope="module")
 def engine(f32_weights):
     return LLMEngine(f32_weights.config, weights_from=f32_weights.engine)
@@ -41,6 +56,7 @@ def test_a_loose_slo_sweeps_to_the_limit_and_a_tight_one_stops_at_once(engine):
     assert all(p.meets_slo and p.p90_s > 0 and p.tok_s > 0 for p in loose.prefill + loose.decode)
     assert loose.prefill_capacity_tok_s == max(p.tok_s for p in loose.prefill)
     assert loose.decode_capacity_tok_s == max(p.tok_s for p in loose.decode)
+    assert loose.tensor_parallel_size == engine.config.tensor_parallel_size == 1
     tight = profile_capacity(engine, isl=16, osl=4, ttft_slo_s=1e-6, itl_slo_s=1e-6,
                              max_concurrency=4)
     assert [p.concurrency for p in tight.prefill + tight.decode] == [1, 1]
@@ -69,3 +85,21 @@ def test_cli_writes_the_profile_and_flags_serve_accepts(tmp_path, capsys):
     args = build_parser().parse_args(["serve", *flags])
     assert args.planner_mode == "slo" and args.prefill_capacity == pytest.approx(
         doc["prefill_capacity_tok_s"], abs=0.05)
+
+
+def test_a_two_rank_engine_is_profiled_as_one_worker():
+    """``tandem profile --tensor-parallel-size 2`` drives the whole group (rank 0's
+    engine, rank 1 following), so its capacities are one 2-device worker's."""
+    from tandem.engine.llm import LLM
+
+    llm = LLM(dtype="float32", tensor_parallel_size=2, num_blocks=32)
+    try:
+        prof = profile_capacity(llm.engine, isl=16, osl=4, ttft_slo_s=60.0, itl_slo_s=60.0,
+                                max_concurrency=2)
+        assert prof.tensor_parallel_size == 2
+        assert [p.concurrency for p in prof.decode] == [1, 2]
+        assert prof.serve_flags()[6:8] == ["--tensor-parallel-size", "2"]
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        llm.shutdown()

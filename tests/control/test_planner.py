@@ -141,8 +141,10 @@ class Pools:
     """A PoolController whose pools change only when a test says so (no Ray here:
     the Ray one is exercised in tests/cluster/test_autoscaling.py)."""
 
-    def __init__(self, prefill=1, decode=1):
-        self.sizes = {"prefill": PoolSize(prefill), "decode": PoolSize(decode)}
+    def __init__(self, prefill=1, decode=1, devices=None):
+        devices = devices or {}
+        self.sizes = {"prefill": PoolSize(prefill, devices_per_worker=devices.get("prefill", 1)),
+                      "decode": PoolSize(decode, devices_per_worker=devices.get("decode", 1))}
         self.calls: list[tuple[str, int]] = []
 
     def pool_sizes(self):
@@ -153,7 +155,7 @@ class Pools:
 
     async def scale(self, pool, target):
         self.calls.append((pool, target))
-        self.sizes[pool] = PoolSize(target)
+        self.sizes[pool] = PoolSize(target, devices_per_worker=self.sizes[pool].devices_per_worker)
 
 
 def _planner(**kw) -> tuple[Planner, Pools]:
@@ -362,3 +364,124 @@ def test_the_budget_caps_growth_until_the_other_pool_shrinks():
     d = {x.pool: x.target for x in planner.decide(
         stats, {"prefill": PoolSize(1), "decode": PoolSize(1)}, 30)}
     assert d == {"prefill": 1, "decode": 2}
+
+
+# -- workers as tensor-parallel groups --------------------------------------------------------------
+
+def _groups(prefill, decode, prefill_devices=1, decode_devices=2, **kw):
+    return {"prefill": PoolSize(prefill, devices_per_worker=prefill_devices, **kw),
+            "decode": PoolSize(decode, devices_per_worker=decode_devices)}
+
+
+def test_a_device_budget_counts_each_worker_as_its_group():
+    """Decode workers of 2 ranks cost 2 devices each: 8 devices hold 2 prefill + 3
+    decode workers, and a fourth decode worker does not fit; the same pools under a
+    budget of workers would grow on."""
+    kw = dict(max_prefill=4, max_decode=4, scale_up_cooldown_s=0)
+    saturated = IntervalStats(10, prefill_queue=600, decode_waiting=3)
+    planner, _ = _planner(max_total_devices=8, **kw)
+    assert _targets(planner, saturated, _groups(2, 2), 0) == {"prefill": 2, "decode": 3}
+    d = {x.pool: x for x in planner.decide(saturated, _groups(2, 3), 10)}
+    assert (d["decode"].current, d["decode"].target) == (3, 3)
+    assert d["decode"].reason.endswith("capped: 8 devices in all, 2 per decode worker")
+    by_workers, _ = _planner(max_total_workers=8, **kw)
+    assert _targets(by_workers, saturated, _groups(2, 3), 10)["decode"] == 4
+
+
+def test_a_group_is_started_whole_or_not_at_all():
+    """One device left: a 1-device prefill worker fits, half of a 2-device decode
+    worker is never asked for, however saturated decode is."""
+    kw = dict(max_total_devices=6, max_prefill=4, max_decode=4, scale_up_cooldown_s=0)
+    planner, _ = _planner(**kw)
+    busy = IntervalStats(10, prefill_queue=5000, decode_waiting=3)
+    # 1 + 2 x 2 = 5 devices used; prefill asks for the larger relative increase (2/1).
+    assert _targets(planner, busy, _groups(1, 2), 0) == {"prefill": 2, "decode": 2}
+    planner, _ = _planner(**kw)
+    decode_only = IntervalStats(10, prefill_queue=600, decode_waiting=3)
+    d = {x.pool: x for x in planner.decide(decode_only, _groups(1, 2), 0)}
+    assert d["decode"].target == 2 and "capped: 6 devices" in d["decode"].reason
+    # Draining workers hold their devices until they are gone: of 5, a draining
+    # prefill worker leaves 1 free; once it has gone, 2.
+    planner, _ = _planner(**{**kw, "max_total_devices": 5})
+    assert _targets(planner, decode_only, _groups(1, 1, draining=1), 0)["decode"] == 1
+    assert _targets(planner, decode_only, _groups(1, 1), 0)["decode"] == 2
+
+
+def test_slo_capacity_is_per_worker_whatever_its_devices():
+    """A profile of a 2-rank worker gives the group's tokens/s: the SLO target counts
+    workers (groups) from it, and only the device budget multiplies by the ranks."""
+    planner, _ = _planner(mode="slo", prefill_capacity_tok_s=200, decode_capacity_tok_s=40,
+                          min_samples=1, max_prefill=8, max_decode=8, max_total_devices=6,
+                          scale_up_cooldown_s=0)
+    # 1 request/s of OSL 100 = 100 output tokens/s over 40 per worker -> 3 workers.
+    stats = IntervalStats(10, num_arrivals=10, mean_isl=100, mean_osl=100, num_finished=10,
+                          ttft_p90_s=0.5, itl_p90_s=0.05)
+    assert slo_target("decode", stats, planner.config)[0] == 3
+    d = {x.pool: x for x in planner.decide(stats, _groups(1, 1), 0)}
+    # 6 devices - 1 prefill - 2 (the decode worker) leaves room for 1 more 2-device worker.
+    assert (d["decode"].wanted, d["decode"].target) == (3, 2)
+    assert (d["prefill"].wanted, d["prefill"].target) == (1, 1)
+
+
+def test_group_sizes_and_device_budgets_are_checked():
+    with pytest.raises(ValueError, match="devices_per_worker"):
+        PoolSize(1, devices_per_worker=0)
+    with pytest.raises(ValueError, match="draining"):
+        PoolSize(1, draining=-1)
+    assert PoolSize(2, pending=1, draining=1, devices_per_worker=4).devices == 16
+    with pytest.raises(ValueError, match="max_total_devices"):
+        PlannerConfig(max_total_devices=1)
+
+
+def test_the_controller_reads_the_group_sizes_from_the_serve_config():
+    from tandem.engine.config import EngineConfig
+    from tandem.router.autoscaler import devices_per_worker
+    from tandem.router.launcher import ServeConfig
+
+    assert devices_per_worker(ServeConfig()) == {"prefill": 1, "decode": 1}
+    colocated = ServeConfig(mode="colocated", engine=EngineConfig(tensor_parallel_size=2))
+    assert devices_per_worker(colocated)["decode"] == 2
+
+
+def test_serve_refuses_a_device_budget_below_its_initial_pools():
+    from tandem.router import cli
+
+    def config(*flags):
+        return cli._serve_config(cli.build_parser().parse_args(
+            ["serve", "--autoscale", "--num-prefill", "2", "--num-decode", "2", *flags]))
+    assert config("--max-total-devices", "4").autoscale.max_total_devices == 4
+    with pytest.raises(ValueError, match=r"--max-total-devices: 3 devices cannot hold the "
+                                         r"initial pools \(2 prefill x 1 \+ 2 decode x 1 = 4\)"):
+        config("--max-total-devices", "3")
+    assert config().autoscale.max_total_devices is None
+
+
+def test_a_planner_on_redis_caps_a_saturated_group_pool_by_devices(state):
+    """The loop on a real redis-server: decode workers of 2 ranks, saturated; the
+    budget of 5 devices (1 prefill + 2 x 2 decode) leaves no room for a third, and
+    the decision recorded in the cluster state says why."""
+    reporter = LoadReporter(state, "router-t")
+
+    class Ages(Pools):
+        def worker_ages(self):
+            return {"prefill-0": 100.0, "decode-0": 100.0, "decode-1": 100.0}
+
+    cfg = PlannerConfig(interval_s=0.2, sample_interval_s=0.05, decode_waiting_high=0.5,
+                        scale_up_cooldown_s=0, warmup_s=1, max_total_devices=5)
+    pools = Ages(prefill=1, decode=2, devices={"decode": 2})
+    planner = Planner(cfg, LoadReader(state), pools)
+
+    async def run():
+        decided = []
+        while not decided:
+            reporter.flush({"prefill-0": WorkerLoad("prefill", 0),
+                            "decode-0": WorkerLoad("decode", 0, 0.9, 4, 3),
+                            "decode-1": WorkerLoad("decode", 0, 0.9, 4, 3)})
+            decided = await planner.step()
+            await asyncio.sleep(0.05)
+        return decided
+    decisions = {d.pool: d for d in asyncio.run(run())}
+    assert pools.calls == []
+    assert (decisions["decode"].wanted, decisions["decode"].target) == (3, 2)
+    (entry,) = state.redis.xrange(state.key("planner", "decisions"))
+    assert "capped: 5 devices in all, 2 per decode worker" in entry[1]["decisions"]
