@@ -487,20 +487,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size: must be an integer >= 1, "
                              f"got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
         if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
             raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
                              "can complete a block, which is then quantized per channel with it)")
-
-    def _check_tensor_parallel(self) -> None:
-        tp = self.tensor_parallel_size
-        if self.cache.kv_cache_dtype != "auto":
-            raise ValueError(f"tensor_parallel_size: {tp} ranks need kv_cache_dtype 'auto', not "
-                             f"{self.cache.kv_cache_dtype!r}")
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            raise ValueError(f"tensor_parallel_size: {tp} ranks do not run a draft model yet "
-                             "(speculative method 'ngram' works)")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

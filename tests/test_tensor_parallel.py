@@ -257,10 +257,6 @@ def test_config_refusals_name_tensor_parallel_size():
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
             EngineConfig(tensor_parallel_size=bad)
-    from tandem.engine.config import CacheConfig
-
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need kv_cache_dtype"):
-        EngineConfig(tensor_parallel_size=2, cache=CacheConfig(kv_cache_dtype="fp8_e4m3"))
 
 
 def test_a_class_that_does_not_shard_is_refused_by_name(f32_weights):
@@ -356,6 +352,18 @@ def test_tp2_samples_forks_and_prompt_logprobs_like_tp1(tp2, tp1):
         for a, b in zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:]):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_tp2_refuses_a_kv_transfer_callback_by_name(tp2):
+    """A forward pass with a KV connector's per-layer callback (KV transfer) is refused
+    on rank 0 before anything is announced, so the group stays in step."""
+    ids = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(NotImplementedError, match="KV transfer .* is not sharded yet"):
+        tp2.engine.model(ids, ids, tp2.engine.kv_cache.tensor, None, tp2.engine.backend,
+                         after_layer=lambda layer: None)
+    assert tp2.engine.runner.broken is None
+    assert _ids(tp2.generate(PROMPTS[:1], GREEDY))[0][:8] == [7042, 30, 198, 198, 504, 2988,
+                                                               314, 42]
 
 
 TINY = {

@@ -12,8 +12,10 @@ Quantized weights shard by whole packed words, groups and blocks: each format's
 rank slice against the whole layer (exact, one process), then whole engines (the
 default model's GGUF blocks, tiny GPTQ and AWQ checkpoints) against one rank: the
 same greedy tokens, each rank's bytes exactly one rank's cut, logprobs within the
-float32 summation order of the row-parallel sums. Last, n-gram speculative decoding
-on 2 ranks gives one rank's tokens.
+float32 summation order of the row-parallel sums; quantized MoE experts (GPTQ, AWQ,
+GGUF) spread over the ranks likewise. Last, other features on 2 ranks against one
+rank: n-gram and draft-model speculative decoding, fp8 and int4 KV caches (each
+rank's own heads' scales and open-block K store) under swaps, forks and prefix hits.
 """
 
 from __future__ import annotations
@@ -337,6 +339,172 @@ def test_ngram_speculative_decoding_tp2_equals_tp1(f32_weights):
         assert st.num_drafts > 0 and st.num_accepted_tokens >= 16
         kv = tp2.engine.kv_cache_manager
         assert kv.num_free_blocks == kv.num_usable_blocks
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+def test_draft_model_speculative_decoding_tp2_equals_tp1(f32_weights):
+    """A draft model (the target's own file: self-drafting) on a sharded target: the
+    draft runs whole on rank 0 in its own cache (a copy of the weights, not the
+    shard), the verification through the sharded runner; greedy and seeded tokens
+    are one rank's with the same draft."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
+    tp1 = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights, speculative_config=spec)
+    want, want_seeded = _ids(tp1.generate(prompts, greedy)), _ids(tp1.generate(prompts, seeded))
+    assert want[0][:8] == [7042, 30, 198, 198, 504, 2988, 314, 42]     # one rank's, no drafts
+    tp2 = LLM(dtype="float32", tensor_parallel_size=2, num_blocks=64, speculative_config=spec)
+    try:
+        proposer = tp2.engine.proposer
+        assert proposer.self_draft and proposer.model is not tp2.engine.model
+        assert proposer.model.model.layers[0].self_attn.num_kv_heads == 3     # whole
+        assert _ids(tp2.generate(prompts, greedy)) == want
+        st = tp2.engine.scheduler.spec_stats
+        # self-drafting in greedy: every draft is the target's own argmax
+        assert st.num_drafts > 0 and st.num_accepted_tokens >= 0.9 * st.num_draft_tokens
+        assert _ids(tp2.generate(prompts, seeded)) == want_seeded
+        kv = tp2.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+# -- quantized KV caches with 2 ranks: each rank's own heads ---------------------------------------
+#
+# A quantized cache turns the last-bit differences of the row-parallel sums into a whole
+# quantization step wherever a value sits at a rounding boundary, and that difference
+# then spreads through the later layers (fp8, "Water boils at": rank 0's codes equal one
+# rank's up to layer 14, then 593 of 23,039 differ). So the tokens may part from one
+# rank's, but only at a near tie of one rank's own distribution (there: top-2 logprobs
+# -1.146 and -1.157 at token 4), as int4's do with one rank when only the batch changes.
+# That is what the tests check, for every prompt: the same tokens up to where they part,
+# and there one rank's best two within NEAR_TIE; and most prompts the same throughout.
+
+NEAR_TIE = 0.25
+"""Largest gap (nats) between one rank's best two logprobs where two ranks' greedy
+tokens may part with a quantized KV cache; a wrong shard parts far from any tie."""
+
+KV_PROMPTS = PROMPTS + ["Water boils at", "import numpy as np", "My favourite food is"]
+
+
+def _kv_engines(f32_weights, kv_cache_dtype: str):
+    """One rank and two, the default model in float32 with a quantized KV cache of 12
+    blocks (the 7 prompts need 21: swap preemptions) and swap space."""
+    kw = dict(dtype="float32", num_blocks=12, preemption_mode="swap", num_host_blocks=32,
+              kv_cache_dtype=kv_cache_dtype)
+    return LLM(weights_from=f32_weights, **kw), LLM(tensor_parallel_size=2, **kw)
+
+
+def _kv_runs(tp1, tp2, forks: list[int], min_same: int):
+    """Greedy under KV pressure (swaps): every prompt gives one rank's 32 tokens up to
+    where they part, only ever at a near tie, and ``min_same`` prompts all 32 (int4's
+    coarse steps meet more ties than fp8's); then seeded forks
+    of prompts ``forks`` (copy-on-write of the prompt's open last block, full blocks
+    from the prefix cache) give one rank's first samples."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=12, ignore_eos=True)
+    swaps = tp2.engine.scheduler.num_swap_preemptions
+    want, got = tp1.generate(KV_PROMPTS, greedy), _ids(tp2.generate(KV_PROMPTS, greedy))
+    assert tp2.engine.scheduler.num_swap_preemptions > swaps
+    same = 0
+    for i, (out, tokens) in enumerate(zip(want, got)):
+        one = out.outputs[0]
+        if tokens == one.token_ids:
+            same += 1
+            continue
+        k = next(j for j, (a, b) in enumerate(zip(tokens, one.token_ids)) if a != b)
+        (_, best), (_, second) = one.logprobs[k].top[:2]
+        assert best - second < NEAR_TIE, (
+            f"prompt {i} parts from one rank's tokens at token {k}, where one rank's best "
+            f"two logprobs are {best:.3f} and {second:.3f}: not a near tie")
+    assert same >= min_same, f"only {same} of {len(KV_PROMPTS)} prompts equal"
+    prompts = [KV_PROMPTS[i] for i in forks]
+    assert [[c.token_ids[:4] for c in o.outputs] for o in tp2.generate(prompts, seeded)] == \
+        [[c.token_ids[:4] for c in o.outputs] for o in tp1.generate(prompts, seeded)]
+    kv = tp2.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_fp8_kv_cache_tp2_equals_tp1(f32_weights):
+    """fp8 (e4m3) KV cache on 2 ranks: each rank calibrates with the others (the
+    sharded forward's all-reduces) and keeps its own heads' scales, rank 0's exactly
+    one rank's scales of KV heads 0-1; the tokens are one rank's (see above)."""
+    tp1, tp2 = _kv_engines(f32_weights, "fp8_e4m3")
+    try:
+        assert tp2.engine.kv_cache.tensor.dtype == torch.float8_e4m3fn
+        assert tuple(tp2.engine.kv_cache.scales.shape) == (30, 2, 2)
+        assert torch.equal(tp2.engine.kv_cache.scales, tp1.engine.kv_cache.scales[:, :, :2])
+        _kv_runs(tp1, tp2, forks=[0, 6], min_same=len(KV_PROMPTS) // 2 + 1)
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+def test_int4_kv_cache_tp2_equals_tp1(f32_weights):
+    """int4 KV cache on 2 ranks: each rank packs its own heads' rows and keeps its
+    own open-block K store, whose entries follow rank 0's (the block pool's calls
+    replayed; rank 1 recomputes each step's write plan and raises unless it is rank
+    0's) through swaps, copy-on-write and prefix hits; the tokens are one rank's
+    (see above)."""
+    tp1, tp2 = _kv_engines(f32_weights, "int4")
+    try:
+        assert tp2.engine.kv_cache.open_keys.shape[3] == 2          # rank 0's 2 KV heads
+        _kv_runs(tp1, tp2, forks=[4, 5], min_same=1)
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+# -- quantized experts spread over the ranks (expert parallelism) ---------------------------------
+
+@pytest.mark.parametrize("case", ["mixtral-gptq", "mixtral-awq", "mixtral-gguf-q4_0"])
+def test_quantized_experts_tp2_equal_tp1(case, tmp_path):
+    """A tiny Mixtral whose experts stay quantized (GPTQ / AWQ INT4_ZP blocks in groups
+    of 32, a GGUF file's Q4_0 blocks): rank 0 holds experts 0-3 of 8, each exactly one
+    rank's layer of that expert (the others' places empty), and the greedy tokens are
+    one rank's, prompt logprobs within float32 summation order."""
+    from tandem.kernels.cpu.gguf_linear import gguf_kernels_available
+    from tests.models.test_quantized_experts import (GGUF_CASES, _int4_checkpoints,
+                                                      quantize_gguf)
+
+    if not gguf_kernels_available():
+        pytest.skip("compiled CPU kernels unavailable")
+    if case.endswith("gguf-q4_0"):
+        from tests.models.conftest import save_tiny_checkpoint
+        from tests.models.gguf_files import write_gguf
+
+        (config_class, overrides, _), qtype = GGUF_CASES["mixtral-q4_0"]
+        save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
+        path = str(quantize_gguf(write_gguf(tmp_path / "hf", tmp_path / "f32.gguf"),
+                                 tmp_path / "q4_0.gguf", qtype))
+        kw, leaf = {"quantization": "gguf"}, "qweight"
+    else:
+        path, _, _ = _int4_checkpoints(tmp_path, "mixtral", case.split("-")[1])
+        kw, leaf = {}, "int4_blocks"
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    tp1 = LLM(path, dtype="float32", num_blocks=64, **kw)
+    want = tp1.generate(prompts, params)
+    tp2 = LLM(path, dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              max_num_batched_tokens=32, **kw)
+    try:
+        got = tp2.generate(prompts, params)
+        assert _ids(got) == _ids(want)
+        for o, w in zip(got, want):
+            assert max(abs(a.logprob - b.logprob) for a, b in
+                       zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:])) < 1e-4
+        moe1, moe2 = (llm.engine.model.model.layers[-1].mlp for llm in (tp1, tp2))
+        assert moe2.quantized_experts and moe2.local_experts == range(0, 4)
+        for e in range(4):
+            for proj in ("gate_up_proj", "down_proj"):
+                assert torch.equal(getattr(getattr(moe2.experts[e], proj), leaf),
+                                   getattr(getattr(moe1.experts[e], proj), leaf))
+        assert all(p.numel() == 0 for e in range(4, 8) for p in moe2.experts[e].parameters())
     finally:
         tp2.shutdown()
     assert tp2.engine.parallel.worker_exit_codes == [0]

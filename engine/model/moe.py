@@ -155,6 +155,32 @@ class QuantizedExpert(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, linear_method)
 
 
+class _AbsentLinear(nn.Module):
+    """Stands in for one projection of another rank's expert (expert parallelism):
+    the parameter names of ``template`` (so that the checkpoint's tensors of that
+    expert have their place) as empty tensors, and a :meth:`load_weight` that drops
+    what it is given. Never called."""
+
+    def __init__(self, template: Linear):
+        super().__init__()
+        for name, p in template.named_parameters(recurse=False):
+            self.register_parameter(name, nn.Parameter(torch.empty(0, dtype=p.dtype),
+                                                       requires_grad=False))
+        self.shard_ids = template.shard_ids
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Drop ``loaded``: another rank holds this expert."""
+
+
+def _absent_expert(expert: QuantizedExpert) -> nn.Module:
+    """``expert``'s place on a rank that does not hold it (:class:`_AbsentLinear`
+    projections)."""
+    absent = nn.Module()
+    absent.gate_up_proj = _AbsentLinear(expert.gate_up_proj)
+    absent.down_proj = _AbsentLinear(expert.down_proj)
+    return absent
+
+
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           weights_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing as transformers' ``*TopKRouter``: float32 softmax over the
@@ -258,17 +284,16 @@ class FusedMoE(nn.Module):
     runs only its experts' pairs, and one all-reduce sums the ranks' partial outputs:
     the combine an all-to-all dispatch would end with, without moving tokens, since
     each rank already has them all. A shared expert is tensor-parallel (its own
-    all-reduce). Quantized experts are not spread yet.
+    all-reduce). Quantized experts are spread the same way: the rank's experts are
+    whole :class:`QuantizedExpert` layers (every expert's weights in its format, as
+    one rank holds them), the others' places in :attr:`experts` empty modules that
+    drop their checkpoint tensors as they stream by.
 
     Args:
         cfg: the model config (``cfg.moe`` set; ``hidden_act`` SiLU).
         linear_method: the routed and shared experts' linear method (None: dense);
             the router and ``shared_expert_gate`` are dense in every format.
         comm: expert parallelism's communicator (None: every expert here).
-
-    Raises:
-        NotImplementedError: ``comm`` with quantized experts (the message names
-            ``tensor_parallel_size``).
 
     ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
     ``"loop"`` (:func:`moe_loop_reference`, for comparisons).
@@ -287,17 +312,15 @@ class FusedMoE(nn.Module):
         self.local_experts = range(moe.num_experts)
         """The experts this rank holds and runs (all of them without ``comm``)."""
         if comm is not None:
-            if self.quantized_experts:
-                raise NotImplementedError(
-                    f"tensor_parallel_size {comm.world_size}: quantized expert weights "
-                    f"({linear_method.name!r}) are not spread over ranks yet")
             from tandem.engine.parallel.partition import split_evenly
 
             start, size = split_evenly(moe.num_experts, comm.world_size, comm.rank)
             self.local_experts = range(start, start + size)
         if self.quantized_experts:
-            self.experts = nn.ModuleList(QuantizedExpert(h, i, linear_method)
-                                         for _ in range(moe.num_experts))
+            experts = [QuantizedExpert(h, i, linear_method) for _ in range(moe.num_experts)]
+            self.experts = nn.ModuleList(
+                x if e in self.local_experts else _absent_expert(x)
+                for e, x in enumerate(experts))
         else:
             self.experts = nn.Module()
             self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i],

@@ -30,9 +30,15 @@ class TensorParallelModelRunner(ModelRunner):
         comm: the group's communicator (rank 0).
         The other arguments are :class:`ModelRunner`'s.
 
+    The KV cache may be fp8 (each rank holds the calibrated scales of its own KV
+    heads, :func:`~tandem.engine.runtime.kv_scales.calibrate_kv_scales`) or int4
+    (each rank keeps its own open-block K store; rank 0 sends the block pool's
+    calls on its cache with the step's block operations, so every rank's store
+    assigns the same entries, :class:`~tandem.engine.parallel.messages.BlockOps`).
+
     Raises:
         NotImplementedError: (at a step) a forward pass with a KV connector's
-            per-layer callback, fp8 scales or an int4 store, which do not shard yet.
+            per-layer callback (KV transfer does not shard yet).
         RuntimeError: (at a step) an earlier step raised on this rank: the other
             ranks may be inside that step's collectives, so the group is out of step
             for good (build a new engine).
@@ -43,6 +49,8 @@ class TensorParallelModelRunner(ModelRunner):
         self.comm = comm
         self.broken: BaseException | None = None
         """The exception that interrupted a step, after which no step runs."""
+        if self.kv_cache.open_keys is not None:      # int4: the other ranks replay these
+            self.kv_cache.block_events = []
         self._forward_signature = inspect.signature(model.forward)
         model.register_forward_pre_hook(self._announce_step, with_kwargs=True)
         model.lm_head.register_forward_pre_hook(self._announce_logits)
@@ -53,10 +61,13 @@ class TensorParallelModelRunner(ModelRunner):
                                f"({type(self.broken).__name__}: {self.broken}); the ranks are "
                                "out of step, build a new engine") from self.broken
         try:
-            if out.blocks_to_swap_out or out.blocks_to_swap_in or out.block_copies:
+            events = self.kv_cache.block_events or []
+            if events:
+                self.kv_cache.block_events = []
+            if out.blocks_to_swap_out or out.blocks_to_swap_in or out.block_copies or events:
                 self.comm.broadcast_object(BlockOps(list(out.blocks_to_swap_out),
                                                     list(out.blocks_to_swap_in),
-                                                    list(out.block_copies)))
+                                                    list(out.block_copies), events))
             return super().execute(out)
         except BaseException as exc:
             self.broken = exc
@@ -64,9 +75,11 @@ class TensorParallelModelRunner(ModelRunner):
 
     def _announce_step(self, module, args, kwargs):
         bound = self._forward_signature.bind(*args, **kwargs).arguments
-        if any(bound.get(k) is not None for k in ("after_layer", "kv_scales", "open_keys")):
-            raise NotImplementedError("tensor_parallel_size > 1: KV transfer and fp8 / int4 KV "
-                                      "caches are not sharded yet")
+        if bound.get("after_layer") is not None:
+            raise NotImplementedError("tensor_parallel_size > 1: KV transfer (a KV connector's "
+                                      "per-layer callback) is not sharded yet")
+        # The other ranks pass their own fp8 scales / int4 store (their heads'), and
+        # recompute the int4 write plan that meta carries from their own store.
         self.comm.broadcast_object(StepInput(bound["input_ids"], bound["positions"],
                                              bound["meta"]))
 

@@ -13,6 +13,7 @@ gather of logits to rank 0). Started by
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
@@ -27,10 +28,11 @@ from tandem.engine.model.layers import DecoderForCausalLM
 from tandem.engine.parallel.communicator import Communicator, TorchDistributedCommunicator
 from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for,
                                           rank_device, rank_model_config, threads_per_rank)
-from tandem.engine.parallel.messages import (BlockOps, LogitsRequest, Shutdown, StepInput,
-                                             WorkerSetup)
+from tandem.engine.parallel.messages import (BlockOps, CalibrateKVScales, LogitsRequest,
+                                             Shutdown, StepInput, WorkerSetup)
 from tandem.engine.runtime.model_runner import KVCache
-from tandem.kernels.attention_backend import AttentionBackend
+from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from tandem.kernels.int4_kv import Int4WritePlan
 
 
 @torch.inference_mode()
@@ -39,16 +41,30 @@ def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
     """Run rank 0's steps on this rank's shard until a
     :class:`~tandem.engine.parallel.messages.Shutdown`.
 
+    With a quantized KV cache the forward passes this rank's fp8 scales or int4
+    open-block K store; a step's int4 write plan is recomputed from this rank's
+    store (:func:`_int4_plan`) after the block pool's calls rank 0 sent are replayed.
+
     Raises:
-        RuntimeError: a message of an unknown kind, or the group broke (rank 0 gone).
+        RuntimeError: a message of an unknown kind, the group broke (rank 0 gone), or
+            this rank's int4 write plan differs from rank 0's.
     """
     while True:
         msg = comm.broadcast_object(None, src=0)
         if isinstance(msg, StepInput):
-            model(msg.input_ids, msg.positions, kv_cache.tensor, msg.meta, backend)
+            meta = msg.meta
+            if meta.int4_plan is not None:
+                meta = dataclasses.replace(meta, int4_plan=_int4_plan(kv_cache, meta))
+            model(msg.input_ids, msg.positions, kv_cache.tensor, meta, backend,
+                  kv_scales=kv_cache.scales, open_keys=kv_cache.open_keys)
         elif isinstance(msg, LogitsRequest):
             model.lm_head(msg.hidden)            # this rank's vocabulary rows, gathered on rank 0
         elif isinstance(msg, BlockOps):
+            for name, block_ids in msg.block_events:
+                if name == "allocated":
+                    kv_cache.blocks_allocated(block_ids)
+                else:
+                    kv_cache.blocks_released(block_ids)
             kv_cache.swap_out(msg.blocks_to_swap_out)
             kv_cache.swap_in(msg.blocks_to_swap_in)
             kv_cache.copy_blocks(msg.block_copies)
@@ -58,6 +74,24 @@ def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
             raise RuntimeError(f"tensor-parallel worker: unexpected message {type(msg).__name__}")
 
 
+def _int4_plan(kv_cache: KVCache, meta: AttentionMetadata) -> Int4WritePlan:
+    """This rank's int4 write plan for the step of ``meta``: recomputed from its own
+    open-block K store (rebuilding or growing it as rank 0's did), which names the
+    same entries as rank 0's plan in ``meta``.
+
+    Raises:
+        RuntimeError: the plans differ (the stores went out of step).
+    """
+    plan = kv_cache.plan_int4_write(meta.slot_mapping.tolist(), meta.block_tables,
+                                    meta.seq_lens_cpu)
+    want = meta.int4_plan
+    for f in dataclasses.fields(plan):
+        if not torch.equal(getattr(plan, f.name).cpu(), getattr(want, f.name).cpu()):
+            raise RuntimeError(f"tensor-parallel worker: int4 write plan's {f.name} differs "
+                               "from rank 0's (the open-block K stores are out of step)")
+    return plan
+
+
 def run_worker(init: WorkerInit) -> None:
     """Join the group, load this rank's shard, allocate the KV cache rank 0 sized,
     and :func:`follow`. A failure before following is written to the store (rank 0
@@ -65,7 +99,7 @@ def run_worker(init: WorkerInit) -> None:
     """
     from tandem.engine.model.loader import load_model
     from tandem.engine.model.model_files import resolve_model
-    from tandem.engine.runtime.kv_scales import kv_cache_torch_dtype
+    from tandem.engine.runtime.kv_scales import calibrate_kv_scales, kv_cache_torch_dtype
     from tandem.kernels.registry import get_attention_backend
 
     config, rank = init.config, init.rank
@@ -84,13 +118,22 @@ def run_worker(init: WorkerInit) -> None:
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"loaded/{rank}", "ok")
+    kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, config.torch_dtype)
     setup = comm.broadcast_object(None, src=0)
+    scales = None
+    if isinstance(setup, CalibrateKVScales):        # fp8: this rank's heads' scales
+        scales = calibrate_kv_scales(model, cfg, setup.token_ids, config.torch_dtype, device,
+                                     setup.block_size)
+        setup = comm.broadcast_object(None, src=0)
     if isinstance(setup, Shutdown):
         return
     assert isinstance(setup, WorkerSetup), type(setup)
-    kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, config.torch_dtype)
+    # int4: the open-block K store starts with as many entries as rank 0's (the
+    # engine's max_num_seqs), so that both grow alike.
+    open_entries = config.scheduler.max_num_seqs if kv_dtype == torch.uint8 else None
     kv_cache = KVCache(rank_model_config(cfg, init.world_size, rank), setup.num_blocks,
-                       config.cache.block_size, kv_dtype, device, setup.num_host_blocks)
+                       config.cache.block_size, kv_dtype, device, setup.num_host_blocks,
+                       scales, config.torch_dtype, open_entries)
     backend = get_attention_backend(config.attention_backend, device, config.torch_dtype,
                                     config.batch_invariant)
     try:

@@ -28,6 +28,13 @@ first user request keeps the scales the same on every engine of a model, which
 the KV transfer relies on: the two ends of a transfer compute their scales
 independently and compare a checksum (:func:`scales_checksum`) in the layout
 handshake instead of sending them.
+
+Under tensor parallelism every rank calibrates at once (rank 0 sends the prompt to
+the others, :class:`~tandem.engine.parallel.messages.CalibrateKVScales`: the sharded
+forward's all-reduces need every rank) and keeps the scales of its own KV heads,
+taken from the K and V it writes itself. Those are the heads' scales of one rank up to
+the float32 rounding of the row-parallel sums, which the power-of-two rounding
+almost always absorbs (SmolLM2: rank 0's scales are exactly one rank's heads 0-1).
 """
 
 from __future__ import annotations
@@ -95,16 +102,22 @@ def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: to
     attention backend, so the result depends only on the model, the prompt and
     the device's arithmetic, not on which attention backend the engine runs.
 
+    A tensor-parallel shard (a model built with a communicator of several ranks):
+    every rank calls this with the same prompt (rank 0 first broadcasts it, see
+    the module docstring), and each gets its own KV heads' scales.
+
     Args:
-        model: a loaded :class:`~tandem.engine.model.llama.LlamaForCausalLM`.
-        cfg: its :class:`ModelConfig`.
+        model: a loaded :class:`~tandem.engine.model.layers.DecoderForCausalLM`, or
+            a rank's shard of one.
+        cfg: its :class:`ModelConfig` (the whole model's, also for a shard).
         token_ids: the calibration prompt (non-empty, at most ``cfg.max_model_len``).
         dtype: the model dtype.
         device: where the model runs.
         block_size: block size of the scratch cache.
 
     Returns:
-        ``[L, 2, Hkv]`` float32 scales on ``device`` (index 0 of dim 1: K, 1: V).
+        ``[L, 2, Hkv]`` float32 scales on ``device`` (index 0 of dim 1: K, 1: V);
+        for a shard, ``Hkv`` is the rank's KV heads.
 
     Raises:
         ValueError: an empty prompt, or one longer than the model's context.
@@ -115,6 +128,15 @@ def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: to
     n = len(token_ids)
     if not 0 < n <= cfg.max_model_len:
         raise ValueError(f"calibration prompt: need 1..{cfg.max_model_len} tokens, got {n}")
+    comm = getattr(getattr(model, "lm_head", None), "comm", None)
+    if comm is not None and comm.world_size > 1:
+        from tandem.engine.parallel.group import rank_model_config
+
+        if comm.rank == 0:
+            from tandem.engine.parallel.messages import CalibrateKVScales
+
+            comm.broadcast_object(CalibrateKVScales(list(token_ids), block_size))
+        cfg = rank_model_config(cfg, comm.world_size, comm.rank)
     num_blocks = math.ceil(n / block_size)
     cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                         cfg.head_dim, dtype=dtype, device=device)

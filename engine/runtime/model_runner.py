@@ -134,6 +134,10 @@ class KVCache:
             self._free_entries = list(range(entries - 1, -1, -1))
             self._host_open: dict[int, torch.Tensor] = {}       # host block -> [L, BS, Hkv, D]
             self._released: set[int] = set()
+        self.block_events: list[tuple[str, list[int]]] | None = None
+        """When a list (a tensor-parallel rank 0 sets it): each :meth:`blocks_allocated`
+        and :meth:`blocks_released` call of an int4 cache appends ``(name, block
+        ids)``, so the other ranks can replay them on their caches."""
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row)
         if device.type == "cpu":
             self.tensor = zeros_in_huge_pages(shape, dtype)
@@ -196,6 +200,8 @@ class KVCache:
     def blocks_allocated(self, block_ids: list[int]) -> None:
         """The block pool handed these blocks to a new owner: forget their entries."""
         if self.open_keys is not None:
+            if self.block_events is not None:
+                self.block_events.append(("allocated", list(block_ids)))
             for b in block_ids:
                 self._drop_entry(b)
                 self._released.discard(b)
@@ -204,6 +210,8 @@ class KVCache:
         """These blocks reached ref count 0: their entries go at the next
         :meth:`plan_int4_write`, after this step's swaps and copies used them."""
         if self.open_keys is not None:
+            if self.block_events is not None:
+                self.block_events.append(("released", list(block_ids)))
             self._released.update(b for b in block_ids if b in self._entry_of)
 
     @property

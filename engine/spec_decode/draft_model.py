@@ -51,12 +51,18 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class DraftModelProposer(Proposer):
     """Drafts with a second model (or the target itself: self-drafting).
 
+    With a tensor-parallel target (``engine.parallel``) the draft model is whole on
+    rank 0 and runs there only, in its own KV cache, which the other ranks never
+    hear of; the target's verification forward is the sharded runner's, as any
+    step's. Self-drafting then loads a whole copy of the target's file (a rank holds
+    only its shard).
+
     Args:
         config: the :class:`~tandem.engine.config.SpeculativeConfig` (``draft_model``,
             ``num_speculative_tokens``, ``draft_num_blocks``).
         engine: the target :class:`~tandem.engine.runtime.llm_engine.LLMEngine`;
             its dtype, device, block size and attention backend are used, and its
-            weights when the draft model is the target's own file.
+            weights when the draft model is the target's own file (unsharded).
 
     Raises:
         ValueError: the draft model's vocabulary differs from the target's.
@@ -76,7 +82,15 @@ class DraftModelProposer(Proposer):
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"draft_model: {exc}") from exc
         self.self_draft = files == engine.model_files
-        if self.self_draft:
+        if self.self_draft and engine.parallel is not None:
+            # A sharded target: the draft runs unsharded on rank 0 alone (a draft
+            # tensor-parallel size of 1, as vLLM allows), so it cannot share the
+            # target's shard (its collectives, its announced forward): a whole copy
+            # of the same weights in the same format.
+            self.model, self.model_config = load_model(
+                files, ec.torch_dtype, self.device, ec.quantization, ec.batch_invariant,
+                ec.activation_quantization)
+        elif self.self_draft:
             self.model, self.model_config = engine.model, engine.model_config
         else:
             self.model, self.model_config = load_model(files, ec.torch_dtype, self.device,
