@@ -224,7 +224,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             # transformers >= 5 writes the base inside "rope_parameters" only.
             rope_theta=features.rope_theta or 10000.0,
-            max_model_len=cfg.get("max_position_embeddings", 2048),
+            max_model_len=features.max_model_len or cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,

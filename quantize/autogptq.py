@@ -25,6 +25,14 @@ norms, an untied ``lm_head``) dense in float16; ``config.json`` carries
 for AutoGPTQ; the tokenizer comes along
 (:func:`~tandem.quantize.dense.write_checkpoint`). RTN writes the same layout: it is
 GPTQ's format without the error feedback.
+
+**Mixture of experts.** RTN needs no forward, so it also quantizes Mixtral and
+Qwen3-MoE checkpoints: every expert's gate/up/down projection
+(``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, ``mlp.experts.{e}.gate_proj``
+/ ``up_proj`` / ``down_proj``) gets its own ``qweight`` / ``qzeros`` / ``scales`` /
+``g_idx``, as the engine's GPTQ experts load them; the router stays float16. GPTQ's
+calibration runs the dense Llama forward, which has no MoE block: it refuses such a
+model (:func:`~tandem.quantize.dense.load_dense`).
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.quantization.packing import QuantizedWeight, pack_factor
 from tandem.kernels.reference import rope_cos_sin_cache
 from tandem.quantize.dense import (GROUPS, LINEAR_NAMES, GroupHook, calibration_segments,
-                                   check_output, data_path, layer_weights, load_dense,
-                                   progress_bar, quantized_state, run_layer, write_checkpoint)
+                                   check_output, data_path, decoder_linears, layer_weights,
+                                   load_dense, progress_bar, quantized_state, run_layer,
+                                   write_checkpoint)
 from tandem.quantize.gptq import HessianAccumulator, gptq_quantize
 from tandem.quantize.rtn import check_group_size, quantize_rtn
 
@@ -226,6 +235,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
         ValueError: (naming the argument) unknown ``method``; ``desc_act`` with
             ``rtn``; bad ``bits``, ``group_size``, ``damp``, token counts;
             a non-empty ``output``; an already quantized ``model``.
+        UnsupportedModelError: an architecture the method does not quantize (GPTQ: a
+            mixture-of-experts model, naming the method and the architecture).
         FileNotFoundError: ``model`` or ``calibration_file`` does not exist.
     """
     if method not in METHODS:
@@ -238,11 +249,12 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
     if not sink_weight > 0:
         raise ValueError(f"sink_weight: must be > 0, got {sink_weight!r}")
     check_output(output)
-    dense = load_dense(model)
+    # RTN needs no forward: it also quantizes Mixtral / Qwen3-MoE experts
+    dense = load_dense(model, forward=method == "gptq", who=f"tandem quantize --method {method}")
     cfg, tensors = dense.cfg, dense.weights
-    for short, w in layer_weights(tensors, 0).items():    # every layer has the same shapes
-        if short in LINEAR_NAMES:
-            check_group_size(group_size, w.shape[1], bits)
+    modules = decoder_linears(cfg)
+    for width in sorted({tensors[m + ".weight"].shape[1] for m in modules}):
+        check_group_size(group_size, width, bits)
 
     from tandem.engine.text.tokenizer import Tokenizer
 
@@ -251,9 +263,7 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
     losses: dict[str, float] = {}
     n_tokens = 0
     if method == "rtn":
-        names = [f"model.layers.{i}.{name}" for i in range(cfg.num_layers)
-                 for name in LINEAR_NAMES.values()]
-        for module in progress_bar(names, progress, "linears"):
+        for module in progress_bar(modules, progress, "linears"):
             quantized[module] = quantize_rtn(tensors[module + ".weight"], bits, group_size)
     else:
         path = calibration_file or data_path("calibration.txt")

@@ -469,7 +469,7 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
     if bits != 4:
         raise ValueError(f"bits: the AWQ gemm layout packs 4-bit codes, got {bits}")
     check_output(output_dir, "output_dir")
-    dense = load_dense(model_path)
+    dense = load_dense(model_path, who="tandem quantize --method awq")
     cfg, weights = dense.cfg, dense.weights
     widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size}
     bad = sorted(k for k in widths if k % group_size)

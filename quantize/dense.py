@@ -18,6 +18,15 @@ forward of its own. A model whose registered architecture computes anything else
 such a model in quantized form means extending this one forward (and
 :data:`LINEAR_NAMES`), not copying the loader.
 
+**Mixture of experts, weights only.** A quantizer that needs no forward (RTN)
+loads with ``forward=False``: then Mixtral and Qwen3-MoE are accepted too
+(:data:`WEIGHTS_ONLY_MOE`), and :func:`expert_linear` names each expert's
+projections (``block_sparse_moe.experts.{e}.w1``, ``mlp.experts.{e}.gate_proj``, ...;
+transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are split
+into those per-expert names at load, as the engine's loader reads them). The router
+(``gate``) stays dense. Calibrated methods (GPTQ, AWQ) load with ``forward=True`` and
+refuse a mixture-of-experts model by name: :func:`run_layer` has no MoE block.
+
 A decoder layer's tensors go by short names (:data:`LINEAR_NAMES`,
 :data:`NORM_NAMES`: ``q`` .. ``down``, ``ln1``, ``ln2``) in every quantizer.
 
@@ -52,6 +61,8 @@ NORM_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
 # the layer uses them (the order of :func:`run_layer`'s hook calls).
 GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
                                       "gate_up": ("gate", "up"), "down": ("down",)}
+# Architectures whose experts a weights-only quantizer (RTN) quantizes (``forward=False``).
+WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Tokenizer and generation files copied from a Hugging Face source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -81,22 +92,33 @@ class DenseModel(NamedTuple):
     weights: dict[str, torch.Tensor]
 
 
-def load_dense(model: str | None) -> DenseModel:
+def load_dense(model: str | None, forward: bool = True,
+               who: str = "tandem quantize") -> DenseModel:
     """A dense model's files, config and float32 tensors.
 
     Args:
         model: None (the default model), a .gguf file or a Hugging Face checkpoint
             directory.
+        forward: the caller runs :func:`run_layer` on it (calibration): the model
+            must be numerically a plain Llama. False (weights only, RTN): Mixtral and
+            Qwen3-MoE Hugging Face checkpoints are accepted too (:data:`WEIGHTS_ONLY_MOE`).
+        who: the method, as errors name it (``tandem quantize --method gptq``).
 
     Raises:
         FileNotFoundError: nothing loadable at ``model``.
-        ValueError: (naming ``model``) the checkpoint is already quantized.
+        ValueError: (naming ``model``) the checkpoint is already quantized; a
+            mixture-of-experts GGUF file (its config.json would have to be rebuilt
+            from the file's metadata: requantize it to a GGUF type instead).
         UnsupportedModelError: the architecture (or a feature of it) is not what the
-            dense forward computes (:meth:`ModelConfig.check_plain_llama`).
-        WeightLoadError: a tensor the forward needs is missing.
+            dense forward computes (:meth:`ModelConfig.check_plain_llama`); with
+            ``forward``, a mixture-of-experts model (field ``architectures``, naming
+            ``who`` and the architecture); without, an MoE architecture not in
+            :data:`WEIGHTS_ONLY_MOE`.
+        WeightLoadError: a tensor the forward (or the writer) needs is missing.
     """
     from tandem.engine.model.loader import gguf_checkpoint
     from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.model.registry import UnsupportedModelError
     from tandem.engine.model.weights import iter_safetensors
     from tandem.engine.quantization.checkpoint import checkpoint_quantization_config
 
@@ -109,14 +131,32 @@ def load_dense(model: str | None) -> DenseModel:
                              "quantization_config); quantize a dense checkpoint")
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = iter_safetensors(files.path)
-    cfg.check_plain_llama("tandem quantize")
+    if cfg.moe is not None:
+        if forward:
+            raise UnsupportedModelError(
+                "architectures", f"{who} cannot quantize {cfg.architecture}: its calibration "
+                "runs the dense Llama forward, which has no mixture-of-experts block (use "
+                "--method rtn, or a GGUF type on a .gguf file)")
+        if cfg.architecture not in WEIGHTS_ONLY_MOE:
+            raise UnsupportedModelError(
+                "architectures", f"{who} quantizes the experts of "
+                f"{', '.join(WEIGHTS_ONLY_MOE)} only, not {cfg.architecture}")
+        if files.format == "gguf":
+            raise ValueError(f"model: {files.path} is a mixture-of-experts GGUF file; {who} "
+                             "writes Hugging Face checkpoints of such models from their "
+                             "Hugging Face directory (a GGUF type rewrites the file)")
+    else:
+        cfg.check_plain_llama(who)
     weights = {name: t.to(torch.float32).contiguous() for name, t in tensors
                if not name.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if cfg.moe is not None:
+        _split_stacked_experts(cfg, weights)
     needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"{m}.weight" for m in decoder_linears(cfg)] + [
         f"model.layers.{i}.{v}.weight" for i in range(cfg.num_layers)
-        for v in (*LINEAR_NAMES.values(), *NORM_NAMES.values())]
+        for v in NORM_NAMES.values()]
     if not cfg.tie_word_embeddings:
         needed.append("lm_head.weight")
     missing = [n for n in needed if n not in weights]
@@ -124,6 +164,55 @@ def load_dense(model: str | None) -> DenseModel:
         raise WeightLoadError(f"checkpoint lacks {missing[:4]}"
                               + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else ""))
     return DenseModel(files, cfg, weights)
+
+
+def _moe_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+    """``(block, (gate, up, down))``: the checkpoint's name of the MoE block and of
+    each expert's gate, up and down projections (Mixtral: ``block_sparse_moe``,
+    ``w1``, ``w3``, ``w2``), as the engine's model class maps them."""
+    from tandem.engine.model.registry import MODEL_REGISTRY
+
+    cls = MODEL_REGISTRY.model_class(cfg.architecture)
+    by_role = {v: k for k, v in cls.expert_projections.items()}
+    return cls.checkpoint_block, (by_role[("gate_up_proj", 0)], by_role[("gate_up_proj", 1)],
+                                  by_role[("down_proj", 0)])
+
+
+def decoder_linears(cfg: ModelConfig) -> list[str]:
+    """Module names of every linear a quantizer replaces, layer by layer: q/k/v/o,
+    then a dense layer's gate/up/down or a sparse layer's experts' (expert by expert,
+    gate, up, down; the router is not among them)."""
+    out = []
+    moe = cfg.moe
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        out += [f"{p}.{LINEAR_NAMES[k]}" for k in ("q", "k", "v", "o")]
+        if moe is not None and moe.sparse_layers[i]:
+            block, projs = _moe_names(cfg)
+            out += [f"{p}.{block}.experts.{e}.{proj}" for e in range(moe.num_experts)
+                    for proj in projs]
+        else:
+            out += [f"{p}.{LINEAR_NAMES[k]}" for k in ("gate", "up", "down")]
+    return out
+
+
+def _split_stacked_experts(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Replace transformers 5's stacked ``{block}.experts.gate_up_proj`` ``[E, 2I, H]``
+    (gate rows, then up rows) and ``{block}.experts.down_proj`` ``[E, H, I]`` in
+    ``weights`` by per-expert ``{block}.experts.{e}.{proj}.weight`` tensors."""
+    block, (gate, up, down) = _moe_names(cfg)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.{block}.experts"
+        gate_up = weights.pop(f"{p}.gate_up_proj", None)
+        if gate_up is not None:
+            g, u = gate_up.chunk(2, dim=1)
+            for e in range(gate_up.shape[0]):
+                weights[f"{p}.{e}.{gate}.weight"] = g[e].contiguous()
+                weights[f"{p}.{e}.{up}.weight"] = u[e].contiguous()
+        stacked_down = weights.pop(f"{p}.down_proj", None)
+        if stacked_down is not None:
+            for e in range(stacked_down.shape[0]):
+                weights[f"{p}.{e}.{down}.weight"] = stacked_down[e].contiguous()
 
 
 def calibration_segments(tokenizer, text: str, segment_len: int = 512,
@@ -172,6 +261,22 @@ def decoder_linear(name: str) -> str | None:
     parts = module.split(".", 3)
     if (leaf == "weight" and len(parts) == 4 and parts[:2] == ["model", "layers"]
             and parts[2].isdigit() and parts[3] in LINEAR_NAMES.values()):
+        return module
+    return None
+
+
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def expert_linear(name: str) -> str | None:
+    """``model.layers.3.mlp.experts.5.up_proj.weight`` (or Mixtral's
+    ``...block_sparse_moe.experts.5.w3.weight``) -> the expert projection's module
+    name; None for any other tensor (routers and shared experts included)."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".")
+    if (leaf == "weight" and len(parts) == 7 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and parts[3] in ("mlp", "block_sparse_moe")
+            and parts[4] == "experts" and parts[5].isdigit() and parts[6] in _EXPERT_PROJS):
         return module
     return None
 
@@ -350,13 +455,14 @@ def check_output(output: str, argument: str = "output") -> None:
 def quantized_state(weights: dict[str, torch.Tensor],
                     pack: Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
                     ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: for each decoder linear (:func:`decoder_linear`)
-    ``pack(module, weight)`` gives its packed tensors by leaf name (``qweight``,
-    ``scales``, ...; stored as ``{module}.{leaf}``), or None to keep it dense; every
-    other tensor is stored in float16."""
+    """The checkpoint's tensors: for each decoder linear (:func:`decoder_linear`,
+    and each expert projection, :func:`expert_linear`) ``pack(module, weight)``
+    gives its packed tensors by leaf name (``qweight``, ``scales``, ...; stored as
+    ``{module}.{leaf}``), or None to keep it dense; every other tensor is stored in
+    float16."""
     state: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        module = decoder_linear(name)
+        module = decoder_linear(name) or expert_linear(name)
         packed = pack(module, t) if module is not None else None
         if packed is None:
             state[name] = t.to(torch.float16).contiguous()

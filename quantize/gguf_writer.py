@@ -17,6 +17,12 @@ one with ``gguf.GGUFWriter``:
   requantization keeps), so the result is read exactly as the source is. A tensor
   already stored in the target type is copied as stored (requantizing it could only
   add rounding);
+- the experts of a mixture-of-experts file (``ffn_gate_exps``, ``ffn_up_exps``,
+  ``ffn_down_exps``: one 3-D tensor ``[E, out, in]`` per projection and layer) are
+  requantized like the projections, each expert's rows in place, and so are
+  Qwen2-MoE's shared-expert projections (``ffn_*_shexp``); the routers
+  (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) are copied as stored, as
+  ``llama-quantize`` keeps them;
 - 1-D tensors (the norms) are written as F32; other tensors are copied as stored.
 
 As ``llama-quantize`` does, the output matrix (``output.weight``, or the token
@@ -29,7 +35,10 @@ K-quant rows must hold whole 256-weight super-blocks. A tensor whose rows do not
 ``Q4_K_M`` is llama.cpp's mix of that name (:func:`q4_k_m_type`): Q4_K, with Q6_K for
 the output matrix (the token embedding when the output is tied to it) and for
 ``attn_v`` / ``ffn_down`` of the first and last eighth of the layers and every third
-layer between.
+layer between (``ffn_down_exps`` and ``ffn_down_shexp`` count as ``ffn_down``, as
+llama.cpp matches them by name). Not reproduced: llama.cpp's extra bits for 8-expert
+models in this mix (``attn_v`` in Q8_0, ``attn_output`` in Q5_K, which this writer
+does not produce).
 
 Tensors are written one at a time (the output's layout is planned from the shapes
 first), so memory holds one tensor's float32 copy at a time, not the model.
@@ -62,7 +71,9 @@ _LOW_BIT = ("Q6_K", "Q5_0", "Q4_K", "Q4_K_M", "Q4_0", "Q4_1")
 
 #: GGUF tensor-name stems of the projection matrices (``blk.{i}.<stem>.weight``).
 PROJECTION_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                    "ffn_down")
+                    "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+#: GGUF tensor-name stems of the stacked expert matrices ``[E, out, in]``.
+EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 #: GGUF tensor names of the embedding and the output (LM head) matrices.
 EMBEDDING_NAMES = ("token_embd.weight", "output.weight")
 
@@ -77,6 +88,7 @@ def tensor_kind(name: str, n_dims: int) -> str:
 
     Returns:
         ``"projection"`` (``blk.{i}.attn_q.weight``, ... see :data:`PROJECTION_STEMS`),
+        ``"expert"`` (``blk.{i}.ffn_up_exps.weight``, ... see :data:`EXPERT_STEMS`),
         ``"embedding"`` (:data:`EMBEDDING_NAMES`), ``"norm"`` (any 1-D tensor) or
         ``"other"``.
     """
@@ -85,9 +97,11 @@ def tensor_kind(name: str, n_dims: int) -> str:
     if name in EMBEDDING_NAMES:
         return "embedding"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in PROJECTION_STEMS \
-            and parts[3] == "weight":
-        return "projection"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
+        if parts[2] in PROJECTION_STEMS:
+            return "projection"
+        if parts[2] in EXPERT_STEMS and n_dims == 3:
+            return "expert"
     return "other"
 
 
@@ -121,7 +135,8 @@ def q4_k_m_type(name: str, num_layers: int, has_output: bool) -> str:
     if name == "output.weight" or (name == "token_embd.weight" and not has_output):
         return "Q6_K"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") \
+    if len(parts) == 4 and parts[0] == "blk" \
+            and (parts[2] == "attn_v" or parts[2].startswith("ffn_down")) \
             and _use_more_bits(int(parts[1]), num_layers):
         return "Q6_K"
     return "Q4_K"
@@ -195,7 +210,7 @@ def _plan(reader, target: str, keep_embedding: bool
         kind = tensor_kind(t.name, len(shape))
         if kind == "norm":
             out_type = QT.F32
-        elif kind == "projection" or (kind == "embedding" and not keep_embedding):
+        elif kind in ("projection", "expert") or (kind == "embedding" and not keep_embedding):
             out_type = QT[target_type(t.name, target, num_layers, "output.weight" in names,
                                       shape[-1])]
         else:

@@ -189,7 +189,8 @@ def _dense_copy(quantized_dir: str, out: Path, dtype: torch.dtype) -> str:
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(quantized_dir, name), out / name)
+        if os.path.exists(os.path.join(quantized_dir, name)):   # tiny checkpoints: no template
+            shutil.copy(os.path.join(quantized_dir, name), out / name)
     return str(out)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tandem.kernels.reference import rope_cos_sin_cache
 from tandem.quantize.dense import (GROUPS, check_output, decoder_layer, decoder_linear,
-                                   quantized_state, run_layer)
+                                   expert_linear, quantized_state, run_layer)
 
 # hidden 8, 2 query heads and 1 KV head of 4, FFN 12
 CFG = SimpleNamespace(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
@@ -64,6 +64,19 @@ def test_decoder_linear_names_only_the_projection_weights():
                  "model.layers.x.mlp.up_proj.weight",
                  "model.layers.3.mlp.experts.0.up_proj.weight"):
         assert decoder_linear(name) is None, name
+
+
+def test_expert_linear_names_only_the_expert_projection_weights():
+    assert expert_linear("model.layers.3.mlp.experts.0.up_proj.weight") == \
+        "model.layers.3.mlp.experts.0.up_proj"
+    assert expert_linear("model.layers.1.block_sparse_moe.experts.7.w2.weight") == \
+        "model.layers.1.block_sparse_moe.experts.7.w2"
+    for name in ("model.layers.3.mlp.gate.weight", "model.layers.3.mlp.up_proj.weight",
+                 "model.layers.1.block_sparse_moe.gate.weight",
+                 "model.layers.3.mlp.shared_expert.up_proj.weight",
+                 "model.layers.3.mlp.experts.gate_up_proj",
+                 "model.layers.3.mlp.experts.0.up_proj.bias"):
+        assert expert_linear(name) is None, name
 
 
 def test_quantized_state_packs_the_linears_it_is_given_and_stores_the_rest_in_float16():

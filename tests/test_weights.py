@@ -85,6 +85,6 @@ def test_rope_base_is_read_from_rope_parameters(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(base | extra))
         assert ModelConfig.from_hf_config(str(tmp_path)).rope_theta == want
     (tmp_path / "config.json").write_text(json.dumps(
-        base | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 8.0}}))
-    with pytest.raises(ValueError, match="rope_parameters.rope_type: RoPE scaling 'dynamic'"):
+        base | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "mrope", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="rope_parameters.rope_type: RoPE scaling 'mrope'"):
         ModelConfig.from_hf_config(str(tmp_path))

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from tandem.engine.model.registry import UnsupportedModelError
 
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "dynamic")
 """``RopeScaling.rope_type`` values (besides ``default``, no scaling) that
-:mod:`tandem.engine.model.rotary` implements as transformers defines them. Not yet:
-``dynamic`` (NTK scaling whose frequencies transformers recomputes from the longest
-sequence it has seen so far: state across calls that a batched engine cannot match)."""
+:mod:`tandem.engine.model.rotary` implements as transformers defines them.
+``dynamic`` (NTK) is decided per sequence and per token: a token rotates with the
+base of the context transformers' ``generate`` would have when it computes it (the
+prompt length for prompt tokens, its own position + 1 for generated ones), not
+with transformers' state across calls (docs/models.md, "Dynamic NTK")."""
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 """``hidden_act`` / ``hidden_activation`` values of the gated MLP: SwiGLU, and
@@ -123,7 +125,9 @@ class RopeScaling:
     Attributes:
         rope_type: one of :data:`ROPE_SCALING_TYPES`.
         factor: the context extension factor (``linear``: positions divided by it).
-        original_max_position_embeddings: the pre-training context (``llama3``, ``yarn``).
+        original_max_position_embeddings: the pre-training context (``llama3``, ``yarn``,
+            ``longrope``; ``dynamic``: the config's ``max_position_embeddings``, the
+            context beyond which transformers grows the base).
         low_freq_factor, high_freq_factor: ``llama3``'s wavelength band edges.
         beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate:
             ``yarn``'s ramp bounds (rotations), cos/sin scale (None: from ``factor``,
@@ -181,6 +185,9 @@ class HFFeatures:
         hidden_act: one of :data:`ACTIVATIONS`.
         attn_logit_softcapping, final_logit_softcapping: Gemma 2's caps, or None.
         moe: the mixture-of-experts layers (:func:`hf_moe_config`), or None.
+        max_model_len: the context the model serves when it is not
+            ``max_position_embeddings``: with ``dynamic`` RoPE scaling,
+            ``max_position_embeddings * factor`` (vLLM's rule); else None.
     """
 
     rope_scaling: RopeScaling | None = None
@@ -191,6 +198,7 @@ class HFFeatures:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     moe: MoEConfig | None = None
+    max_model_len: int | None = None
 
 
 def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
@@ -239,8 +247,13 @@ def check_hf_features(cfg: dict, architecture: str | None = None) -> HFFeatures:
         raise UnsupportedModelError("partial_rotary_factor",
                                     f"partial rotary embedding ({partial}) is not supported")
     theta = cfg.get("rope_theta") or rope.get("rope_theta")
+    scaling = _rope_scaling(cfg, key, rope)
+    max_model_len = None
+    if scaling is not None and scaling.rope_type == "dynamic":
+        max_model_len = int(scaling.original_max_position_embeddings * scaling.factor)
     return HFFeatures(
-        rope_scaling=_rope_scaling(cfg, key, rope), rope_theta=theta,
+        max_model_len=max_model_len,
+        rope_scaling=scaling, rope_theta=theta,
         rope_local_theta=float(local_theta) if local_theta is not None and windows else None,
         layer_windows=windows, hidden_act=acts[0] if acts else "silu",
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
@@ -325,6 +338,13 @@ def _rope_scaling(cfg: dict, key: str, rope: dict) -> RopeScaling | None:
                            attention_factor=num("attention_factor", False),
                            short_factor=tuple(map(float, num("short_factor"))),
                            long_factor=tuple(map(float, num("long_factor"))))
+    if rope_type == "dynamic":
+        if factor is None:
+            raise UnsupportedModelError(f"{key}.factor", "RoPE scaling 'dynamic' needs it")
+        # transformers reads max_position_embeddings (not original_...) as the context
+        # up to which the base is the config's
+        return RopeScaling("dynamic", float(factor),
+                           int(cfg.get("max_position_embeddings", 2048)))
     if rope_type == "yarn" and factor is None and original:
         factor = cfg.get("max_position_embeddings", 2048) / original
     if factor is None:

@@ -41,7 +41,8 @@ from torch import nn
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 from tandem.engine.model.registry import UnsupportedModelError
-from tandem.engine.model.rotary import local_rope_cos_sin_cache, rope_cos_sin_cache
+from tandem.engine.model.rotary import (dynamic_ntk_rows, local_rope_cos_sin_cache,
+                                        rope_cos_sin_cache)
 from tandem.engine.model.weights import copy_checked
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata, default_scale
 
@@ -377,9 +378,58 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def uses_prompt_lens(self) -> bool:
-        """Whether :meth:`forward` reads ``meta.prompt_lens_cpu`` (``longrope``)."""
+        """Whether :meth:`forward` reads ``meta.prompt_lens_cpu`` (``longrope``,
+        ``dynamic``)."""
         s = self.cfg.rope_scaling
-        return s is not None and s.rope_type == "longrope"
+        return s is not None and s.rope_type in ("longrope", "dynamic")
+
+    def _rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [T] int64, table [R, D] float32)``: the RoPE table the global
+        layers read this step and each token's row in it. ``dynamic``: see
+        :meth:`_dynamic_ntk_rows`; otherwise ``self.cos_sin_cache`` and
+        :meth:`_rope_positions`."""
+        s = self.cfg.rope_scaling
+        if s is not None and s.rope_type == "dynamic":
+            return self._dynamic_ntk_rows(positions, meta)
+        return self._rope_positions(positions, meta), self.cos_sin_cache
+
+    def _dynamic_ntk_rows(self, positions: torch.Tensor, meta: AttentionMetadata
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK: the token at position ``p`` of a sequence whose prompt has
+        ``P`` tokens rotates with the base of a ``max(P, p + 1)``-token context.
+
+        That is what transformers' ``generate`` does for one sequence: its prefill
+        forward's longest sequence (the prompt, ``P``) sets the base of every prompt
+        token, and decode step ``p`` (context ``p + 1``) that of its one token; keys in
+        the cache keep the rotation they were computed with. The rule depends only on
+        the token, so chunked prefill, recompute after preemption and speculative
+        decoding give the same rotations as one unchunked prefill and single-token
+        decode steps. Tokens with ``max(P, p + 1) = p + 1`` (generated ones, and
+        every token of a prompt within ``max_position_embeddings``, where the base is
+        the config's) read ``self.cos_sin_cache`` row ``p``; the prompt tokens of a
+        longer prompt get rows computed here for its length, and the step then reads
+        a ``[T, D]`` table of its own tokens' rows (``rows = arange(T)``).
+
+        Without ``meta.prompt_lens_cpu`` (callers other than the model runner: the
+        fp8 KV-scale calibration, exact there; a draft model, whose chunks of a long
+        prompt then rotate with their context's base) the context after the step
+        stands for the prompt length."""
+        s = self.cfg.rope_scaling
+        prompt_lens = meta.prompt_lens_cpu or meta.seq_lens_cpu
+        qsl = meta.query_start_loc_cpu
+        m = s.original_max_position_embeddings
+        long = [i for i in range(meta.num_seqs) if prompt_lens[i] > m
+                and meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]) < prompt_lens[i] - 1]
+        if not long:
+            return positions, self.cos_sin_cache
+        table = self.cos_sin_cache[positions]                    # [T, D]
+        for i in long:
+            pos = positions[qsl[i]:qsl[i + 1]]
+            in_prompt = pos < prompt_lens[i]
+            rows = dynamic_ntk_rows(self.cfg, pos[in_prompt], prompt_lens[i])
+            table[qsl[i]:qsl[i + 1]][in_prompt] = rows
+        return torch.arange(positions.numel(), device=positions.device), table
 
     def _rope_positions(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Rows of the RoPE table: ``positions``, except with ``longrope`` the tokens
@@ -442,7 +492,7 @@ class DecoderForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                   # [T, H]
         if self.scale_embeddings:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
-        positions = self._rope_positions(positions, meta)
+        rope_rows, rope_table = self._rope_rows(positions, meta)
         residual = None
         for i, layer in enumerate(self.model.layers):
             if residual is None:
@@ -457,9 +507,12 @@ class DecoderForCausalLM(nn.Module):
                 k_scale = None if kv_scales is None else kv_scales[i, 0]
                 v_scale = None if kv_scales is None else kv_scales[i, 1]
             attn = layer.self_attn
-            h = attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                     self.local_cos_sin_cache if attn.local_rope else self.cos_sin_cache,
-                     k_scale, v_scale)
+            if attn.local_rope:
+                h = attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
+                         self.local_cos_sin_cache, k_scale, v_scale)
+            else:
+                h = attn(h, rope_rows, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
+                         rope_table, k_scale, v_scale)
             if layer.sandwich:
                 h = backend.rms_norm(h, layer.post_attention_layernorm.weight,
                                      layer.post_attention_layernorm.eps)

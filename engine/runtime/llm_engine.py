@@ -149,8 +149,17 @@ class LLMEngine:
                                 open_entries or None)
         if self.parallel is not None:
             self.parallel.setup_workers(num_blocks, num_host_blocks)
+        prefix_caching = cc.enable_prefix_caching
+        rope = self.model_config.rope_scaling
+        if prefix_caching and rope is not None and rope.rope_type == "dynamic":
+            # A cached key's rotation depends on the length of the prompt that computed
+            # it (docs/models.md, "Dynamic NTK RoPE scaling"): a hit from a prompt of
+            # another length would read wrongly rotated keys.
+            logger.warning("prefix caching is off: RoPE scaling 'dynamic' rotates a "
+                           "prompt's keys with a base set by the prompt's length")
+            prefix_caching = False
         kv = self.kv_cache_manager = KVCacheManager(
-            num_blocks, cc.block_size, cc.enable_prefix_caching, num_host_blocks,
+            num_blocks, cc.block_size, prefix_caching, num_host_blocks,
             enable_kv_events, kv_sliding_window(self.model_config.layer_windows))
         if self.kv_cache.open_keys is not None:      # int4: entries follow their blocks
             pool = self.kv_cache_manager.block_pool

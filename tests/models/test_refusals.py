@@ -77,9 +77,9 @@ def test_a_backend_without_sliding_windows_or_soft_capping_is_refused_by_name(tm
 
 
 @pytest.mark.parametrize("key, rope", [
-    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "mrope", "rope_theta": 1e4, "factor": 2.0}),
     ("rope_parameters", {"rope_type": "su", "rope_theta": 1e4, "short_factor": [1.0]}),
-    ("rope_scaling", {"type": "dynamic", "factor": 2.0}),       # transformers 4's spelling
+    ("rope_scaling", {"type": "mrope", "factor": 2.0}),       # transformers 4's spelling
 ])
 def test_unknown_rope_scaling_type_is_refused(tmp_path, key, rope):
     err = _refused(tmp_path, LLAMA | {key: rope})

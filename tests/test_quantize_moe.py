@@ -1,0 +1,159 @@
+"""``tandem quantize`` on mixture-of-experts checkpoints: round-to-nearest int4 (the
+GPTQ layout) of a Mixtral's and a Qwen3-MoE's Hugging Face checkpoint, and GGUF
+requantization (Q4_0, Q4_K) of a Mixtral GGUF file and (Q8_0) of a Qwen3-MoE one,
+every expert included. Each
+result loads in the engine with its experts kept quantized and gives the greedy ids
+of a dense model of the same dequantized weights, with prompt log-probabilities
+within 2e-4 (the bound of the dense quantize tests: only the kernels' float32
+summation order differs). The calibrated methods refuse such a model by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tandem.engine.llm import LLM
+from tandem.engine.model.registry import UnsupportedModelError
+from tandem.kernels.cpu.gguf_linear import gguf_kernels_available
+from tandem.router.cli import main
+from tests.models.conftest import save_tiny_checkpoint
+from tests.models.gguf_files import write_gguf
+from tests.models.test_architectures import CASES
+from tests.models.test_quantized_experts import (GGUF_CASES, MIXTRAL_256, _expert_linears,
+                                                 assert_same_greedy)
+from tests.test_quantize import _dense_copy
+
+pytestmark = pytest.mark.skipif(not gguf_kernels_available(),
+                                reason="compiled CPU kernels unavailable")
+
+
+@pytest.mark.parametrize("case, projs", [("mixtral", ("w1", "w3", "w2")),
+                                         ("qwen3-moe", ("gate_proj", "up_proj", "down_proj"))])
+def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
+    from safetensors.torch import load_file
+
+    from tandem.quantize.rtn import quantize_rtn
+
+    config_class, overrides, arch = CASES[case]
+    src = tmp_path / "hf"
+    save_tiny_checkpoint(src, config_class, **overrides)
+    out = tmp_path / "rtn"
+    assert main(["quantize", "--method", "rtn", "--model", str(src), "--output", str(out),
+                 "--group-size", "32"]) == 0
+
+    source = load_file(str(src / "model.safetensors"))
+    state = load_file(str(out / "model.safetensors"))
+    expert_weights = [n for n in source if ".experts." in n]
+    assert expert_weights
+    for name in expert_weights:       # every expert projection packed, as RTN computes it
+        module = name.removesuffix(".weight")
+        assert name not in state and module.rsplit(".", 1)[1] in projs
+        want = quantize_rtn(source[name], 4, 32).pack()
+        for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            assert torch.equal(state[f"{module}.{leaf}"], want[leaf]), f"{module}.{leaf}"
+    routers = [n for n in source if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    assert routers and all(state[n].dtype == torch.float16 for n in routers)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    assert config["quantization_config"]["quant_method"] == "gptq"
+
+    int4 = LLM(str(out), dtype="float32", num_blocks=64)
+    assert int4.engine.model_config.architecture == arch
+    layers = _expert_linears(int4)
+    moe = int4.engine.model_config.moe
+    assert len(layers) == 2 * moe.num_experts * sum(moe.sparse_layers)
+    assert {m.quant_method.name for m in layers} == {"gptq"}
+    assert all(m.int4_blocks is not None for m in layers)
+    dense = LLM(_dense_copy(str(out), tmp_path / "dense", torch.float32), dtype="float32",
+                num_blocks=64)
+    assert not _expert_linears(dense)
+    assert_same_greedy(int4, dense)
+
+
+@pytest.mark.parametrize("method, qtype, case", [
+    ("q4_0", QT.Q4_0, CASES["mixtral"]), ("q4_k", QT.Q4_K, MIXTRAL_256),
+    ("q8_0", QT.Q8_0, GGUF_CASES["qwen3-moe-q8_0"][0])])
+def test_gguf_requantization_quantizes_the_experts(method, qtype, case, tmp_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize, quantize
+
+    from tandem.quantize.kquants import quantize_q4_k
+
+    config_class, overrides, arch = case
+    save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
+    src = write_gguf(tmp_path / "hf", tmp_path / "f32.gguf")
+    dst = tmp_path / f"{method}.gguf"
+    assert main(["quantize", "--method", method, "--model", str(src), "--output", str(dst)]) == 0
+
+    before = {t.name: t for t in GGUFReader(src).tensors}
+    after = {t.name: t for t in GGUFReader(dst).tensors}
+    experts = [n for n in after if "_exps." in n]
+    assert experts
+    for name in experts:      # each expert's rows quantized in place
+        assert QT(after[name].tensor_type) == qtype
+        w = np.asarray(before[name].data, dtype=np.float32)
+        want = quantize_q4_k(w) if qtype == QT.Q4_K else quantize(w, qtype)
+        assert np.array_equal(np.asarray(after[name].data), want), name
+        assert dequantize(after[name].data, qtype).shape == w.shape
+    routers = [n for n in after if ".ffn_gate_inp." in n]
+    assert routers and {QT(after[n].tensor_type) for n in routers} == {QT.F32}
+
+    packed = LLM(str(dst), dtype="float32", num_blocks=64, quantization="gguf")
+    assert packed.engine.model_config.architecture == arch
+    layers = _expert_linears(packed)
+    assert layers and {m.qtype for m in layers} == {int(qtype)}
+    assert sum(m.qweight.numel() for m in layers) == sum(int(after[n].n_bytes) for n in experts)
+    assert_same_greedy(packed, LLM(str(dst), dtype="float32", num_blocks=64))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_refuse_moe_by_method_and_architecture(method, tmp_path, capsys):
+    from tandem.quantize.autogptq import quantize_model
+    from tandem.quantize.awq import awq_quantize
+
+    config_class, overrides, _ = CASES["mixtral"]
+    save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
+    out = tmp_path / "out"
+    want = rf"tandem quantize --method {method} cannot quantize MixtralForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=want) as info:
+        if method == "gptq":
+            quantize_model(str(tmp_path / "hf"), str(out), "gptq")
+        else:
+            awq_quantize(str(tmp_path / "hf"), str(out), "w5 w6 w7", group_size=32)
+    assert info.value.field == "architectures"
+    assert main(["quantize", "--method", method, "--model", str(tmp_path / "hf"),
+                 "--output", str(out)]) != 0
+    assert want.replace("\\", "") in capsys.readouterr().err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_stacked_experts_load_as_their_per_expert_tensors(tmp_path):
+    """transformers 5's stacked ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows,
+    then up rows) and ``experts.down_proj`` ``[E, H, I]`` load as the per-expert
+    tensors they stack."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.quantize.dense import load_dense
+
+    config_class, overrides, _ = CASES["qwen3-moe"]
+    src = tmp_path / "hf"
+    save_tiny_checkpoint(src, config_class, **overrides)
+    state = load_file(str(src / "model.safetensors"))
+    stacked_dir = tmp_path / "stacked"
+    stacked_dir.mkdir()
+    stacked = {n: t for n, t in state.items() if ".experts." not in n}
+    p = "model.layers.1.mlp.experts"      # layer 0 is dense (mlp_only_layers)
+    stacked[f"{p}.gate_up_proj"] = torch.stack([torch.cat(
+        [state[f"{p}.{e}.gate_proj.weight"], state[f"{p}.{e}.up_proj.weight"]]) for e in range(8)])
+    stacked[f"{p}.down_proj"] = torch.stack([state[f"{p}.{e}.down_proj.weight"] for e in range(8)])
+    save_file(stacked, str(stacked_dir / "model.safetensors"))
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (stacked_dir / f.name).write_bytes(f.read_bytes())
+    a, b = load_dense(str(src), forward=False), load_dense(str(stacked_dir), forward=False)
+    assert a.weights.keys() == b.weights.keys()
+    assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
