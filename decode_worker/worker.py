@@ -8,7 +8,10 @@ Disaggregation lives in the engine (:mod:`tandem.engine.kv.kv_connector`): a req
 added with ``kv_transfer_params`` waits in the scheduler for its blocks, then
 for its KV (``WAITING_FOR_REMOTE_KV``); the step that reserved its blocks
 publishes the KV ticket in the request's delta, which the router hands to the
-prefill worker. :meth:`DecodeWorker.start_decode` gives it the first token.
+prefill worker; the same step posts the ticket on the KV channel, where the
+prefill worker takes it without waiting for the router, and the prefill worker
+hands the first token back on that channel. :meth:`DecodeWorker.start_decode`
+is the router's word, needed only when the prefill failed.
 
 A plain class with async methods: Ray makes it an actor
 (``ray.remote(DecodeWorker)``), tests and GPU checks can drive it directly.
@@ -22,7 +25,7 @@ from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.runtime.outputs import WorkerRequest
+from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.engine.runtime.worker_common import node_ip_address
 from tandem.engine.scheduling.request import TokenLogprobs
 
@@ -100,18 +103,36 @@ class DecodeWorker(EngineWorker):
         await self._call(add)
 
     async def start_decode(self, request_id: str, first_token_id: int | None,
-                           first_logprobs: TokenLogprobs | None = None) -> None:
-        """The remote prefill returned ``first_token_id`` (None: it failed, prefill
-        here); see :meth:`LLMEngine.start_decode`.
+                           first_logprobs: TokenLogprobs | None = None) -> RequestDelta | None:
+        """The router's word on a remote prefill: it returned ``first_token_id``, or
+        (None) it failed and the prompt is computed here; see
+        :meth:`LLMEngine.start_decode`. The prefill worker's own word, the first
+        token on the KV channel, usually came first: then this changes nothing.
+
+        Returns:
+            Given None while the prefill worker had already handed its first token
+            over on the KV channel (its reply to the router was lost): that token's
+            delta, which the router passes on before the deltas that follow it;
+            otherwise None.
 
         Raises:
             KeyError: the request is not waiting for remote KV (aborted).
         """
-        def start() -> None:
-            self.engine.start_decode(request_id, first_token_id, first_logprobs)
+        def start() -> RequestDelta | None:
+            taken = self.engine.start_decode(request_id, first_token_id, first_logprobs)
+            if taken is None:
+                if first_token_id is not None:
+                    self.loop.mark_published(request_id, 1)   # the router sent it already
+                return None
             if first_token_id is not None:
-                self.loop.mark_published(request_id, 1)   # the router sent it already
-        await self._call(start)
+                return None
+            token_id, logprobs = taken
+            req = self.engine.scheduler.requests[request_id]
+            return RequestDelta(request_id, (token_id,),
+                                (logprobs,) if logprobs is not None else (),
+                                num_prompt_tokens=req.num_prompt_tokens,
+                                num_cached_tokens=req.num_cached_tokens, num_output_tokens=1)
+        return await self._call(start)
 
     async def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
         """The router saw the request's prefill worker make progress: its KV load
@@ -119,6 +140,10 @@ class DecodeWorker(EngineWorker):
         return await self._call(self.engine.extend_kv_load, request_id, timeout_s)
 
     def _invariant_extras(self) -> dict:
-        """Late KV layers dropped so far (``kv_layers_dropped``)."""
+        """Late KV layers dropped so far (``kv_layers_dropped``), and where remote
+        prefills' first tokens came from: the KV channel (``first_tokens_from_peer``)
+        or the router (``first_tokens_from_router``)."""
         connector = self.engine.kv_connector
-        return {"kv_layers_dropped": connector.num_dropped_layers if connector is not None else 0}
+        return {"kv_layers_dropped": connector.num_dropped_layers if connector is not None else 0,
+                "first_tokens_from_peer": self.engine.num_first_tokens_from_peer,
+                "first_tokens_from_router": self.engine.num_first_tokens_from_caller}

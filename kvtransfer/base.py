@@ -14,6 +14,12 @@ Per request::
              sender.finish(ticket, timeout_s)               # raises KVTransferError
     decode:  receiver.receive(ticket, kv_cache, timeout_s)  # raises KVTransferError, never hangs
 
+The handshake rides on the pair too, so the router need not carry it: the decode
+side posts each ticket (:meth:`KVReceiver.post_ticket`) and the prefill side reads
+it from its sender (:meth:`KVSender.set_ticket_handler`); after the last layer the
+prefill side hands over the first token it sampled (:meth:`KVSender.post_handoff`,
+delivered to :attr:`KVReceiver.on_handoff`).
+
 Receivers drain the wire eagerly into staging buffers, so a layer can arrive
 before :meth:`KVReceiver.receive` is called; every ticket must therefore end in
 ``receive`` or :meth:`KVReceiver.discard`.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -94,6 +100,21 @@ class KVSender(ABC):
         """
 
     @abstractmethod
+    def set_ticket_handler(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Give every ticket the receiver posts (:meth:`KVReceiver.post_ticket`, a
+        ``KVTransferTicket.to_dict()``) to ``handler``, those that arrived before
+        this call first. ``handler`` runs on a thread of the sender's and must not block."""
+
+    @abstractmethod
+    def post_handoff(self, transfer_id: int, payload: dict[str, Any]) -> None:
+        """Hand the receiver ``payload`` (plain values: the first token) for
+        ``transfer_id``, behind that transfer's layers; call after :meth:`finish`.
+
+        Raises:
+            KVTransferError: the pair is broken or closed.
+        """
+
+    @abstractmethod
     def close(self) -> None:
         """Tell the receiver this sender is gone and release the pair. Idempotent."""
 
@@ -149,6 +170,19 @@ class KVReceiver(ABC):
         """Block until every layer of ``ticket`` landed in ``kv_cache``; see :meth:`receive_layers`."""
         for _ in self.receive_layers(ticket, kv_cache, timeout_s):
             pass
+
+    on_handoff: Callable[[int, dict[str, Any]], None] | None = None
+    """Called with ``(transfer_id, payload)`` for each :meth:`KVSender.post_handoff`
+    of the sender, on the receiver's thread; set by the owner, must not block."""
+
+    @abstractmethod
+    def post_ticket(self, ticket: dict[str, Any]) -> None:
+        """Post ``ticket`` (``KVTransferTicket.to_dict()``) to the sender's ticket
+        handler; kept until the sender reads it (it may connect later).
+
+        Raises:
+            KVTransferError: the pair's store cannot be reached.
+        """
 
     @abstractmethod
     def discard(self, transfer_id: int) -> None:

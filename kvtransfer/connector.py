@@ -7,12 +7,20 @@ fixed pool of threads (``receive`` blocks until every layer of a ticket landed o
 its timeout passed), whose results the engine collects each step with
 :meth:`get_finished_loads`. Layers that arrive before their receive starts wait
 in the transport's staging buffers, so a queued receive never stalls the wire.
+
+The handshake rides on the same pairs: :meth:`start_load` posts each ticket to
+its producer, which a producer engine waits for (:meth:`ticket_future`) when
+its request came without one, and the producer's first token comes back on the
+pair (:meth:`send_first_token`, :meth:`get_first_tokens`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -21,6 +29,35 @@ from tandem.kvtransfer.base import KVReceiver, KVSender, KVTransferError, get_tr
 from tandem.kvtransfer.layout import KVLayout, KVTransferTicket, check_compatible
 
 logger = logging.getLogger(__name__)
+
+_MAX_EARLY_TICKETS = 4096
+"""Tickets kept for requests whose producer call has not asked for them yet (the
+decode side reserved first), and ids of requests given up, whose late tickets are
+dropped: bounded, oldest out first."""
+
+
+_MAX_LOAD_IDS = 1 << 16
+"""Loads remembered for their first token (transfer ids are unique per pair)."""
+
+
+def _trim(entries: OrderedDict, limit: int = _MAX_EARLY_TICKETS) -> None:
+    while len(entries) > limit:
+        entries.popitem(last=False)
+
+
+def _logprobs_payload(logprobs: Any) -> dict[str, Any]:
+    if logprobs is None:
+        return {}
+    return {"logprob": logprobs.logprob, "top": [list(t) for t in logprobs.top]}
+
+
+def _payload_logprobs(payload: dict[str, Any]) -> Any:
+    if "logprob" not in payload:
+        return None
+    from tandem.engine.scheduling.request import TokenLogprobs
+
+    return TokenLogprobs(int(payload["token_id"]), float(payload["logprob"]),
+                         tuple((int(t), float(lp)) for t, lp in payload["top"]))
 
 
 class TransportKVConnector(KVConnector):
@@ -63,6 +100,18 @@ class TransportKVConnector(KVConnector):
         self._loads: dict[str, tuple[Future, KVReceiver | None, KVTransferTicket | None]] = {}
         self._transfer_ids = itertools.count()
         self._pool = ThreadPoolExecutor(num_receive_threads, thread_name_prefix="kv-recv")
+        # The handshake. Consumer: (peer, transfer id) -> request id of the loads
+        # started, and the first tokens handed over. Producer: tickets waited for
+        # and tickets that came first, keyed (peer, request id, attempt).
+        self._handshake_lock = threading.Lock()
+        # A load's entry stays after the load ended (its token may come later, and a
+        # request whose load failed still needs it to be recomputed) until its token
+        # came or it is among the oldest of _MAX_LOAD_IDS.
+        self._load_ids: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._first_tokens: list[tuple[str, int, Any]] = []
+        self._ticket_waits: dict[tuple[str, str, int], Future] = {}
+        self._early_tickets: OrderedDict[tuple[str, str, int], dict] = OrderedDict()
+        self._forgotten: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # -- channels --------------------------------------------------------------------------
     def layout(self) -> dict:
@@ -75,6 +124,7 @@ class TransportKVConnector(KVConnector):
             old.close()
         self._receivers[peer_id] = receiver
         self._peer_generations[peer_id] = peer_generation
+        receiver.on_handoff = functools.partial(self._on_handoff, peer_id)
         return receiver.rendezvous
 
     def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
@@ -86,6 +136,7 @@ class TransportKVConnector(KVConnector):
             old.close()
         self._senders[peer_id] = sender
         self._own_generations[peer_id] = generation
+        sender.set_ticket_handler(functools.partial(self._on_ticket, peer_id))
 
     def close_channel(self, peer_id: str) -> bool:
         self._peer_generations.pop(peer_id, None)
@@ -119,6 +170,8 @@ class TransportKVConnector(KVConnector):
                 continue
             src = [s.block_ids[i] for i in ticket.sent_block_indices()]
             self._saving.append((s.request_id, ticket, sender, src))
+            with self._handshake_lock:      # the caller brought the ticket: the pair's copy is moot
+                self._early_tickets.pop((s.params.peer_id, s.request_id, ticket.attempt), None)
 
     def save_kv_layer(self, layer: int) -> None:
         for rid, ticket, sender, src in self._saving:
@@ -142,7 +195,74 @@ class TransportKVConnector(KVConnector):
         failed, self._saving, self._failed = self._failed, [], {}
         return failed
 
+    def ticket_future(self, peer_id: str, request_id: str, attempt: int) -> Future:
+        key = (peer_id, request_id, attempt)
+        with self._handshake_lock:
+            self._forgotten.pop((peer_id, request_id), None)
+            fut = self._ticket_waits.get(key)
+            if fut is None:
+                fut = self._ticket_waits[key] = Future()
+                early = self._early_tickets.pop(key, None)
+                if early is not None:
+                    del self._ticket_waits[key]
+                    fut.set_result(early)
+        return fut
+
+    def forget_ticket(self, peer_id: str, request_id: str) -> None:
+        with self._handshake_lock:
+            self._forgotten[(peer_id, request_id)] = None
+            _trim(self._forgotten)
+            for key in [k for k in self._ticket_waits if k[:2] == (peer_id, request_id)]:
+                self._ticket_waits.pop(key).cancel()
+            for key in [k for k in self._early_tickets if k[:2] == (peer_id, request_id)]:
+                del self._early_tickets[key]
+
+    def _on_ticket(self, peer_id: str, ticket: dict) -> None:
+        """A ticket from consumer ``peer_id`` arrived (on the sender's thread)."""
+        key = (peer_id, str(ticket.get("request_id")), ticket.get("attempt", 0))
+        with self._handshake_lock:
+            if key[:2] in self._forgotten:
+                return                      # given up here: the consumer's load times out
+            fut = self._ticket_waits.pop(key, None)
+            if fut is None:
+                self._early_tickets[key] = ticket
+                _trim(self._early_tickets)
+                return
+        fut.set_result(ticket)
+
+    def send_first_token(self, params: KVTransferParams, token_id: int,
+                         logprobs: Any = None) -> str | None:
+        sender = self._senders.get(params.peer_id)
+        if sender is None:
+            return f"no KV channel to {params.peer_id}"
+        try:
+            sender.post_handoff(int(params.ticket["transfer_id"]),
+                                {"token_id": int(token_id), **_logprobs_payload(logprobs)})
+        except KVTransferError as exc:
+            return str(exc)
+        return None
+
     # -- consumer --------------------------------------------------------------------------
+    def _on_handoff(self, peer_id: str, transfer_id: int, payload: dict) -> None:
+        """Producer ``peer_id`` handed over a first token (on the receiver's thread)."""
+        with self._handshake_lock:
+            rid = self._load_ids.pop((peer_id, transfer_id), None)
+            if rid is None:
+                return                      # not a load of this connector's (any more)
+            try:
+                token = int(payload["token_id"])
+                logprobs = _payload_logprobs(payload)
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("request %s: dropped a malformed first-token handoff: %s", rid, e)
+                return
+            self._first_tokens.append((rid, token, logprobs))
+        self.notify()
+
+    def get_first_tokens(self) -> list[tuple[str, int, Any]]:
+        with self._handshake_lock:
+            tokens, self._first_tokens = self._first_tokens, []
+        return tokens
+
     def start_load(self, request_id: str, block_ids: Sequence[int], num_cached_tokens: int,
                    num_tokens: int, params: KVTransferParams) -> dict:
         receiver = self._receivers.get(params.peer_id)
@@ -160,8 +280,17 @@ class TransportKVConnector(KVConnector):
                 f"request {request_id!r} expects producer {params.peer_id} generation "
                 f"{params.peer_generation}, the KV channel is for generation {generation}"))
         else:
-            fut = self._pool.submit(receiver.receive, ticket, self.kv_cache,
-                                    self.transfer_timeout_s)
+            try:
+                receiver.post_ticket(ticket.to_dict())
+            except KVTransferError as exc:
+                receiver.discard(ticket.transfer_id)
+                fut.set_exception(exc)
+            else:
+                with self._handshake_lock:
+                    self._load_ids[(params.peer_id, ticket.transfer_id)] = request_id
+                    _trim(self._load_ids, _MAX_LOAD_IDS)
+                fut = self._pool.submit(receiver.receive, ticket, self.kv_cache,
+                                        self.transfer_timeout_s)
         self._loads[request_id] = (fut, receiver, ticket)
         fut.add_done_callback(lambda _: self.notify())
         return ticket.to_dict()

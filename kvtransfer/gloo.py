@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,10 @@ import torch.distributed as dist
 from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_send_args
 from tandem.kvtransfer.blocks import gather_blocks, scatter_blocks
 from tandem.kvtransfer.layout import KVTransferTicket
-from tandem.kvtransfer.staging import (DATA, FOREVER, SENDER_CLOSED, STOP, WATCHDOG_TAG, Header,
-                                       HeaderQueue, InflightTicket, StagedReceiver, check_peer,
-                                       check_staged_size, host_store, join_store, message_tag,
+from tandem.kvtransfer.staging import (DATA, FOREVER, HANDOFF, SENDER_CLOSED, STOP,
+                                       WATCHDOG_TAG, Header, HeaderQueue, InflightTicket,
+                                       StagedReceiver, TicketInbox, check_peer, check_staged_size,
+                                       host_store, join_store, message_tag, post_handoff,
                                        present_secret)
 
 logger = logging.getLogger(__name__)
@@ -131,14 +132,17 @@ class GlooReceiver(StagedReceiver):
             self._connected.set()
             threading.Thread(target=self._watch, args=(group,), name=f"{self._pair_name}-watchdog",
                              daemon=True).start()
-            headers = HeaderQueue(dist.PrefixStore(
-                self._pair_name, join_store(self._host, self._store.port, self._connect_timeout_s)),
-                blocking=True)
+            pump_store = dist.PrefixStore(
+                self._pair_name, join_store(self._host, self._store.port, self._connect_timeout_s))
+            headers = HeaderQueue(pump_store, blocking=True)
             self._completer.start()
             while True:
                 header = headers.pop()
                 if header.kind == STOP:
                     return
+                if header.kind == HANDOFF:
+                    self._hand_off(pump_store, header)
+                    continue
                 if header.kind == SENDER_CLOSED:
                     # Behind the receives already posted: their layers still land.
                     self._posted.put(KVTransferError("the sender closed the pair"))
@@ -214,9 +218,12 @@ class GlooSender(KVSender):
 
     name = "gloo"
 
-    def __init__(self, group: dist.ProcessGroupGloo, queue: HeaderQueue, peer: str) -> None:
+    def __init__(self, group: dist.ProcessGroupGloo, pair_store: dist.Store, inbox: TicketInbox,
+                 peer: str) -> None:
         self._group = group
-        self._queue = queue
+        self._store = pair_store
+        self._queue = HeaderQueue(pair_store)
+        self._inbox = inbox
         self._peer = peer
         self._lock = threading.Lock()
         self._inflight: dict[int, InflightTicket] = {}
@@ -241,7 +248,8 @@ class GlooSender(KVSender):
                                 timeout_s)
         except RuntimeError as e:
             raise KVTransferError(f"cannot join KV pair {pair_name} at {host}:{port}: {e}") from e
-        return cls(group, HeaderQueue(pair_store), f"{host}:{port}")
+        return cls(group, pair_store, TicketInbox(host, port, pair_name, timeout_s),
+                   f"{host}:{port}")
 
     @property
     def error(self) -> KVTransferError | None:
@@ -277,6 +285,18 @@ class GlooSender(KVSender):
                 self._error = KVTransferError(f"send failed: {e}")
                 raise self._error from e
             inflight.sends.append((work, data))
+
+    def set_ticket_handler(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        self._inbox.set_handler(handler)
+
+    def post_handoff(self, transfer_id: int, payload: dict[str, Any]) -> None:
+        with self._lock:
+            self._check_usable()
+            try:
+                post_handoff(self._store, self._queue, transfer_id, payload)
+            except (RuntimeError, dist.DistError) as e:
+                self._error = KVTransferError(f"handoff failed: {e}")
+                raise self._error from e
 
     def finish(self, ticket: KVTransferTicket, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -329,6 +349,7 @@ class GlooSender(KVSender):
             if pending and self._error is None:
                 self._wait_sends(pending, time.monotonic() + drain_timeout_s, None)
         finally:
+            self._inbox.close(self._store)
             if self._error is None:
                 self._say_goodbye(drain_timeout_s)
 

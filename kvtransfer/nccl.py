@@ -41,9 +41,10 @@ import torch.distributed as dist
 from tandem.kvtransfer.base import KVSender, KVTransferError, Transport, check_send_args
 from tandem.kvtransfer.layout import KVTransferTicket
 from tandem.kvtransfer.libnccl import NCCL_SUCCESS, NCCLLibrary
-from tandem.kvtransfer.staging import (DATA, SENDER_CLOSED, STOP, Header, HeaderQueue,
-                                       InflightTicket, StagedReceiver, check_peer,
-                                       check_staged_size, host_store, join_store, present_secret)
+from tandem.kvtransfer.staging import (DATA, HANDOFF, SENDER_CLOSED, STOP, Header, HeaderQueue,
+                                       InflightTicket, StagedReceiver, TicketInbox, check_peer,
+                                       check_staged_size, host_store, join_store, post_handoff,
+                                       present_secret)
 
 RECEIVER_RANK = 0
 SENDER_RANK = 1
@@ -158,13 +159,16 @@ class NCCLReceiver(StagedReceiver):
             self._lib.recv(warm_up.data_ptr(), 1, SENDER_RANK, comm, self._stream.cuda_stream)
             self._stream.synchronize()
             self._connected.set()
-            queue = HeaderQueue(dist.PrefixStore(
-                self._pair_name, join_store(self._host, self._store.port, self._connect_timeout_s)),
-                blocking=True)
+            pump_store = dist.PrefixStore(
+                self._pair_name, join_store(self._host, self._store.port, self._connect_timeout_s))
+            queue = HeaderQueue(pump_store, blocking=True)
             while True:
                 header = queue.pop()
                 if header.kind == STOP:
                     return
+                if header.kind == HANDOFF:
+                    self._hand_off(pump_store, header)
+                    continue
                 if header.kind == SENDER_CLOSED:
                     raise KVTransferError("the sender closed the pair")
                 if header.kind != DATA:
@@ -246,12 +250,14 @@ class NCCLSender(KVSender):
 
     name = "nccl"
 
-    def __init__(self, lib: NCCLLibrary, comm: int, device: torch.device, queue: HeaderQueue,
-                 peer: str) -> None:
+    def __init__(self, lib: NCCLLibrary, comm: int, device: torch.device, pair_store: dist.Store,
+                 inbox: TicketInbox, peer: str) -> None:
         self._lib = lib
         self._comm: int | None = comm
         self._device = device
-        self._queue = queue
+        self._store = pair_store
+        self._queue = HeaderQueue(pair_store)
+        self._inbox = inbox
         self._peer = peer
         self._stream = torch.cuda.Stream(device)
         self._lock = threading.Lock()
@@ -280,7 +286,8 @@ class NCCLSender(KVSender):
 
         deadline = time.monotonic() + timeout_s
         comm = _run_with_timeout(init, timeout_s, f"joining NCCL KV pair {pair_name}")
-        sender = cls(lib, comm, device, HeaderQueue(pair_store), f"{host}:{port}")
+        sender = cls(lib, comm, device, pair_store, TicketInbox(host, port, pair_name, timeout_s),
+                     f"{host}:{port}")
         warm_up = torch.zeros(1, dtype=torch.uint8, device=device)
         with torch.cuda.device(device):
             lib.send(warm_up.data_ptr(), 1, RECEIVER_RANK, comm, sender._stream.cuda_stream)
@@ -369,6 +376,19 @@ class NCCLSender(KVSender):
                 self._break(KVTransferError(f"{what}: timed out sending to {self._peer}"))
                 raise self._error
 
+    def set_ticket_handler(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        self._inbox.set_handler(handler)
+
+    def post_handoff(self, transfer_id: int, payload: dict[str, Any]) -> None:
+        with self._lock:
+            if self._closed or self._error is not None:
+                raise KVTransferError(f"the pair to {self._peer} is closed or broken: {self._error}")
+            try:
+                post_handoff(self._store, self._queue, transfer_id, payload)
+            except (RuntimeError, dist.DistError) as e:
+                self._error = KVTransferError(f"handoff failed: {e}")
+                raise self._error from e
+
     def _break(self, error: KVTransferError) -> None:
         with self._lock:
             self._error = self._error or error
@@ -392,6 +412,7 @@ class NCCLSender(KVSender):
             if pending and self._error is None:
                 self._wait_sends(pending, time.monotonic() + drain_timeout_s, "pending sends")
         finally:
+            self._inbox.close(self._store)
             if self._error is None:
                 self._queue.push(Header(SENDER_CLOSED))
             with self._lock:

@@ -22,6 +22,16 @@ timeout and nothing else::
 
 The board keeps what arrived before ``receive`` was called, so the wire is
 always drained and the sender never stalls on a slow consumer.
+
+The pair's store also carries the two sides' handshake, so that the router only
+sends each side its request and streams tokens (SGLang's bootstrap, Dynamo's
+shape): the decode side posts each ticket on a second queue, which a thread of
+the prefill side reads (:class:`TicketInbox`); the prefill side hands over the
+first token it sampled as a ``HANDOFF`` header behind the ticket's last ``DATA``
+header, its payload under a key of its own::
+
+    decode: reserve blocks -> post_ticket(ticket) ──> [tickets] ──> TicketInbox -> prefill engine
+    prefill: send layers; sample; post_handoff(id, first token) ──> [headers] ──> pump -> on_handoff
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import json
+import logging
 import os
 import struct
 import threading
@@ -44,13 +56,18 @@ import torch.distributed as dist
 from tandem.kvtransfer.base import KVReceiver, KVTransferError, check_receive_args
 from tandem.kvtransfer.layout import KVTransferTicket
 
+logger = logging.getLogger(__name__)
+
 # Header kinds.
 DATA = 0            # a layer's bytes follow on the data channel
 SENDER_CLOSED = 1   # the sender closed the pair; nothing follows
 STOP = 2            # pushed by the receiver to itself to end its pump thread
+HANDOFF = 3         # the first token of transfer ``transfer_id``: payload under handoff_key()
 
 _HEADER = struct.Struct("<qqqqq")  # kind, transfer_id, layer, nbytes, tag
 _QUEUE_KEY = "headers"
+_TICKET_QUEUE_KEY = "tickets"
+_END_OF_TICKETS = b"-"   # pushed by a closing sender to end its ticket thread
 # A blocking queue_pop waits up to the store client's timeout; the pump is woken by
 # headers or by STOP, never by that timeout, so make it effectively infinite. Also the
 # wait of a receive that only a peer's death or goodbye may end.
@@ -174,6 +191,105 @@ def check_peer(pair_store: dist.Store, pair_name: str, timeout_s: float,
     pair_store.set(_VERDICT_KEY, _ACCEPTED if ok else _REFUSED)
     if not ok:
         raise KVTransferError(f"KV pair {pair_name}: refused a peer without the cluster secret")
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
+    """A handshake message (plain values) as JSON bytes: data, never code, crosses the pair."""
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def decode_message(data: bytes) -> dict[str, Any]:
+    """:func:`encode_message`'s inverse.
+
+    Raises:
+        KVTransferError: not a JSON object.
+    """
+    try:
+        message = json.loads(data)
+    except ValueError as e:
+        raise KVTransferError(f"malformed handshake message: {e}") from e
+    if not isinstance(message, dict):
+        raise KVTransferError(f"malformed handshake message: {type(message).__name__}")
+    return message
+
+
+def handoff_key(transfer_id: int) -> str:
+    """The pair-store key of transfer ``transfer_id``'s first-token payload."""
+    return f"handoff/{transfer_id}"
+
+
+def post_ticket(pair_store: dist.Store, ticket: dict[str, Any]) -> None:
+    """Decode side: queue ``ticket`` (``KVTransferTicket.to_dict()``) for the sender's
+    :class:`TicketInbox`; the store keeps it until the sender reads it."""
+    pair_store.queue_push(_TICKET_QUEUE_KEY, encode_message(ticket))
+
+
+def post_handoff(pair_store: dist.Store, queue: HeaderQueue, transfer_id: int,
+                 payload: dict[str, Any]) -> None:
+    """Prefill side: hand transfer ``transfer_id``'s first token (``payload``, plain
+    values) to the receiver, behind the headers already pushed. The caller holds the
+    sender's lock, so that the header is ordered after the transfer's ``DATA``."""
+    pair_store.set(handoff_key(transfer_id), encode_message(payload))
+    queue.push(Header(HANDOFF, transfer_id))
+
+
+class TicketInbox:
+    """Prefill side of the handshake: the tickets the decode side posts
+    (:func:`post_ticket`), read by a thread of its own and given to a handler.
+
+    Tickets that arrive before :meth:`set_handler` are kept and given to it then.
+    The thread ends when :meth:`close` pushes the end marker, or when the store
+    (hosted by the receiver) goes away.
+
+    Args:
+        host, port, pair_name: the pair's store (the receiver's rendezvous).
+        timeout_s: seconds to reach the store.
+    """
+
+    def __init__(self, host: str, port: int, pair_name: str, timeout_s: float) -> None:
+        self._store = dist.PrefixStore(pair_name, join_store(host, port, timeout_s))
+        self._store.set_timeout(FOREVER)
+        self._pair_name = pair_name
+        self._lock = threading.Lock()
+        self._handler: Callable[[dict[str, Any]], None] | None = None
+        self._early: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._run, name=f"{pair_name}-tickets", daemon=True)
+        self._thread.start()
+
+    def set_handler(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Give every ticket, those already read first, to ``handler`` (called on the
+        inbox's thread, or here; it must not block)."""
+        with self._lock:
+            self._handler = handler
+            early, self._early = self._early, []
+            for ticket in early:
+                handler(ticket)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._store.queue_pop(_TICKET_QUEUE_KEY)
+            except (RuntimeError, dist.DistError):     # the receiver (its store) is gone
+                return
+            if data == _END_OF_TICKETS:
+                return
+            try:
+                ticket = decode_message(data)
+            except KVTransferError as e:
+                logger.warning("KV pair %s: dropped a ticket: %s", self._pair_name, e)
+                continue
+            with self._lock:
+                if self._handler is None:
+                    self._early.append(ticket)
+                else:
+                    self._handler(ticket)
+
+    def close(self, pair_store: dist.Store) -> None:
+        """End the thread (through ``pair_store``, a client other than the thread's)."""
+        try:
+            pair_store.queue_push(_TICKET_QUEUE_KEY, _END_OF_TICKETS)
+        except (RuntimeError, dist.DistError):
+            pass                                        # the store is gone: so is the thread
 
 
 class HeaderQueue:
@@ -332,6 +448,36 @@ class StagedReceiver(KVReceiver):
 
     def __init__(self) -> None:
         self._arrivals = Arrivals()
+        self.on_handoff: Callable[[int, dict[str, Any]], None] | None = None
+        self._post_store: dist.Store | None = None
+        self._post_lock = threading.Lock()
+
+    def post_ticket(self, ticket: dict[str, Any]) -> None:
+        with self._post_lock:
+            if self._post_store is None:
+                # A client of its own: the pump's blocks in its pops.
+                self._post_store = dist.PrefixStore(self._pair_name, join_store(
+                    self._host, self._store.port, self._connect_timeout_s))
+            try:
+                post_ticket(self._post_store, ticket)
+            except (RuntimeError, dist.DistError) as e:
+                raise KVTransferError(f"cannot post the ticket of request "
+                                      f"{ticket.get('request_id')!r}: {e}") from e
+
+    def _hand_off(self, pair_store: dist.Store, header: Header) -> None:
+        """The pump popped a ``HANDOFF`` header: read its payload and give it to
+        :attr:`on_handoff` (a bad payload is logged and dropped: the router's own
+        path then decides)."""
+        key = handoff_key(header.transfer_id)
+        try:
+            payload = decode_message(pair_store.get(key))
+            pair_store.delete_key(key)
+        except KVTransferError as e:
+            logger.warning("transfer %d: dropped the first-token handoff: %s", header.transfer_id, e)
+            return
+        handler = self.on_handoff
+        if handler is not None:
+            handler(header.transfer_id, payload)
 
     def receive_layers(self, ticket: KVTransferTicket, kv_cache: torch.Tensor,
                        timeout_s: float) -> Iterator[int]:

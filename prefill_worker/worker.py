@@ -6,9 +6,13 @@ connector streams each layer's blocks (those the decode side does not already
 hold) to the decode worker from inside the forward pass of the step that
 computes a request's last prompt chunk, so the transfer of layer ``l``
 overlaps the compute of layer ``l + 1`` (:mod:`tandem.engine.kv.kv_connector`).
-The first token is sampled here (that is the TTFT) and returned. The request's
-blocks are freed once the transfer drained; its full blocks stay in the prefix
-cache.
+The first token is sampled here (that is the TTFT), handed to the decode worker
+on the KV channel and returned. The request's blocks are freed once the transfer
+drained; its full blocks stay in the prefix cache.
+
+The router sends a request here and to its decode worker at once: a request
+that comes without a ticket waits for the one its decode worker posts on their
+KV channel once it reserved the blocks (at most ``ticket_timeout_s``).
 
 A plain class with async methods: Ray makes it an actor.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from concurrent.futures import Future
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
@@ -47,12 +52,18 @@ class PrefillWorker(EngineWorker):
         engine_nice: added to the nice value of the engine's threads (its loop and
             OpenMP threads), below this process's RPC threads; see
             :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.build`.
+        ticket_timeout_s: seconds a request that came without a ticket waits for its
+            decode worker's (which reserves blocks in queue order, so a busy decode
+            pool makes it wait); past that it fails like a failed transfer.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, cpus: list[int] | None = None,
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0,
                  control: ControlConfig | None = None, weights_from: LLMEngine | None = None,
-                 engine_nice: int = 0):
+                 engine_nice: int = 0, ticket_timeout_s: float = 600.0):
+        self.ticket_timeout_s = ticket_timeout_s
+        # request id -> (decode worker id, future of its ticket), while it waits
+        self._ticket_waits: dict[str, tuple[str, Future]] = {}
         super().__init__(worker_id, "prefill", config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s,
             enable_kv_events=True, weights_from=weights_from), engine_nice,
@@ -83,12 +94,16 @@ class PrefillWorker(EngineWorker):
         """Run the prompt, stream its KV to the ticket's decode worker, sample the
         first token.
 
+        Without ``kv_transfer_params.ticket``, first waits for the ticket the decode
+        worker posts on the KV channel (see the module's docstring).
+
         Returns:
             The first token's :class:`RequestDelta` (``finish_reason`` ``length``, or
             ``stop`` if that token already ends the request, e.g. EOS).
 
         Raises:
-            KVTransferError: the transfer failed or timed out (blocks are freed).
+            KVTransferError: the transfer failed or timed out, or no ticket came
+                within ``ticket_timeout_s`` (blocks are freed).
             WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
         from tandem.kvtransfer.base import KVTransferError
@@ -96,6 +111,10 @@ class PrefillWorker(EngineWorker):
         self._fence.check()
         params = request.sampling_params
         await self.compile_constraint(params)
+        kv = request.kv_transfer_params
+        if kv is not None and kv.ticket is None:
+            request = dataclasses.replace(request, kv_transfer_params=dataclasses.replace(
+                kv, ticket=await self._wait_ticket(request.request_id, kv.peer_id, kv.attempt)))
         first = dataclasses.replace(params, n=1, max_tokens=1,
                                     min_tokens=min(params.min_tokens, 1), stop=())
 
@@ -109,6 +128,38 @@ class PrefillWorker(EngineWorker):
         if delta.finish_reason == "error":
             raise KVTransferError(f"{self.worker_id}: {delta.stop_reason}")
         return delta
+
+    async def _wait_ticket(self, request_id: str, peer_id: str, attempt: int) -> dict:
+        """The ticket decode worker ``peer_id`` posts for ``request_id`` (attempt
+        ``attempt``) on their KV channel; :meth:`abort` stops the wait.
+
+        Raises:
+            KVTransferError: none within ``ticket_timeout_s``, or no channel to ``peer_id``.
+            asyncio.CancelledError: the request was aborted meanwhile.
+        """
+        from tandem.kvtransfer.base import KVTransferError
+
+        connector = self.engine.kv_connector
+        fut = connector.ticket_future(peer_id, request_id, attempt)
+        self._ticket_waits[request_id] = (peer_id, fut)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), self.ticket_timeout_s)
+        except asyncio.TimeoutError:
+            raise KVTransferError(f"{self.worker_id}: no KV ticket for request {request_id!r} "
+                                  f"from {peer_id} within {self.ticket_timeout_s:g} s") from None
+        finally:
+            if self._ticket_waits.pop(request_id, None) is not None and not fut.done():
+                connector.forget_ticket(peer_id, request_id)
+
+    async def abort(self, request_id: str, sample_index: int = 0) -> bool:
+        """Abort ``request_id`` here, also while it waits for its ticket (the ticket
+        that comes later is dropped); see :meth:`EngineWorker.abort`."""
+        waiting = self._ticket_waits.pop(request_id, None)
+        if waiting is not None:
+            peer_id, fut = waiting
+            self.engine.kv_connector.forget_ticket(peer_id, request_id)
+            fut.cancel()
+        return await super().abort(request_id, sample_index) or waiting is not None
 
     def _invariant_extras(self) -> dict:
         """KV bytes sent so far (``kv_transfer_bytes``)."""

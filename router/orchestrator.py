@@ -7,12 +7,16 @@ it) convert their wire format to a :class:`ValidatedRequest` and the
 
 1. picks a decode worker (and, disaggregated, a prefill worker);
 2. adds the request to the decode worker, which reserves its blocks in queue
-   order and publishes a KV ticket (disaggregated) or computes it itself
-   (colocated, ``n > 1``);
-3. disaggregated: hands the ticket to the prefill worker, which computes the
-   prompt, streams its KV layer by layer into the reserved blocks and returns
-   the first token; the decode worker then decodes it (if the prefill fails,
-   the decode worker computes the prompt itself);
+   order (disaggregated) or computes it itself (colocated, ``n > 1``);
+3. disaggregated: sends the request to the prefill worker at the same time. The
+   two workers do their handshake on the KV channel they share (SGLang's
+   bootstrap, Dynamo's shape): the decode worker posts its ticket there once the
+   blocks are reserved, the prefill worker computes the prompt, streams its KV
+   layer by layer into those blocks, and hands the first token back on the
+   channel, so the decode worker decodes on without a word from the router,
+   which streams that token from the prefill worker's reply. Only when the
+   prefill fails does the router step in: the decode worker computes the prompt
+   itself;
 4. turns the decode worker's token deltas into text (stop strings, incremental
    UTF-8-safe detokenization) and yields a :class:`SampleEvent` per change;
 5. on every exit that leaves a sample unfinished (client gone, error) aborts
@@ -103,6 +107,7 @@ class _Attempt:
     decode: WorkerHandle
     prefill: WorkerHandle | None
     added: asyncio.Future | None = None
+    prefilled: asyncio.Future | None = None    # the prefill worker's call
 
 
 class Orchestrator:
@@ -346,19 +351,24 @@ class Orchestrator:
                 reqs = [self._resumed_sample(v, rid, s, cluster.router_id, att.number)
                         for s in samples if not s.finished]
         else:
-            kv = (KVTransferParams(att.prefill.worker_id, peer_generation=att.prefill.generation)
+            kv = (KVTransferParams(att.prefill.worker_id, attempt=att.number,
+                                   peer_generation=att.prefill.generation)
                   if att.prefill is not None else None)
             reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
                                   router_id=cluster.router_id)]
         self.journal_writer.submit("assign", rid, att.decode.worker_id, att.number)
         att.added = asyncio.ensure_future(self._add(att.decode, reqs))
+        if att.prefill is not None:          # the first attempt: reqs is the one request
+            # At once: the prefill worker takes the decode worker's ticket from their
+            # KV channel.
+            att.prefilled = self._start_prefill(reqs[0], att)
         try:
             await asyncio.shield(att.added)
         except (WorkerDiedError, WorkerFencedError) as exc:
             self._lost(att.decode, exc)
         if att.prefill is None and trace is not None and trace.dispatched is None:
             trace.dispatched = time.monotonic()
-        if att.prefill is not None:          # the first attempt: reqs is the one request
+        if att.prefill is not None:
             async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
                 yield ev
         while not all(s.finished for s in samples):
@@ -398,39 +408,48 @@ class Orchestrator:
             self.cluster.mark_dead(w, exc)
         raise _WorkerLost(w.worker_id) from exc
 
+    def _start_prefill(self, req: WorkerRequest, att: _Attempt) -> asyncio.Future:
+        """Send ``req`` to the attempt's prefill worker, without a ticket: it takes
+        the one the decode worker posts on their KV channel."""
+        prefill = att.prefill
+        prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
+        call = asyncio.ensure_future(prefill.client.prefill(dataclasses.replace(
+            req, kv_transfer_params=KVTransferParams(att.decode.worker_id, None, att.number))))
+
+        def done(fut: asyncio.Future) -> None:
+            prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)
+            _ignore_result(fut)     # retrieved however this ends (a client may leave mid-prefill)
+        call.add_done_callback(done)
+        return call
+
     async def _remote_prefill(self, req: WorkerRequest, att: _Attempt,
                               samples: list[SampleStream], queue: asyncio.Queue,
                               trace) -> AsyncIterator[SampleEvent]:
-        """Steps 2-3 of a disaggregated request: wait for the decode worker's ticket,
-        prefill remotely, emit the first token, start decoding.
+        """Step 3 of a disaggregated request: wait until the decode worker reserved
+        the blocks (its ticket's delta), then for the prefill worker's first token,
+        and emit it; the decode worker got the same token on the KV channel and
+        decodes on. If the prefill fails, tell the decode worker to compute the
+        prompt itself.
 
         Raises:
             _WorkerLost: the decode worker died meanwhile.
         """
         rid, cluster, decode, prefill = req.request_id, self.cluster, att.decode, att.prefill
+        call = att.prefilled
         while True:
             item = await queue.get()
             _raise_if_lost(item)
             if item.kv_transfer_ticket is not None:
                 break
             if item.finish_reason is not None:        # the decode worker failed
+                self._spawn(self._try(prefill.client.abort(rid)))
                 for ev in self._consume(None, rid, samples, item, trace):
                     yield ev
                 return
         if trace is not None:
             trace.dispatched = time.monotonic()
         ticket = item.kv_transfer_ticket
-        if prefill.draining:        # picked before a scale-down began: another one, if any
-            try:
-                prefill = att.prefill = cluster.pick_prefill(req.prompt_token_ids)
-            except RuntimeError:
-                pass
-        prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
         t0 = time.perf_counter()
-        call = asyncio.ensure_future(prefill.client.prefill(dataclasses.replace(
-            req, kv_transfer_params=KVTransferParams(decode.worker_id, ticket, att.number))))
-        # Retrieved however this ends (a client that leaves mid-prefill abandons it).
-        call.add_done_callback(_ignore_result)
         try:
             # The decode worker may die while the prompt is prefilled for it; the prefill
             # worker may die or stall (its KV is useless once the decode side's load
@@ -462,12 +481,15 @@ class Orchestrator:
                 self.metrics.kv_transfer_failed(prefill.worker_id)
             if isinstance(exc, WorkerDiedError):
                 cluster.mark_dead(prefill, exc)
-            await self._call_decode(att, att.decode.client.start_decode(rid, None))
-            return
-        finally:
-            prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)
-        if self.metrics and trace is not None:
-            self.metrics.kv_transferred(trace, prefill.worker_id, ticket, time.perf_counter() - t0)
+            # The prefill worker may have handed its first token over on the KV
+            # channel before its reply was lost: then the decode worker returns it.
+            first = await self._call_decode(att, att.decode.client.start_decode(rid, None))
+            if first is None:
+                return
+        else:
+            if self.metrics and trace is not None:
+                self.metrics.kv_transferred(trace, prefill.worker_id, ticket,
+                                            time.perf_counter() - t0)
         if first.finish_reason == "length" and req.sampling_params.max_tokens > 1:
             # The prefill worker always stops after one token; the request goes on.
             first = dataclasses.replace(first, finish_reason=None, stop_reason=None)
@@ -475,9 +497,6 @@ class Orchestrator:
             yield ev
         if samples[0].finished:      # the first token ended it (EOS, stop string, max_tokens 1)
             await self._call_decode(att, att.decode.client.abort(rid))
-            return
-        await self._call_decode(att, att.decode.client.start_decode(
-            rid, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None))
 
     async def _wait_prefill(self, call: asyncio.Future, lost: asyncio.Future,
                             prefill_down: asyncio.Future, prefill: WorkerHandle,
@@ -568,7 +587,9 @@ class Orchestrator:
             return
         try:                  # an abort must not overtake the call that adds the request
             await att.added
-        except Exception:     # never added: nothing to abort
+        except Exception:     # never added: nothing to abort but a prefill waiting for its ticket
+            if att.prefilled is not None and not att.prefilled.done() and att.prefill.alive:
+                await self._try(att.prefill.client.abort(rid))
             return
         if att.prefill is not None and att.prefill.alive:
             await self._try(att.prefill.client.abort(rid))

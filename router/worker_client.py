@@ -148,8 +148,11 @@ class WorkerClient:
         await self._call("add_request", request)
 
     async def start_decode(self, request_id: str, first_token_id: int | None,
-                           first_logprobs: TokenLogprobs | None = None) -> None:
-        await self._call("start_decode", request_id, first_token_id, first_logprobs)
+                           first_logprobs: TokenLogprobs | None = None) -> RequestDelta | None:
+        """The router's word on a remote prefill (see ``DecodeWorker.start_decode``):
+        given None, the first token's delta if the prefill worker had handed it over
+        on the KV channel."""
+        return await self._call("start_decode", request_id, first_token_id, first_logprobs)
 
     async def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
         return await self._call("extend_kv_load", request_id, timeout_s)

@@ -4,12 +4,15 @@
 Checks the consumer's WAITING_FOR_REMOTE_KV state end to end on the real model:
 greedy tokens equal a single engine's, an abort while layers are in flight frees
 every block once the load ends (and none of them enters the prefix cache), and a
-failed remote prefill is computed on the consumer with the same tokens.
+failed remote prefill is computed on the consumer with the same tokens. And the
+handshake on the channel itself: the producer takes the consumer's ticket from
+the pair and hands the first token back on it, with no caller in between.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -45,6 +48,17 @@ def _run(engine: LLMEngine, until, max_steps: int = 400) -> None:
         engine.step()
         engine.check_invariants()
     raise AssertionError("engine did not get there")
+
+
+def _run_until(engine: LLMEngine, until, timeout_s: float = 20.0) -> None:
+    """Step until ``until()``, waiting (not stepping idly) for what the pair brings."""
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "engine did not get there"
+        engine.step()
+        engine.check_invariants()
+        if not engine.last_step_ran:
+            time.sleep(0.005)
 
 
 def _idle(engine: LLMEngine) -> None:
@@ -141,3 +155,76 @@ def test_save_to_an_unknown_peer_ends_the_request_with_an_error(pair):
     assert req.status is RequestStatus.FINISHED_ERROR
     assert req.stop_reason == "no KV channel to decode-9"
     _idle(producer)
+
+
+def _taken_first_tokens(consumer: LLMEngine) -> list[str]:
+    taken: list[str] = []
+    consumer.on_remote_first_token = taken.append
+    return taken
+
+
+def test_ticket_and_first_token_travel_on_the_kv_channel(pair):
+    base, producer, consumer = pair
+    prompt = base.tokenizer.encode(PROMPT + " then spread across Europe within decades")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = base.generate([prompt], params)[0].outputs[0]
+    # The producer asks first (the router sends both requests at once).
+    ticket_future = producer.kv_connector.ticket_future("decode-0", "r5", 0)
+    assert not ticket_future.done()
+    taken = _taken_first_tokens(consumer)
+    try:
+        req = consumer.add_request(prompt, params, "r5",
+                                   kv_transfer_params=KVTransferParams("prefill-0"))[0]
+        _run(consumer, lambda: req.kv_load_ticket is not None)
+        assert ticket_future.result(timeout=10) == req.kv_load_ticket
+        done = _prefill(producer, "r5", prompt, params, ticket_future.result())
+        assert done.status is RequestStatus.FINISHED_LENGTH
+        # No start_decode: the first token came on the pair.
+        _run_until(consumer, lambda: req.is_finished)
+        assert taken == ["r5"] and req.first_token_from_peer
+        assert req.output_token_ids == want.token_ids
+        assert req.output_logprobs[0] == done.output_logprobs[0]
+        assert [lp.token_id for lp in req.output_logprobs] == want.token_ids
+    finally:
+        consumer.on_remote_first_token = None
+    _idle(consumer)
+    _idle(producer)
+
+
+def test_a_late_failed_prefill_word_gets_the_token_the_channel_brought(pair):
+    """The prefill worker handed its token over, then its reply to the router was
+    lost: the router's "prefill failed" gets that token back, the request decodes on."""
+    base, producer, consumer = pair
+    prompt = base.tokenizer.encode("Write one sentence about the mountains, please.")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = base.generate([prompt], params)[0].outputs[0].token_ids
+    taken = _taken_first_tokens(consumer)
+    try:
+        req, ticket = _reserve(consumer, "r6", prompt, params)
+        _prefill(producer, "r6", prompt, params, ticket)
+        _run_until(consumer, lambda: taken == ["r6"])
+        assert consumer.start_decode("r6", None) == (want[0], None)
+        _run_until(consumer, lambda: req.is_finished)
+        assert req.output_token_ids == want
+    finally:
+        consumer.on_remote_first_token = None
+    _idle(consumer)
+    _idle(producer)
+
+
+def test_a_forgotten_ticket_is_dropped_when_it_comes(pair):
+    """An aborted prefill stops waiting; the ticket posted afterwards is not kept."""
+    base, producer, consumer = pair
+    connector = producer.kv_connector
+    waiting = connector.ticket_future("decode-0", "r7", 0)
+    connector.forget_ticket("decode-0", "r7")
+    assert waiting.cancelled()
+    forgotten, _ = _reserve(consumer, "r7", base.tokenizer.encode("A prompt nobody prefills."),
+                            SamplingParams(max_tokens=2))
+    # Tickets arrive in order: once the next one is here, r7's was handled.
+    marker = connector.ticket_future("decode-0", "r8", 0)
+    _reserve(consumer, "r8", base.tokenizer.encode("Another prompt."), SamplingParams(max_tokens=2))
+    marker.result(timeout=10)
+    assert not [key for key in connector._early_tickets if key[1] == "r7"]
+    assert consumer.abort_request("r7") and consumer.abort_request("r8")
+    _idle(consumer)

@@ -20,7 +20,16 @@ blocks for its whole prompt (prefix-cache hits reused); it then waits in state
 
     engine: ticket = connector.start_load(request_id, block_ids, num_cached, num_tokens, peer)
             ... each step: connector.get_finished_loads() -> [(request id, error or None)]
+                           connector.get_first_tokens() -> [(request id, token, logprobs)]
     scheduler: all layers landed and the first token known -> RUNNING
+
+The handshake runs on the channel itself, so the router sends both engines their
+request at once and only streams tokens (SGLang's bootstrap, Dynamo's shape):
+``start_load`` also posts the ticket to the producer, whose engine waits for it
+(:meth:`KVConnector.ticket_future`) when its request came without one; after the
+prompt's last layer and its first token, the producer hands that token over
+(:meth:`KVConnector.send_first_token`) and the consumer decodes on, with no call
+from the router in between.
 
 Fencing: every channel is for one incarnation of the producer (its cluster
 registry generation, given to :meth:`KVConnector.open_channel` and
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -150,6 +160,29 @@ class KVConnector(ABC):
             reached the wire completely).
         """
 
+    @abstractmethod
+    def ticket_future(self, peer_id: str, request_id: str, attempt: int) -> Future:
+        """The ticket consumer ``peer_id`` posts for ``request_id``'s attempt
+        ``attempt`` (a ``KVTransferTicket.to_dict()``), as a future that completes
+        when it arrives (at once if it did already); :meth:`forget_ticket` cancels it.
+        Thread-safe."""
+
+    @abstractmethod
+    def forget_ticket(self, peer_id: str, request_id: str) -> None:
+        """Stop waiting for ``request_id``'s tickets from ``peer_id`` (cancel the
+        futures, drop those that arrived or will). Thread-safe."""
+
+    @abstractmethod
+    def send_first_token(self, params: KVTransferParams, token_id: int,
+                         logprobs: Any = None) -> str | None:
+        """After a successful save: hand the consumer the first token sampled for the
+        request of ``params.ticket`` (``logprobs``: its ``TokenLogprobs`` or None).
+
+        Returns:
+            None once handed over; an error message if the channel is broken or
+            gone (the consumer never gets the token).
+        """
+
     # -- consumer --------------------------------------------------------------------------
     @abstractmethod
     def start_load(self, request_id: str, block_ids: Sequence[int], num_cached_tokens: int,
@@ -180,6 +213,11 @@ class KVConnector(ABC):
         """Give ``request_id``'s load at least ``timeout_s`` more seconds from now
         before it times out: its producer is making progress, and the prompt is
         queued there, not stalled. Returns whether a load was in flight."""
+
+    @abstractmethod
+    def get_first_tokens(self) -> list[tuple[str, int, Any]]:
+        """First tokens the producers handed over since the last call, for loads this
+        connector started: ``(request id, token id, TokenLogprobs or None)``. Never blocks."""
 
     @abstractmethod
     def get_finished_loads(self) -> list[tuple[str, str | None]]:

@@ -67,6 +67,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._published: dict[str, int] = {}       # request id -> output tokens already sent
+        # A remote prefill's first token that came on the KV channel reached the
+        # client from the prefill worker (through the router): not published again.
+        engine.on_remote_first_token = lambda rid: self.mark_published(rid, 1)
         self._tracked: dict[str, Future] = {}      # request id -> future of its final delta
         self.publish_deltas = publish_deltas
         self.on_rank_lost = on_rank_lost

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -202,6 +202,15 @@ class LLMEngine:
         self.beam_search = BeamSearchManager(self)
         """Running beam searches (``params.use_beam_search``)."""
         self.last_step_ran = False    # whether the last step() scheduled anything
+        self.num_first_tokens_from_peer = 0
+        """Consumer side: remote prefills whose first token came on the KV channel."""
+        self.num_first_tokens_from_caller = 0
+        """Consumer side: remote prefills whose first token the caller gave
+        (:meth:`start_decode`), the producer's handoff not having come first."""
+        self.on_remote_first_token: Callable[[str], None] | None = None
+        """Consumer side: called (on the engine's thread) with a request's id when its
+        producer's first token, handed over on the KV channel, joined it: the caller
+        already has that token from the producer (the serving loop marks it sent)."""
         self.proposer = None
         """Speculative decoding's :class:`~tandem.engine.spec_decode.proposer.Proposer`
         (None: off)."""
@@ -350,8 +359,10 @@ class LLMEngine:
                                    "output_token_ids (give none or one per token)")
 
     def start_decode(self, request_id: str, first_token_id: int | None,
-                     first_logprobs: TokenLogprobs | None = None) -> None:
-        """A remote-prefill request's prefill ended elsewhere.
+                     first_logprobs: TokenLogprobs | None = None
+                     ) -> tuple[int, TokenLogprobs | None] | None:
+        """A remote-prefill request's prefill ended elsewhere (the caller's word; the
+        producer's own word comes on the KV channel, see :meth:`step`).
 
         Args:
             first_token_id: the token the prefill engine sampled; the request joins
@@ -359,15 +370,59 @@ class LLMEngine:
                 failed, and the prompt is computed here instead (once no layer can
                 land in its reserved blocks any more).
 
+        Returns:
+            The first token ``(token id, logprobs or None)`` if the producer had
+            already handed it over on the KV channel (the request decodes on; given
+            ``None``, the caller never got that token and must pass it on), else None.
+
         Raises:
             KeyError: the request is not waiting for remote KV (e.g. aborted).
         """
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.first_token_from_peer:
+            return req.output_token_ids[0], (req.output_logprobs[0] if req.output_logprobs
+                                             else None)
         if first_token_id is None:
             if self.scheduler.give_up_remote_prefill(request_id):
                 self.kv_connector.cancel_load(request_id)
-            return
+            return None
         req = self.scheduler.set_remote_first_token(request_id, first_token_id, first_logprobs)
         self.runner.sampler.skip_draws(req, self.model_config.vocab_size, 1)
+        self.num_first_tokens_from_caller += 1
+        return None
+
+    def _take_first_token(self, request_id: str, token_id: int,
+                          logprobs: TokenLogprobs | None) -> None:
+        """The producer handed over ``request_id``'s first token on the KV channel:
+        take it if the request still waits for it (not given up, not aborted)."""
+        req = self.scheduler.requests.get(request_id)
+        if (req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV
+                or not req.needs_remote_kv or req.num_output_tokens):
+            return
+        if not 0 <= token_id < self.model_config.vocab_size:
+            logger.warning("request %s: dropped a first token out of the vocabulary (%d)",
+                           request_id, token_id)
+            return
+        self.scheduler.set_remote_first_token(request_id, token_id, logprobs)
+        self.runner.sampler.skip_draws(req, self.model_config.vocab_size, 1)
+        req.first_token_from_peer = True
+        self.num_first_tokens_from_peer += 1
+        if self.on_remote_first_token is not None:
+            self.on_remote_first_token(request_id)
+
+    def _hand_over_first_tokens(self, changed: list[Request]) -> None:
+        """Producer side: give each consumer the first token of a prompt whose KV this
+        step sent (the save succeeded and the token was sampled); a channel that
+        fails now fails the request (``error``), as a failed save does."""
+        for r in changed:
+            p = r.kv_transfer_params
+            if (p is None or p.ticket is None or not r.output_token_ids
+                    or r.status.finish_reason not in ("length", "stop")):
+                continue
+            error = self.kv_connector.send_first_token(
+                p, r.output_token_ids[0], r.output_logprobs[0] if r.output_logprobs else None)
+            if error is not None:
+                r.status, r.stop_reason = RequestStatus.FINISHED_ERROR, f"first token handoff: {error}"
 
     def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
         """Keep a remote-prefill request's KV load waiting at least ``timeout_s`` more
@@ -412,6 +467,8 @@ class LLMEngine:
         if connector is not None:
             for rid, error in connector.get_finished_loads():
                 sch.finish_kv_load(rid, error is None)
+            for rid, token_id, logprobs in connector.get_first_tokens():
+                self._take_first_token(rid, token_id, logprobs)
         out: SchedulerOutput = sch.schedule()
         self.last_step_ran = not out.is_empty
         if out.is_empty:
@@ -431,6 +488,8 @@ class LLMEngine:
         for r in changed:
             if r.is_finished:
                 self.runner.sampler.free(r.request_id)
+        if connector is not None:
+            self._hand_over_first_tokens(changed)
         changed = self.beam_search.update(changed)
         if self.proposer is not None:
             self._propose(out, changed)

@@ -89,6 +89,8 @@ class Request:
             ended, and whether every layer landed.
         kv_load_ticket: consumer side: the KV connector's ticket (plain dict) for the
             producer, set when blocks were reserved and taken by whoever publishes it.
+        first_token_from_peer: consumer side: the first output token came from the
+            producer on the KV channel (not from the caller's ``start_decode``).
         spec_token_ids: draft tokens proposed to follow the request's last token,
             verified in its next decode step (see :mod:`tandem.engine.scheduling.scheduler`);
             cleared by that step.
@@ -121,6 +123,7 @@ class Request:
     kv_load_finished: bool = False
     kv_load_ok: bool = False
     kv_load_ticket: dict | None = None
+    first_token_from_peer: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = None
     # Children to fork from this request once its prompt is computed (n > 1).

@@ -1,7 +1,7 @@
 """The other worker in KV transfer tests: a real process driven over a pipe.
 
 The pipe plays the control plane (it carries rendezvous dicts and tickets, never
-KV). Each command is a tuple ``(name, *args)``; the reply is ``("ok", value)`` or
+KV); tickets the receiver posts on the pair are kept and read back with ``tickets``. Each command is a tuple ``(name, *args)``; the reply is ``("ok", value)`` or
 ``("error", "ExceptionType: message")``. ``connect`` takes an optional dict of
 keyword arguments for the transport's ``connect`` (e.g. ``{"device": "cuda:1"}``).
 """
@@ -64,6 +64,7 @@ def serve(conn) -> None:
     """Peer main loop: runs commands until ``exit``."""
     sender = receiver = None
     device = "cpu"  # where this peer's KV caches live
+    tickets: list[dict] = []  # what the receiver posted on the pair, in order
     while True:
         name, *args = conn.recv()
         try:
@@ -78,7 +79,12 @@ def serve(conn) -> None:
                 kwargs = options[0] if options else {}
                 device = kwargs.get("device", "cpu")
                 sender = get_transport(transport).sender.connect(rendezvous, timeout_s=20, **kwargs)
+                sender.set_ticket_handler(tickets.append)
                 value = None
+            elif name == "tickets":
+                value = list(tickets)
+            elif name == "handoff":
+                value = sender.post_handoff(*args)
             elif name == "listen":
                 receiver = get_transport(args[0]).receiver.listen()
                 value = receiver.rendezvous

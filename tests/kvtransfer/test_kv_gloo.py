@@ -89,6 +89,41 @@ def test_interleaved_transfers_land_bit_exact(pair, dtype):
     assert receiver.staged_transfer_ids() == []
 
 
+def _wait_for(what, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := what()):
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.01)
+    return value
+
+
+def test_the_handshake_travels_on_the_pair(pair):
+    """The receiver's tickets reach the sender's handler in order, and the sender's
+    first-token handoff reaches the receiver's ``on_handoff`` behind its layers."""
+    receiver, peer = pair
+    layout = _layout()
+    first = _ticket(layout, [4, 9], num_cached_tokens=0, num_tokens=20, request_id="hs-1")
+    second = _ticket(layout, [6], num_cached_tokens=0, num_tokens=3, request_id="hs-2")
+    already = len(peer.call("tickets"))
+    receiver.post_ticket(first.to_dict())
+    receiver.post_ticket(second.to_dict())
+    got = _wait_for(lambda: len(peer.call("tickets")) == already + 2 and peer.call("tickets"))
+    assert got[already:] == [first.to_dict(), second.to_dict()]
+    handed = []
+    receiver.on_handoff = lambda transfer_id, payload: handed.append((transfer_id, payload))
+    try:
+        payload = {"token_id": 42, "logprob": -0.5, "top": [[42, -0.5], [7, -1.25]]}
+        peer.call("send", [(first.to_dict(), [3, 8])], layout.to_dict(), SRC_NUM_BLOCKS, 21)
+        peer.call("handoff", first.transfer_id, payload)
+        kv_cache = _dst_cache(layout)
+        receiver.receive(first, kv_cache, timeout_s=20)
+        assert _wait_for(lambda: handed) == [(first.transfer_id, payload)]
+    finally:
+        receiver.on_handoff = None
+    receiver.discard(second.transfer_id)
+    assert receiver.staged_transfer_ids() == []
+
+
 def test_layers_are_yielded_as_they_land(pair):
     receiver, peer = pair
     layout = _layout()

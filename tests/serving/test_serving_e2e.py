@@ -63,13 +63,18 @@ def test_greedy_parity_over_grpc(mode, request, parity):
 
 
 def test_prefill_kv_really_moved(disagg, tokenizer):
-    before = disagg.block_counts()["prefill-0"]["kv_transfer_bytes"]
+    counts = disagg.block_counts()
+    before, decode_before = counts["prefill-0"]["kv_transfer_bytes"], counts["decode-0"]
     ids = tokenizer.encode("Tell me about the moon. " * 6)
     disagg.generate(greedy_req(ids=ids, max_tokens=4))
-    after = disagg.block_counts()["prefill-0"]["kv_transfer_bytes"]
+    counts = disagg.block_counts()
+    after, decode_after = counts["prefill-0"]["kv_transfer_bytes"], counts["decode-0"]
     # 30 layers x K,V x 16 tokens x 3 heads x 64 dims x 4 bytes per block, fp32.
     per_block = 30 * 2 * 16 * 3 * 64 * 4
     assert (after - before) % per_block == 0 and after - before >= per_block
+    # The first token reached the decode worker on the KV channel, not from the router.
+    assert decode_after["first_tokens_from_peer"] == decode_before["first_tokens_from_peer"] + 1
+    assert decode_after["first_tokens_from_router"] == decode_before["first_tokens_from_router"]
 
 
 def test_sixteen_concurrent_streams(disagg, tokenizer):
