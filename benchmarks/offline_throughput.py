@@ -3,7 +3,8 @@
 
 Workload: N prompts of random length in [min_prompt, max_prompt] tokens (ids drawn
 from the ordinary vocabulary with a fixed seed), ``output_len`` generated tokens
-each, greedy, EOS ignored. Every system gets the same prompts (as token ids) in the
+each, greedy (``--temperature`` > 0: sampled, unseeded, no top-k/top-p), EOS
+ignored. Every system gets the same prompts (as token ids) in the
 same dtype, one after the other in one run: Tandem in this process (``tandem``:
 the defaults; ``tandem-bi``: ``batch_invariant=True``), transformers in this process
 batched and left-padded (``--peer-batch-size``), and vLLM (``vllm``: the
@@ -94,7 +95,7 @@ def run_tandem(prompts, output_len: int, dtype: str, args, batch_invariant: bool
     llm = LLM(dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, batch_invariant=batch_invariant)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=args.temperature, ignore_eos=True)
     llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
     breakdown = Breakdown(llm) if args.breakdown else None
     t0 = time.perf_counter()
@@ -111,7 +112,8 @@ def run_tandem(prompts, output_len: int, dtype: str, args, batch_invariant: bool
 
 
 @torch.inference_mode()
-def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
+def run_hf(prompts, output_len: int, dtype: str, batch_size: int, temperature: float = 0.0
+           ) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tandem.engine.model.model_files import resolve_model
@@ -130,7 +132,9 @@ def run_hf(prompts, output_len: int, dtype: str, batch_size: int) -> dict:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+                             min_new_tokens=output_len, pad_token_id=pad,
+                             **({"do_sample": True, "temperature": temperature, "top_k": 0,
+                                 "top_p": 1.0} if temperature > 0 else {"do_sample": False}))
         return out[:, width:]
 
     batch_generate([prompts[0][:32]])   # warm-up
@@ -148,7 +152,7 @@ def run_vllm(prompts, output_len: int, dtype: str, args) -> dict:
     reserved (its CPU defaults reserve one) and a 2 GiB KV cache."""
     out = run_vllm_offline(args.vllm_python, {
         "model": args.hf_model, "dtype": dtype, "prompts": prompts, "output_len": output_len,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": args.max_num_seqs, "temperature": args.temperature,
         "max_num_batched_tokens": args.max_num_batched_tokens}, args.threads)
     n, dt = out["output_tokens"], out["seconds"]
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
@@ -170,6 +174,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above 0: every system samples at this temperature")
     ap.add_argument("--systems", default="tandem,tandem-bi,hf,vllm",
                     help=f"comma-separated, in run order, from {', '.join(SYSTEMS)}")
     ap.add_argument("--vllm-python", default=VLLM_PYTHON,
@@ -205,7 +211,8 @@ def main() -> None:
                            batch_invariant=name == "tandem-bi")
             extra = f"attention backend {r['attention_backend']}"
         elif name == "hf":
-            r = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size)
+            r = run_hf(prompts, args.output_len, args.dtype, args.peer_batch_size,
+                       args.temperature)
             extra = f"batch {args.peer_batch_size}, padded"
         else:
             r = run_vllm(prompts, args.output_len, args.dtype, args)
@@ -216,7 +223,8 @@ def main() -> None:
         for kind, parts in r.get("breakdown", {}).items():
             print(f"  {kind:6s} " + ", ".join(f"{k} {v}" for k, v in parts.items()))
         result["systems"][name] = r
-    first = next((n for n in systems if outputs.get(n) is not None), None)
+    first = None if args.temperature > 0 else next(
+        (n for n in systems if outputs.get(n) is not None), None)    # sampled: nothing to compare
     for name in systems:
         r = result["systems"][name]
         if "hf" in result["systems"] and name != "hf":

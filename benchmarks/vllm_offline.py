@@ -39,7 +39,8 @@ def main(workload_path: str, result_path: str) -> None:
             "runs": timed_runs(llm, SamplingParams, w["runs"], w.get("repeats", 1)),
             "vllm": getattr(vllm, "__version__", "?")}))
         return
-    params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=w["output_len"], temperature=w.get("temperature", 0.0),
+                            ignore_eos=True)
     llm.generate([{"prompt_token_ids": w["prompts"][0][:32]}],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)   # warm-up
     t0 = time.perf_counter()

@@ -94,7 +94,7 @@ def test_temperature_sharpens():
 
 def test_tiny_temperature_tends_to_greedy_instead_of_nan():
     # 30 / 1e-40 overflows float32: softmax of several +inf was NaN and the
-    # exponential race then returned token 0 whatever the logits.
+    # draw (then an exponential race) returned token 0 whatever the logits.
     logits = torch.tensor([1.0, 30.0, 29.0, 30.0, -5.0])
     freq = _draw(SamplingParams(temperature=1e-40), 400, logits)
     assert freq[0] == freq[2] == freq[4] == 0
