@@ -235,8 +235,9 @@ class Sampler:
         probability is 0), and the chosen tokens advance its matcher.
 
         Randomness comes from the request's generator (:meth:`generator_for`):
-        one uniform per draft examined, then one ``V``-exponential race, so a
-        seeded request reproduces whatever else is batched with it.
+        one uniform per draft examined, then one for the final draw
+        (:func:`draw_proportional`), so a seeded request reproduces whatever else is
+        batched with it.
 
         Args:
             logits: ``[k + 1, V]`` float32 target logits.
