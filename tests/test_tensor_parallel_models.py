@@ -286,6 +286,29 @@ def test_default_model_gguf_blocks_tp2_equal_tp1():
     assert tp2.engine.parallel.worker_exit_codes == [0]
 
 
+def _tp2_equals_tp1(path, **kw) -> tuple[LLM, LLM]:
+    """One rank and two on checkpoint ``path`` (float32, ``kw`` for both): the same
+    greedy tokens for :func:`_prompts`, prompt logprobs within float32 summation
+    order (1e-4). Returns both engines; the caller shuts the two-rank one down."""
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    tp1 = LLM(path, dtype="float32", num_blocks=64, **kw)
+    want = tp1.generate(prompts, params)
+    tp2 = LLM(path, dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              max_num_batched_tokens=32, **kw)
+    try:
+        got = tp2.generate(prompts, params)
+        assert _ids(got) == _ids(want)
+        for o, w in zip(got, want):
+            assert max(abs(a.logprob - b.logprob) for a, b in
+                       zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:])) < 1e-4
+    except BaseException:
+        tp2.shutdown()
+        raise
+    return tp1, tp2
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_int4_checkpoint_tp2_equals_tp1(method, tmp_path):
     """A tiny Llama whose attention and MLP linears are 4-bit in groups of 32 (GPTQ v1
@@ -296,19 +319,8 @@ def test_int4_checkpoint_tp2_equals_tp1(method, tmp_path):
     from tests.models.test_quantized_experts import _int4_checkpoints
 
     int4_dir, _, _ = _int4_checkpoints(tmp_path, "llama", method)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    tp1 = LLM(int4_dir, dtype="float32", num_blocks=64)
-    want = tp1.generate(prompts, params)
-    tp2 = LLM(int4_dir, dtype="float32", tensor_parallel_size=2, num_blocks=64,
-              max_num_batched_tokens=32)
+    tp1, tp2 = _tp2_equals_tp1(int4_dir)
     try:
-        got = tp2.generate(prompts, params)
-        assert _ids(got) == _ids(want)
-        for o, w in zip(got, want):
-            assert max(abs(a.logprob - b.logprob) for a, b in
-                       zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:])) < 1e-4
         down1 = tp1.engine.model.model.layers[0].mlp.down_proj
         down2 = tp2.engine.model.model.layers[0].mlp.down_proj
         assert down2.quant_method.name == method and down2.partition == (0, 64)
@@ -485,19 +497,8 @@ def test_quantized_experts_tp2_equal_tp1(case, tmp_path):
     else:
         path, _, _ = _int4_checkpoints(tmp_path, "mixtral", case.split("-")[1])
         kw, leaf = {}, "int4_blocks"
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    tp1 = LLM(path, dtype="float32", num_blocks=64, **kw)
-    want = tp1.generate(prompts, params)
-    tp2 = LLM(path, dtype="float32", tensor_parallel_size=2, num_blocks=64,
-              max_num_batched_tokens=32, **kw)
+    tp1, tp2 = _tp2_equals_tp1(path, **kw)
     try:
-        got = tp2.generate(prompts, params)
-        assert _ids(got) == _ids(want)
-        for o, w in zip(got, want):
-            assert max(abs(a.logprob - b.logprob) for a, b in
-                       zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:])) < 1e-4
         moe1, moe2 = (llm.engine.model.model.layers[-1].mlp for llm in (tp1, tp2))
         assert moe2.quantized_experts and moe2.local_experts == range(0, 4)
         for e in range(4):
