@@ -65,13 +65,20 @@ class DecodeWorker(EngineWorker):
         self.control = start_worker_control(control, worker_id, role, self._static_info(),
                                             self._fence, self.loop)
 
-    async def open_kv_channel(self, peer_id: str, peer_generation: int = 0) -> dict:
+    async def open_kv_channel(self, peer_id: str, peer_generation: int = 0,
+                              peer_layout: dict | None = None) -> dict:
         """Listen (on this node's address) for prefill worker ``peer_id``'s KV, from its
-        incarnation ``peer_generation`` (the cluster registry's); returns the
-        rendezvous to hand it. A request whose ``kv_transfer_params.peer_generation``
-        differs fails its load at once (and is prefilled here if the router says so)."""
+        incarnation ``peer_generation`` (the cluster registry's), whose KV layout is
+        ``peer_layout`` (its ``info()["kv_layout"]``; None: one rank); returns the
+        rendezvous to hand it: one pair per (prefill rank, decode rank) whose KV
+        heads overlap. A request whose ``kv_transfer_params.peer_generation``
+        differs fails its load at once (and is prefilled here if the router says so).
+
+        Raises:
+            KVLayoutMismatchError: a KV head this worker holds is on no rank of the peer.
+        """
         return await self._call(self.engine.kv_connector.open_channel, peer_id,
-                                node_ip_address(), peer_generation)
+                                node_ip_address(), peer_generation, peer_layout)
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(self, request: WorkerRequest) -> None:

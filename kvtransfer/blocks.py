@@ -22,8 +22,10 @@ import torch
 
 
 def _bytes_view(layer_cache: torch.Tensor) -> np.ndarray | None:
-    """numpy uint8 view ``[2, NB, bs, heads, head_dim * itemsize]`` sharing memory, or None if impossible."""
-    if layer_cache.device.type != "cpu" or not layer_cache.is_contiguous() or layer_cache.requires_grad:
+    """numpy uint8 view ``[2, NB, bs, heads, head_dim * itemsize]`` sharing memory, or
+    None if impossible. A view of some of a cache's heads (a tensor-parallel pair's,
+    strided in the heads' dimension) works too: numpy copies through the strides."""
+    if layer_cache.device.type != "cpu" or layer_cache.stride(-1) != 1 or layer_cache.requires_grad:
         return None
     return layer_cache.view(torch.uint8).numpy()
 

@@ -400,9 +400,8 @@ def _tensor_parallel_sizes(args) -> tuple[int, int]:
     ``--tensor-parallel-size`` and the per-pool flags.
 
     Raises:
-        ValueError: naming the flag: a size below 1, a prefill size in colocated
-            mode (no prefill pool there), or a size above 1 in disaggregated mode
-            (a sharded worker does not transfer KV yet).
+        ValueError: naming the flag: a size below 1, or a prefill size in colocated
+            mode (no prefill pool there).
     """
     default = args.tensor_parallel_size
     sizes = {"--tensor-parallel-size": default}
@@ -420,13 +419,6 @@ def _tensor_parallel_sizes(args) -> tuple[int, int]:
             raise ValueError("--prefill-tensor-parallel-size: colocated mode has no prefill "
                              "workers; size its workers with --tensor-parallel-size (or "
                              "--decode-tensor-parallel-size)")
-    else:
-        for flag, n in sizes.items():
-            if n > 1:
-                raise ValueError(f"{flag}: {n} ranks per worker is not supported in "
-                                 "disaggregated mode yet: the KV transfer between sharded "
-                                 "prefill and decode workers is not implemented; use "
-                                 "--mode colocated")
     return (prefill or default), (decode or default)
 
 

@@ -155,12 +155,12 @@ class ServeConfig:
         if self.mode == "disaggregated":
             for pool, eng in (("decode", self.engine),
                               ("prefill", self.prefill_engine or self.engine)):
-                if eng.tensor_parallel_size > 1:
+                if eng.tensor_parallel_size > 1 and eng.cache.kv_cache_dtype != "auto":
                     raise ValueError(
-                        f"tensor_parallel_size: {pool} workers of {eng.tensor_parallel_size} "
-                        "ranks in disaggregated mode: the KV transfer between sharded workers "
-                        "is not implemented yet (use mode=colocated)")
-
+                        f"kv_cache_dtype: {pool} workers of {eng.tensor_parallel_size} ranks "
+                        f"in disaggregated mode keep the KV cache in the model dtype; a "
+                        f"{eng.cache.kv_cache_dtype} cache is not transferred between "
+                        "sharded workers yet (use kv_cache_dtype=auto or mode=colocated)")
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
     """Cores per prefill and decode worker, and torch threads each (0: as many as the
@@ -596,7 +596,8 @@ class TandemServer(RouterServer):
         ``prefill`` to it (the layouts are checked first: KVLayoutMismatchError names
         the fields). The channel accepts only transfers carrying ``prefill``'s
         generation (KV fencing)."""
-        rdv = await decode.client.open_kv_channel(prefill.worker_id, prefill.generation)
+        rdv = await decode.client.open_kv_channel(prefill.worker_id, prefill.generation,
+                                                  prefill.info["kv_layout"])
         await prefill.client.connect_kv(decode.worker_id, rdv, decode.info["kv_layout"],
                                         prefill.generation)
 

@@ -157,10 +157,12 @@ class WorkerClient:
     async def extend_kv_load(self, request_id: str, timeout_s: float) -> bool:
         return await self._call("extend_kv_load", request_id, timeout_s)
 
-    async def open_kv_channel(self, peer_id: str, peer_generation: int) -> dict:
-        """The rendezvous prefill worker ``peer_id`` (incarnation ``peer_generation``)
-        joins to send its KV here."""
-        return await self._call("open_kv_channel", peer_id, peer_generation)
+    async def open_kv_channel(self, peer_id: str, peer_generation: int,
+                              peer_layout: dict | None = None) -> dict:
+        """The rendezvous prefill worker ``peer_id`` (incarnation ``peer_generation``,
+        KV layout ``peer_layout``: which of its ranks holds which KV heads) joins to
+        send its KV here."""
+        return await self._call("open_kv_channel", peer_id, peer_generation, peer_layout)
 
     # -- prefill workers -----------------------------------------------------------------------
     async def prefill(self, request: WorkerRequest) -> RequestDelta:

@@ -354,18 +354,6 @@ def test_tp2_samples_forks_and_prompt_logprobs_like_tp1(tp2, tp1):
             assert abs(a.logprob - b.logprob) < 1e-4
 
 
-def test_tp2_refuses_a_kv_transfer_callback_by_name(tp2):
-    """A forward pass with a KV connector's per-layer callback (KV transfer) is refused
-    on rank 0 before anything is announced, so the group stays in step."""
-    ids = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(NotImplementedError, match="KV transfer .* is not sharded yet"):
-        tp2.engine.model(ids, ids, tp2.engine.kv_cache.tensor, None, tp2.engine.backend,
-                         after_layer=lambda layer: None)
-    assert tp2.engine.runner.broken is None
-    assert _ids(tp2.generate(PROMPTS[:1], GREEDY))[0][:8] == [7042, 30, 198, 198, 504, 2988,
-                                                               314, 42]
-
-
 TINY = {
     # biases on all four attention projections, one KV head held by both ranks, and
     # 509 vocabulary rows (255 + 254 and a padding row); the head untied

@@ -110,11 +110,18 @@ class KVConnector(ABC):
 
     # -- channels (control plane) ----------------------------------------------------------
     @abstractmethod
-    def open_channel(self, peer_id: str, host: str, peer_generation: int = 0) -> dict:
+    def open_channel(self, peer_id: str, host: str, peer_generation: int = 0,
+                     peer_layout: dict | None = None) -> dict:
         """Consumer: listen on ``host`` for producer ``peer_id``, incarnation
-        ``peer_generation``; returns the rendezvous (plain values) to hand to that
-        producer's :meth:`connect`. A load whose ``KVTransferParams.peer_generation``
-        differs fails at once; tickets carry the channel's generation."""
+        ``peer_generation``, whose :meth:`layout` is ``peer_layout`` (None: a one-rank
+        worker's; a tensor-parallel producer's says which rank holds which KV heads);
+        returns the rendezvous (plain values) to hand to that producer's
+        :meth:`connect`. A load whose ``KVTransferParams.peer_generation`` differs
+        fails at once; tickets carry the channel's generation.
+
+        Raises:
+            KVLayoutMismatchError: a KV head this worker holds is on no rank of the peer.
+        """
 
     @abstractmethod
     def connect(self, peer_id: str, rendezvous: dict, peer_layout: dict,
@@ -125,7 +132,8 @@ class KVConnector(ABC):
 
         Raises:
             KVLayoutMismatchError: the two caches disagree (the message names each
-                differing field with both values).
+                differing field with both values), or the two workers' KV head
+                splits do not match the pairs the consumer opened.
         """
 
     @abstractmethod

@@ -157,6 +157,17 @@ class TensorParallelGroup:
         cache blocks); see :func:`rank_model_config`."""
         return rank_model_config(cfg, self.world_size, 0)
 
+    def kv_ranks(self, cfg: ModelConfig):
+        """What a KV connector on rank 0 needs of the ranks
+        (:class:`~tandem.kvtransfer.sharded.KVRanks`): each rank's KV heads of the
+        model ``cfg``, the commands to ranks 1.. and a check that they live."""
+        from tandem.kvtransfer.sharded import KVRanks, RankControl
+
+        heads = [head_partition(cfg.num_heads, cfg.num_kv_heads, self.world_size, r)
+                 for r in range(self.world_size)]
+        return KVRanks(tuple((h.kv_start, h.num_kv_heads) for h in heads),
+                       RankControl("127.0.0.1", self._store.port), self.check_workers)
+
     def setup_workers(self, num_blocks: int, num_host_blocks: int) -> None:
         """Wait until every worker loaded its shard, then send the KV cache's size;
         the workers then follow each step.

@@ -73,11 +73,17 @@ class BlockOps:
 @dataclass(frozen=True)
 class StepInput:
     """One forward pass: ``input_ids`` ``[T]`` int64, ``positions`` ``[T]`` int64 and the
-    step's :class:`AttentionMetadata` (slot mapping, block tables, sequence lengths)."""
+    step's :class:`AttentionMetadata` (slot mapping, block tables, sequence lengths).
+
+    ``kv_saves`` (a prefill worker's step that completes prompts bound for decode
+    workers): ``(request id, peer id, ticket dict, source block ids)`` per request;
+    each rank sends its own KV heads of them from inside this forward pass, then
+    reports its failures to rank 0 (:mod:`tandem.kvtransfer.sharded`)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    kv_saves: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,11 @@ class TensorParallelModelRunner(ModelRunner):
     calls on its cache with the step's block operations, so every rank's store
     assigns the same entries, :class:`~tandem.engine.parallel.messages.BlockOps`).
 
+    With a KV connector (a disaggregated worker), a step that sends prompts' KV
+    announces the saves with its forward pass's input; each rank sends its own KV
+    heads (:mod:`tandem.kvtransfer.sharded`).
+
     Raises:
-        NotImplementedError: (at a step) a forward pass with a KV connector's
-            per-layer callback (KV transfer does not shard yet).
         RuntimeError: (at a step) an earlier step raised on this rank: the other
             ranks may be inside that step's collectives, so the group is out of step
             for good (build a new engine).
@@ -75,13 +77,13 @@ class TensorParallelModelRunner(ModelRunner):
 
     def _announce_step(self, module, args, kwargs):
         bound = self._forward_signature.bind(*args, **kwargs).arguments
-        if bound.get("after_layer") is not None:
-            raise NotImplementedError("tensor_parallel_size > 1: KV transfer (a KV connector's "
-                                      "per-layer callback) is not sharded yet")
+        saves = ()
+        if bound.get("after_layer") is not None and self.kv_connector is not None:
+            saves = tuple(self.kv_connector.step_saves)
         # The other ranks pass their own fp8 scales / int4 store (their heads'), and
         # recompute the int4 write plan that meta carries from their own store.
         self.comm.broadcast_object(StepInput(bound["input_ids"], bound["positions"],
-                                             bound["meta"]))
+                                             bound["meta"], saves))
 
     def _announce_logits(self, module, args):
         self.comm.broadcast_object(LogitsRequest(args[0]))

@@ -30,14 +30,16 @@ from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for,
                                           rank_device, rank_model_config, threads_per_rank)
 from tandem.engine.parallel.messages import (BlockOps, CalibrateKVScales, LogitsRequest,
                                              Shutdown, StepInput, WorkerSetup)
+from tandem.engine.parallel.partition import head_partition
 from tandem.engine.runtime.model_runner import KVCache
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 from tandem.kernels.int4_kv import Int4WritePlan
+from tandem.kvtransfer.sharded import RankKVAgent
 
 
 @torch.inference_mode()
 def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
-           backend: AttentionBackend) -> None:
+           backend: AttentionBackend, kv_agent: RankKVAgent | None = None) -> None:
     """Run rank 0's steps on this rank's shard until a
     :class:`~tandem.engine.parallel.messages.Shutdown`.
 
@@ -55,8 +57,14 @@ def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
             meta = msg.meta
             if meta.int4_plan is not None:
                 meta = dataclasses.replace(meta, int4_plan=_int4_plan(kv_cache, meta))
+            saving = bool(msg.kv_saves) and kv_agent is not None
+            if saving:
+                kv_agent.start_save(msg.kv_saves)
             model(msg.input_ids, msg.positions, kv_cache.tensor, meta, backend,
+                  kv_agent.save_kv_layer if saving else None,
                   kv_scales=kv_cache.scales, open_keys=kv_cache.open_keys)
+            if saving:
+                kv_agent.wait_for_save()
         elif isinstance(msg, LogitsRequest):
             model.lm_head(msg.hidden)            # this rank's vocabulary rows, gathered on rank 0
         elif isinstance(msg, BlockOps):
@@ -136,8 +144,11 @@ def run_worker(init: WorkerInit) -> None:
                        scales, config.torch_dtype, open_entries)
     backend = get_attention_backend(config.attention_backend, device, config.torch_dtype,
                                     config.batch_invariant)
+    # This rank's ends of the worker's KV channels (disaggregated serving), driven by rank 0.
+    heads = head_partition(cfg.num_heads, cfg.num_kv_heads, init.world_size, rank)
+    kv_agent = RankKVAgent(rank, init.host, init.port, kv_cache.tensor, heads.kv_start)
     try:
-        follow(comm, model, kv_cache, backend)
+        follow(comm, model, kv_cache, backend, kv_agent)
     finally:
         comm.close()
 

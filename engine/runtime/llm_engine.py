@@ -55,8 +55,8 @@ class LLMEngine:
     scheduler and the sampler; :meth:`shutdown` stops the workers.
 
     Raises:
-        ValueError: ``weights_from`` or ``kv_transport`` with ``tensor_parallel_size``
-            above 1.
+        ValueError: ``weights_from`` with ``tensor_parallel_size`` above 1, or
+            ``kv_transport`` with it and a quantized KV cache.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
@@ -71,9 +71,9 @@ class LLMEngine:
         """The :class:`~tandem.engine.parallel.group.TensorParallelGroup` of the other
         ranks (``tensor_parallel_size`` > 1), else None."""
         if config.tensor_parallel_size > 1:
-            if weights_from is not None or kv_transport is not None:
-                raise ValueError("tensor_parallel_size: a sharded engine neither shares "
-                                 "weights_from another nor transfers KV (kv_transport) yet")
+            if weights_from is not None:
+                raise ValueError("tensor_parallel_size: a sharded engine does not share "
+                                 "weights_from another engine")
             from tandem.engine.parallel.group import TensorParallelGroup
 
             self.parallel = TensorParallelGroup.start(config)
@@ -182,9 +182,11 @@ class LLMEngine:
                                              config.torch_dtype, config.batch_invariant)
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
+            ranks = {} if self.parallel is None else {
+                "ranks": self.parallel.kv_ranks(self.model_config)}
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
                                                  transfer_timeout_s=transfer_timeout_s,
-                                                 kv_scales=self.kv_cache.scales)
+                                                 kv_scales=self.kv_cache.scales, **ranks)
         tok, vocab_size = self.tokenizer, self.model_config.vocab_size
         self.structured_outputs = StructuredOutputManager(
             lambda: get_grammar_backend_class()(tok, vocab_size), vocab_size, tok.eos_token_id)

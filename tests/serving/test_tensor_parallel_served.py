@@ -169,22 +169,35 @@ def test_a_rank_dying_while_idle_is_replaced(cluster, prompt_ids, reference):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size: 2 ranks per worker is not "
-     "supported in disaggregated mode yet"),
-    (["--decode-tensor-parallel-size", "2"], "--decode-tensor-parallel-size: 2 ranks"),
-    (["--prefill-tensor-parallel-size", "2"], "--prefill-tensor-parallel-size: 2 ranks"),
     (["--mode", "colocated", "--prefill-tensor-parallel-size", "2"],
      "--prefill-tensor-parallel-size: colocated mode has no prefill workers"),
     (["--mode", "colocated", "--tensor-parallel-size", "0"],
      "--tensor-parallel-size: must be at least 1, got 0"),
+    (["--decode-tensor-parallel-size", "0"], "--decode-tensor-parallel-size: must be at least 1"),
 ])
-def test_cli_refuses_sharded_disaggregated_workers(flags, message, capsys):
+def test_cli_refuses_bad_tensor_parallel_sizes(flags, message, capsys):
     """Refused before Ray or any worker starts: exit status 2, one line naming the flag."""
     from tandem.router.cli import main
 
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: " + message), err
+
+
+@pytest.mark.parametrize("flags, sizes", [
+    ([], (1, 1)),
+    (["--tensor-parallel-size", "2"], (2, 2)),
+    (["--prefill-tensor-parallel-size", "2"], (2, 1)),
+    (["--decode-tensor-parallel-size", "2"], (1, 2)),
+    (["--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"], (2, 1)),
+])
+def test_each_pool_gets_its_own_tensor_parallel_size(flags, sizes):
+    """``(prefill, decode)`` ranks per worker in disaggregated mode."""
+    from tandem.router.cli import _serve_config, build_parser
+
+    config = _serve_config(build_parser().parse_args(["serve", *flags]))
+    assert ((config.prefill_engine or config.engine).tensor_parallel_size,
+            config.engine.tensor_parallel_size) == sizes
 
 
 def test_a_worker_s_threads_are_shared_by_its_ranks():
@@ -194,14 +207,16 @@ def test_a_worker_s_threads_are_shared_by_its_ranks():
                                             (None, 1)]] == [4, 2, 1, 1, 1, None, None]
 
 
-def test_serve_config_refuses_sharded_disaggregated_workers():
-    from tandem.engine.config import EngineConfig
+def test_serve_config_refuses_a_quantized_kv_cache_between_sharded_workers():
+    from tandem.engine.config import CacheConfig, EngineConfig
     from tandem.router.launcher import ServeConfig
 
-    with pytest.raises(ValueError, match="tensor_parallel_size: decode workers of 2 ranks in "
+    fp8 = CacheConfig(kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="kv_cache_dtype: decode workers of 2 ranks in "
                                          "disaggregated mode"):
-        ServeConfig(engine=EngineConfig(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor_parallel_size: prefill workers of 2 ranks"):
-        ServeConfig(prefill_engine=EngineConfig(tensor_parallel_size=2))
+        ServeConfig(engine=EngineConfig(tensor_parallel_size=2, cache=fp8))
+    with pytest.raises(ValueError, match="kv_cache_dtype: prefill workers of 2 ranks"):
+        ServeConfig(prefill_engine=EngineConfig(tensor_parallel_size=2, cache=fp8))
+    assert ServeConfig(engine=EngineConfig(tensor_parallel_size=2)).engine.tensor_parallel_size == 2
     assert ServeConfig(mode="colocated", engine=EngineConfig(
-        tensor_parallel_size=2)).engine.tensor_parallel_size == 2
+        tensor_parallel_size=2, cache=fp8)).engine.tensor_parallel_size == 2

@@ -1,0 +1,165 @@
+"""KV transfer between tensor-parallel engines of different sizes, without Ray.
+
+A 2-rank engine (rank 1 a real subprocess) and a 1-rank engine in this process,
+their connectors joined by real Gloo pairs, one per (prefill rank, decode rank)
+whose KV heads overlap (kvtransfer/sharded.py): SmolLM2's 3 KV heads are 0-1 on
+rank 0 and 2 on rank 1. Prefill on 2 ranks and decode on 1, the reverse, and the
+2-rank engine sending to itself (rank 0 to rank 0, rank 1 to rank 1) each give the
+greedy tokens of one unsharded engine; the handshake rides on pair (0, 0); an
+abort while a sharded consumer's ranks are receiving frees every block once all
+ranks' parts ended; a head split that does not match the pairs offered is refused
+by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.llm import LLM, LLMEngine
+from tandem.engine.sampling.sampling_params import SamplingParams
+from tandem.engine.scheduling.request import RequestStatus
+from tandem.kvtransfer.layout import KVLayoutMismatchError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in "
+    "Mainz combined a screw press with movable metal type, and",
+    "Write one sentence about the ocean.",
+    "A recipe for bread needs flour, water, salt and yeast; first",
+]
+
+
+def _wire(prefill: LLMEngine, prefill_id: str, decode: LLMEngine, decode_id: str) -> dict:
+    rdv = decode.kv_connector.open_channel(prefill_id, "127.0.0.1",
+                                           peer_layout=prefill.kv_connector.layout())
+    prefill.kv_connector.connect(decode_id, rdv, decode.kv_connector.layout())
+    return rdv
+
+
+@pytest.fixture(scope="module")
+def engines(f32_weights):
+    base = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+    sharded = LLMEngine(dataclasses.replace(base.config, tensor_parallel_size=2),
+                        kv_transport="gloo", transfer_timeout_s=20.0)
+    single = LLMEngine(base.config, weights_from=base.engine, kv_transport="gloo",
+                       transfer_timeout_s=20.0)
+    rdvs = {"tp2->tp1": _wire(sharded, "tp2-prefill", single, "tp1-decode"),
+            "tp1->tp2": _wire(single, "tp1-prefill", sharded, "tp2-decode"),
+            "tp2->tp2": _wire(sharded, "self-prefill", sharded, "self-decode")}
+    yield base, sharded, single, rdvs
+    single.kv_connector.close()
+    sharded.kv_connector.close()
+    sharded.shutdown()
+
+
+def _step_both(engines_, until, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "engines did not get there"
+        ran = False
+        for engine in engines_:
+            engine.step()
+            engine.check_invariants()
+            ran |= engine.last_step_ran
+        if not ran:
+            time.sleep(0.005)
+
+
+def _idle(engine: LLMEngine) -> None:
+    _step_both([engine], lambda: not engine.has_unfinished_requests())
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_the_pairs_carry_each_decode_rank_its_own_heads(engines):
+    _, sharded, single, rdvs = engines
+    assert sharded.kv_connector.layout()["kv_head_ranges"] == [[0, 2], [2, 1]]
+    assert sharded.kv_connector.layout()["num_kv_heads"] == 3
+    assert "kv_head_ranges" not in single.kv_connector.layout()
+    pairs = {k: [p[:4] for p in v["pairs"]] for k, v in rdvs.items()}
+    # [prefill rank, decode rank, first head, heads]
+    assert pairs == {"tp2->tp1": [[0, 0, 0, 2], [1, 0, 2, 1]],
+                     "tp1->tp2": [[0, 0, 0, 2], [0, 1, 2, 1]],
+                     "tp2->tp2": [[0, 0, 0, 2], [1, 1, 2, 1]]}
+
+
+@pytest.mark.parametrize("prefill_id, decode_id, direction", [
+    ("tp2-prefill", "tp1-decode", "tp2->tp1"),
+    ("tp1-prefill", "tp2-decode", "tp1->tp2"),
+    ("self-prefill", "self-decode", "tp2->tp2"),
+])
+def test_greedy_tokens_equal_one_unsharded_engine(engines, prefill_id, decode_id, direction):
+    base, sharded, single, _ = engines
+    producer, consumer = {"tp2->tp1": (sharded, single), "tp1->tp2": (single, sharded),
+                          "tp2->tp2": (sharded, sharded)}[direction]
+    prompts = [base.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    first = dataclasses.replace(params, max_tokens=1)
+    sent_before = producer.kv_connector.kv_transfer_bytes
+    decodes, prefills = [], []
+    for i, prompt in enumerate(prompts):
+        rid = f"{direction}-{i}"
+        # Both calls at once, as the router makes them: the ticket and the first token
+        # travel on pair (0, 0).
+        ticket = producer.kv_connector.ticket_future(decode_id, rid, 0)
+        decodes.append(consumer.add_request(prompt, params, rid,
+                                            kv_transfer_params=KVTransferParams(prefill_id))[0])
+        _step_both([consumer], lambda: ticket.done())
+        prefills.append(producer.add_request(
+            prompt, first, rid + "-p", kv_transfer_params=KVTransferParams(
+                decode_id, ticket.result(timeout=10)))[0])
+    _step_both({producer, consumer}, lambda: all(r.is_finished for r in decodes + prefills))
+    assert [r.status for r in prefills] == [RequestStatus.FINISHED_LENGTH] * len(prompts)
+    assert all(r.first_token_from_peer for r in decodes)
+    assert [r.output_token_ids for r in decodes] == want
+    assert [r.output_token_ids for r in prefills] == [w[:1] for w in want]
+    # Every prompt's whole KV left the producer (the whole layout's bytes, all heads).
+    layout = consumer.kv_connector.layout()
+    per_block = 2 * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * 4
+    blocks = sum(len(r.kv_load_ticket["dst_block_ids"])
+                 - r.kv_load_ticket["num_cached_tokens"] // layout["block_size"] for r in decodes)
+    assert producer.kv_connector.kv_transfer_bytes - sent_before == \
+        blocks * per_block * layout["num_layers"]
+    for engine in {producer, consumer}:
+        _idle(engine)
+
+
+def test_abort_while_the_ranks_receive_frees_blocks_after_every_part_ended(engines):
+    base, sharded, single, _ = engines
+    prompt = base.tokenizer.encode(PROMPTS[0] + " and a tail no other test has")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kv = sharded.kv_cache_manager
+    req = sharded.add_request(prompt, params, "abort-1",
+                              kv_transfer_params=KVTransferParams("tp1-prefill"))[0]
+    _step_both([sharded], lambda: req.kv_load_ticket is not None)
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    held = kv.num_blocks - kv.num_free_blocks
+    assert sharded.abort_request("abort-1")
+    assert kv.num_blocks - kv.num_free_blocks == held     # the parts may still land
+    _idle(sharded)                    # rank 0's and rank 1's receives ended: blocks freed
+    assert not sharded.scheduler.remote_kv.orphaned
+    # The producer's send to the discarded ticket drains and is not an error there.
+    done = single.add_request(prompt, dataclasses.replace(params, max_tokens=1), "abort-1-p",
+                              kv_transfer_params=KVTransferParams("tp2-decode",
+                                                                  req.kv_load_ticket))[0]
+    _step_both([single], lambda: done.is_finished)
+    assert done.status is RequestStatus.FINISHED_LENGTH
+    _idle(single)
+    _idle(sharded)
+
+
+def test_a_head_split_that_does_not_match_the_pairs_is_refused(engines):
+    _, sharded, single, rdvs = engines
+    # The pairs a one-rank prefill worker was offered, given to the 2-rank one.
+    with pytest.raises(KVLayoutMismatchError, match="KV head split mismatch"):
+        sharded.kv_connector.connect("tp1-decode-2", rdvs["tp1->tp2"],
+                                     single.kv_connector.layout())
+    bad = {**sharded.kv_connector.layout(), "kv_head_ranges": [[0, 2], [1, 1]]}
+    with pytest.raises(KVLayoutMismatchError, match="does not hold every one of the 3 KV heads"):
+        single.kv_connector.open_channel("odd-prefill", "127.0.0.1", peer_layout=bad)
