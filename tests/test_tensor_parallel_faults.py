@@ -35,10 +35,16 @@ def _add(engine, n: int, max_tokens: int) -> None:
                                           ignore_eos=True), f"r{i}")
 
 
-def test_a_rank_killed_mid_run_reaches_on_rank_lost():
+def _running_loop(engine, num_requests: int):
+    """An engine loop whose ``on_rank_lost`` records what it is given, running
+    ``num_requests`` long requests that have decoded a few tokens each.
+
+    Returns:
+        ``(loop, lost, called)``: the loop, the list of errors given to
+        ``on_rank_lost``, and the event it sets.
+    """
     from tandem.engine.runtime.engine_loop import EngineLoop
 
-    engine = _engine()
     lost: list[RankDiedError] = []
     called = threading.Event()
 
@@ -48,11 +54,22 @@ def test_a_rank_killed_mid_run_reaches_on_rank_lost():
 
     loop = EngineLoop(engine, "tp-0", "colocated", on_rank_lost=on_rank_lost).start()
     try:
-        loop.call(_add, engine, 4, 400).result(30)
+        loop.call(_add, engine, num_requests, 400).result(30)
         deadline = time.monotonic() + 60
         while not any(r.num_output_tokens >= 4 for r in engine.scheduler.running):
             assert time.monotonic() < deadline, "no step ran"
             time.sleep(0.01)
+    except BaseException:
+        loop.shutdown()
+        engine.shutdown()
+        raise
+    return loop, lost, called
+
+
+def test_a_rank_killed_mid_run_reaches_on_rank_lost():
+    engine = _engine()
+    loop, lost, called = _running_loop(engine, 4)
+    try:
         t_kill = time.monotonic()
         os.kill(engine.parallel.worker_pids[0], signal.SIGKILL)
         assert called.wait(DETECT_S), "rank 0 did not see rank 1 die"
@@ -93,3 +110,27 @@ def test_a_rank_killed_while_idle_fails_the_next_step():
     finally:
         engine.shutdown()
     assert engine.parallel.worker_exit_codes == [-signal.SIGKILL]
+
+
+def test_a_rank_that_stops_answering_is_killed_and_reaches_on_rank_lost():
+    """SIGSTOP rank 1 mid-run: its process lives, so no exit is seen, but its heartbeat
+    stands still; after the hang timeout rank 0 kills it and the step raises
+    ``RankHungError`` (a ``RankDiedError``), long before the collective timeout."""
+    from tandem.engine.parallel.communicator import RankHungError
+
+    engine = _engine()
+    engine.parallel.watch.hang_timeout_s = 1.5
+    loop, lost, called = _running_loop(engine, 2)
+    try:
+        t_stop = time.monotonic()
+        os.kill(engine.parallel.worker_pids[0], signal.SIGSTOP)
+        assert called.wait(1.5 + DETECT_S), "rank 0 did not see rank 1 hang"
+        seen = time.monotonic() - t_stop
+        print(f"\nrank 1 stopped mid-run: seen after {seen:.2f} s (hang timeout 1.5 s)")
+        assert seen >= 1.5
+        assert isinstance(lost[0], RankHungError) and lost[0].rank == 1
+        assert str(lost[0]).startswith("tensor-parallel rank 1 stopped answering (no heartbeat")
+    finally:
+        loop.shutdown()
+        engine.shutdown()
+    assert engine.parallel.worker_exit_codes == [-signal.SIGKILL]      # not left stopped

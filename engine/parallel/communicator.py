@@ -61,9 +61,20 @@ class RankDiedError(RuntimeError):
             the signal that ended it, as ``subprocess`` reports it).
     """
 
-    def __init__(self, rank: int, exit_code: int):
-        super().__init__(f"tensor-parallel rank {rank} exited with code {exit_code}")
+    def __init__(self, rank: int, exit_code: int, message: str | None = None):
+        super().__init__(message or f"tensor-parallel rank {rank} exited with code {exit_code}")
         self.rank, self.exit_code = rank, exit_code
+
+
+class RankHungError(RankDiedError):
+    """A rank's process lives but stopped answering (no heartbeat for ``silent_s``
+    seconds: stopped, or stuck outside Python); rank 0 killed it, so the group ends
+    as for a rank that died."""
+
+    def __init__(self, rank: int, exit_code: int, silent_s: float):
+        super().__init__(rank, exit_code, f"tensor-parallel rank {rank} stopped answering (no "
+                                          f"heartbeat for {silent_s:.1f} s); killed it")
+        self.silent_s = silent_s
 
 
 class Communicator(ABC):

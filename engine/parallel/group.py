@@ -42,12 +42,23 @@ import torch
 import torch.distributed as dist
 
 from tandem.engine.config import EngineConfig, ModelConfig
-from tandem.engine.parallel.communicator import RankDiedError, TorchDistributedCommunicator
+from tandem.engine.parallel.communicator import (RankDiedError, RankHungError,
+                                                 TorchDistributedCommunicator)
 from tandem.engine.parallel.messages import Shutdown, WorkerSetup
 from tandem.engine.parallel.partition import head_partition
 
 STORE_PREFIX = "tandem-tp"
 """The group's keys and process group live under this prefix of the rendezvous store."""
+
+HEARTBEAT_S = 0.25
+"""How often (seconds) each rank 1.. counts up its heartbeat key in the group's store."""
+
+HANG_TIMEOUT_S = 30.0
+"""A rank whose heartbeat has not moved for this long (seconds) counts as hung: rank 0
+kills it and raises :class:`~tandem.engine.parallel.communicator.RankHungError`.
+Far above any pause of a healthy rank (its heartbeat thread needs the GIL only
+briefly, and a CPU kernel that holds it runs for well under a second), far below the
+group's collective timeout (600 s)."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,10 @@ class TensorParallelGroup:
     """
 
     def __init__(self, comm: TorchDistributedCommunicator, store: dist.Store,
-                 procs: list[subprocess.Popen], timeout_s: float):
+                 procs: list[subprocess.Popen], timeout_s: float, watch: RankWatch):
         self.comm, self.world_size = comm, comm.world_size
+        self.watch = watch
+        """Rank 0's liveness check of ranks 1.. (exits and heartbeats)."""
         self._store, self._procs, self._timeout_s = store, procs, timeout_s
         self._state = {"following": False}
         self._finalizer = weakref.finalize(self, _stop, comm, procs, self._state)
@@ -144,13 +157,13 @@ class TensorParallelGroup:
                 procs.append(proc)
             prefixed = dist.PrefixStore(STORE_PREFIX, store)
             _wait_for(prefixed, procs, "joined", "joining the group", timeout_s)
+            watch = RankWatch(procs, "127.0.0.1", store.port)
             comm = TorchDistributedCommunicator(prefixed, 0, world, backend_for(device), device,
-                                                timeout_s=timeout_s,
-                                                peer_check=lambda: check_workers(procs))
+                                                timeout_s=timeout_s, peer_check=watch)
         except BaseException:
             _stop(None, procs, {"following": False})
             raise
-        return cls(comm, store, procs, timeout_s)
+        return cls(comm, store, procs, timeout_s, watch)
 
     def rank_model_config(self, cfg: ModelConfig) -> ModelConfig:
         """Rank 0's head counts (the most any rank holds: it sizes every rank's KV
@@ -192,14 +205,72 @@ class TensorParallelGroup:
 
     def check_workers(self) -> None:
         """Raise :class:`~tandem.engine.parallel.communicator.RankDiedError` for the
-        first worker whose process has exited."""
-        check_workers(self._procs)
+        first worker whose process has exited, or
+        :class:`~tandem.engine.parallel.communicator.RankHungError` for one whose
+        heartbeat stood still (:class:`RankWatch`)."""
+        self.watch()
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent): a :class:`~tandem.engine.parallel.messages.Shutdown`
         when they follow steps, then their stdin closed; one still running after 10 s
         is killed."""
         self._finalizer()
+
+
+class RankWatch:
+    """Rank 0's check that ranks 1.. are alive and answering: their processes'
+    exit codes and their heartbeats (``hb/<rank>`` in the group's store, counted up
+    every :data:`HEARTBEAT_S` by each rank's heartbeat thread). Called by the
+    communicator while it waits and by the idle engine loop; heartbeats are read at
+    most every :data:`HEARTBEAT_S`.
+
+    Attributes:
+        hang_timeout_s: a heartbeat unchanged this long means the rank hangs.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], host: str, port: int):
+        self._procs, self._host, self._port = procs, host, port
+        self._store: dist.Store | None = None
+        self._seen: dict[int, tuple[int, float]] = {}    # rank -> (beat, when it changed)
+        self._last_read = 0.0
+        self.hang_timeout_s = HANG_TIMEOUT_S
+
+    def __call__(self) -> None:
+        """Raises:
+            RankDiedError: a rank's process exited.
+            RankHungError: a rank's heartbeat stood still for ``hang_timeout_s``
+                (the rank is killed first).
+        """
+        check_workers(self._procs)
+        now = time.monotonic()
+        if now - self._last_read < HEARTBEAT_S:
+            return
+        self._last_read = now
+        if self._store is None:
+            self._store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(
+                self._host, self._port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+        for rank, proc in enumerate(self._procs, start=1):
+            beat = self._store.add(f"hb/{rank}", 0)
+            last, since = self._seen.get(rank, (None, now))
+            if beat != last:
+                self._seen[rank] = (beat, now)
+            elif now - since > self.hang_timeout_s:
+                proc.kill()
+                raise RankHungError(rank, proc.wait(), now - since)
+
+
+def heartbeat(host: str, port: int, rank: int) -> None:
+    """Rank ``rank``'s heartbeat (run on a daemon thread of its process): counts up
+    ``hb/<rank>`` in the group's store every :data:`HEARTBEAT_S` seconds, for
+    :class:`RankWatch`. Returns when the store is gone."""
+    store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=30)))
+    while True:
+        try:
+            store.add(f"hb/{rank}", 1)
+        except (RuntimeError, dist.DistError):
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def check_workers(procs: list[subprocess.Popen]) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tandem.engine.model.layers import DecoderForCausalLM
 from tandem.engine.parallel.communicator import Communicator, TorchDistributedCommunicator
-from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for,
+from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for, heartbeat,
                                           rank_device, rank_model_config, threads_per_rank)
 from tandem.engine.parallel.messages import (BlockOps, CalibrateKVScales, LogitsRequest,
                                              Shutdown, StepInput, WorkerSetup)
@@ -115,6 +115,8 @@ def run_worker(init: WorkerInit) -> None:
     store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(
         init.host, init.port, is_master=False, timeout=datetime.timedelta(seconds=init.timeout_s)))
     device = rank_device(config.device, rank)
+    threading.Thread(target=heartbeat, args=(init.host, init.port, rank), daemon=True,
+                     name="tp-heartbeat").start()
     store.set(f"joined/{rank}", "ok")
     comm = TorchDistributedCommunicator(store, rank, init.world_size, backend_for(device), device,
                                         timeout_s=init.timeout_s)
