@@ -19,6 +19,9 @@ Threads: rank-1 runs get ``--threads`` torch threads (the machine's cores by
 default); a ``tp``-rank run gives each rank ``threads / tp``. Usage::
 
     python benchmarks/tensor_parallel.py --batch-sizes 1 4 16 --out /tmp/tp.json
+    # GPUs: rank r on cuda:r, the collectives through NCCL (no Ray needed); exits 2
+    # with fewer than --tp devices
+    python benchmarks/tensor_parallel.py --device cuda --dtype bfloat16 --batch-sizes 1 8 64
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 
 
@@ -70,8 +74,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: rank r on GPU r, NCCL collectives (needs --tp GPUs)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.tp:
+            print(f"tensor_parallel.py: --device cuda --tp {args.tp} needs {args.tp} GPUs, "
+                  f"this machine has {torch.cuda.device_count()}", file=sys.stderr)
+            sys.exit(2)
 
     from tandem.engine.llm import LLM
     from tandem.engine.sampling.sampling_params import SamplingParams
@@ -81,11 +94,14 @@ def main() -> None:
                        for _ in range(b)] for b in args.batch_sizes}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results = {"dtype": args.dtype, "threads": args.threads, "output_len": args.output_len,
+               "device": args.device,
                "machine": platform.processor() or platform.machine(),
                "cpu_flags_avx512": "avx512f" in open("/proc/cpuinfo").read(), "runs": []}
+    if args.device == "cuda":
+        results["gpus"] = [torch.cuda.get_device_name(i) for i in range(args.tp)]
     outputs: dict[tuple[int, int], list] = {}
     for tp in (1, args.tp):
-        llm = LLM(dtype=args.dtype, tensor_parallel_size=tp,
+        llm = LLM(dtype=args.dtype, tensor_parallel_size=tp, device=args.device,
                   num_threads=max(1, args.threads // tp), num_blocks=512)
         cfg = llm.engine.model_config
         elem = 4 if args.dtype == "float32" else 2
