@@ -32,12 +32,19 @@ WAITS = 'tandem:request_worker_waits_total{model_name="SmolLM2-135M-Instruct",ou
 def _requests():
     """16 streams: every prompt greedy twice (the second hits the prefix cache), but
     one of them seeded with n = 2 and one asking for prompt logprobs (both prefill
-    on the decode worker), so the resumed requests cover those paths too."""
+    on the decode worker), so the resumed requests cover those paths too.
+
+    The seed: a resumed sample recomputes its tokens' KV in another batch, so its
+    float32 logits differ from the first attempt's in the last bits, and a draw
+    whose uniform falls that close to a boundary of the cumulative distribution
+    would pick the neighbouring token. Seed 7 had one of its 64 draws 3.3e-6 of the
+    mass from a boundary (and failed, now and then, under load); seed 4's closest
+    is 5.9e-4, far beyond float32 rounding."""
     from tandem.v1 import tandem_pb2 as pb
 
     reqs = [greedy(p, N) for p in PROMPTS + PROMPTS]
     reqs[-1] = pb.GenerateRequest(prompt=PROMPTS[-1], stream=True, sampling=pb.SamplingParams(
-        max_tokens=N, temperature=0.8, seed=7, n=2, ignore_eos=True))
+        max_tokens=N, temperature=0.8, seed=4, n=2, ignore_eos=True))
     reqs[-2].sampling.prompt_logprobs = 1
     return reqs
 
