@@ -20,6 +20,8 @@ rank's own heads' scales and open-block K store) under swaps, forks and prefix h
 
 from __future__ import annotations
 
+import json
+
 import random
 
 import pytest
@@ -167,16 +169,47 @@ def test_gptq_column_parallel_keeps_whole_packed_columns():
                                      parts[2][1][8:16]]))
 
 
-def test_gptq_act_order_is_refused_by_name():
+def _act_order_gptq(n: int, k: int, group_size: int, seed: int = 5, scale: float = 0.05,
+                    order_seed: int = 5):
+    """A GPTQ weight ``[n, k]`` quantized in act-order: each input column's group is
+    its rank in a random order of the columns (``g_idx`` permuted; the order from
+    ``order_seed``: layers that share an input share it); codes, zeros and scales
+    (about ``scale``) random."""
+    from tandem.engine.quantization.packing import QuantizedWeight
+
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(order_seed))
+    g_idx = (torch.argsort(order) // group_size).to(torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    return QuantizedWeight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                           torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.uint8),
+                           (torch.rand(groups, n, generator=gen) * scale + scale / 2).half(),
+                           g_idx, 4, group_size, desc_act=True)
+
+
+def test_gptq_act_order_row_parallel_keeps_its_columns_and_every_group():
+    """``down_proj``-like ``[64, 128]`` in act-order groups of 32: the rank's columns
+    32..95 read groups anywhere, so it keeps their ``g_idx`` ids and every group's
+    scales and zeros, and holds exactly the full weight's columns; the whole layer
+    (one rank) stays INT4_ZP blocks."""
     from tandem.engine.parallel.communicator import SingleProcessCommunicator
     from tandem.engine.parallel.layers import RowParallelLinear
     from tandem.engine.quantization.gptq_linear import GPTQLinearMethod
 
-    packed, _ = _gptq_tensors(64, 128, 32)
-    layer = RowParallelLinear(128, 64, (0, 64), SingleProcessCommunicator(),
-                              quant_method=GPTQLinearMethod(group_size=32, desc_act=True))
-    with pytest.raises(NotImplementedError, match="act-order \\(desc_act\\) is not sharded"):
-        layer.load_weight("qweight", packed["qweight"], None)
+    q = _act_order_gptq(64, 128, 32)
+    packed, dense = q.pack(), q.dequantize()
+    assert len(set(q.g_idx[32:96].tolist())) == 4              # the slice reads every group
+    for partition, want in (((32, 64), dense[:, 32:96]), ((0, 128), dense)):
+        layer = RowParallelLinear(128, 64, partition, SingleProcessCommunicator(),
+                                  quant_method=GPTQLinearMethod(group_size=32, desc_act=True),
+                                  params_dtype=torch.float32)
+        for leaf, t in packed.items():
+            layer.load_weight(leaf, t, None)
+        layer.process_weights_after_loading()
+        assert torch.equal(layer.quant_method.dequantized_weight(layer), want)
+        x = torch.randn(3, partition[1], generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(layer(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+    assert layer.int4_blocks is not None and layer.int4_perm is not None
 
 
 def test_awq_row_and_column_parallel_keep_whole_groups_and_words():
@@ -325,6 +358,59 @@ def test_int4_checkpoint_tp2_equals_tp1(method, tmp_path):
         down2 = tp2.engine.model.model.layers[0].mlp.down_proj
         assert down2.quant_method.name == method and down2.partition == (0, 64)
         assert torch.equal(down2.int4_blocks, down1.int4_blocks[:, :64 // 32 * 19])
+    finally:
+        tp2.shutdown()
+    assert tp2.engine.parallel.worker_exit_codes == [0]
+
+
+def _act_order_checkpoint(path) -> str:
+    """A tiny Llama (transformers' ``save_pretrained``) whose decoder linears are
+    4-bit GPTQ in act-order groups of 32 (:func:`_act_order_gptq`, scales near the
+    dense weights' magnitude): the checkpoint directory."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.conftest import save_tiny_checkpoint
+
+    config_class, overrides, _ = CASES["llama"]
+    save_tiny_checkpoint(path / "hf", config_class, **overrides)
+    state = load_file(str(path / "hf" / "model.safetensors"))
+    out = {}
+    for seed, (name, w) in enumerate(state.items()):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not module.endswith("_proj"):
+            out[name] = w
+            continue
+        # q/k/v and gate/up share their input, so their act-order (one g_idx)
+        shared = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace(
+            "up_proj", "gate_proj")
+        q = _act_order_gptq(*w.shape, 32, seed=seed, scale=float(w.std()) / 4,
+                            order_seed=sum(map(ord, shared)))
+        out |= {f"{module}.{k}": v.contiguous() for k, v in q.pack().items()}
+    config = json.loads((path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                     "desc_act": True}
+    (path / "gptq").mkdir()
+    save_file(out, str(path / "gptq" / "model.safetensors"), metadata={"format": "pt"})
+    (path / "gptq" / "config.json").write_text(json.dumps(config))
+    for f in (path / "hf").glob("*token*"):
+        (path / "gptq" / f.name).write_bytes(f.read_bytes())
+    return str(path / "gptq")
+
+
+def test_gptq_act_order_checkpoint_tp2_equals_tp1(tmp_path):
+    """A tiny Llama whose linears are GPTQ in act-order: on 2 ranks each row-parallel
+    layer keeps its input columns' codes and ``g_idx`` (ids unchanged) and every
+    group's scales, and the greedy tokens are one rank's, prompt logprobs within
+    float32 summation order."""
+    tp1, tp2 = _tp2_equals_tp1(_act_order_checkpoint(tmp_path))
+    try:
+        down1 = tp1.engine.model.model.layers[0].mlp.down_proj
+        down2 = tp2.engine.model.model.layers[0].mlp.down_proj
+        k = down2.partition[1]
+        assert down2.partition[0] == 0 and k < down1.in_features
+        assert torch.equal(down2.g_idx, down1.g_idx[:k])       # ids kept, not renumbered
+        assert torch.equal(down2.quant_method.dequantized_weight(down2),
+                           down1.quant_method.dequantized_weight(down1)[:, :k])
     finally:
         tp2.shutdown()
     assert tp2.engine.parallel.worker_exit_codes == [0]

@@ -79,8 +79,10 @@ class GPTQLinearMethod(LinearMethodBase):
     outputs' ``qweight`` / ``scales`` columns, ``qzeros`` words of ``pf`` outputs;
     ``g_idx`` whole); a row-parallel one whole groups of inputs (``qweight`` words,
     ``scales`` / ``qzeros`` rows of its groups, its slice of ``g_idx`` renumbered).
-    An act-order ``g_idx`` (``desc_act``) is refused there: a rank's inputs would
-    read groups all over ``scales``.
+    Under act-order (``desc_act``) a row-parallel rank's inputs belong to groups
+    anywhere, so it keeps its ``qweight`` words and ``g_idx`` slice (ids unchanged)
+    and every group's ``scales`` / ``qzeros`` rows; its groups then rarely fill whole
+    32-column blocks, so such a rank's layer is usually served dequantized.
 
     Raises:
         ValueError: unsupported ``bits`` or ``group_size``.
@@ -159,6 +161,13 @@ class GPTQLinearMethod(LinearMethodBase):
         elif loaded.dtype != torch.int32:
             raise WeightLoadError(f"{param_name}: expected int32, got {loaded.dtype}")
         target = getattr(layer, param_name).data
+        if (param_name in ("scales", "qzeros") and self.desc_act
+                and getattr(layer, "full_in_features", layer.in_features) != layer.in_features
+                and loaded.shape[0] != target.shape[0]):
+            # A row-parallel rank of an act-order layer keeps every group's row
+            # (narrow_input): size the tensor by the whole layer's groups.
+            target = torch.zeros(loaded.shape[0], *target.shape[1:], dtype=target.dtype)
+            layer.register_parameter(param_name, nn.Parameter(target, requires_grad=False))
         if param_name == "g_idx":
             self._load_g_idx(layer, target, loaded, shard_id)
             return
@@ -187,8 +196,7 @@ class GPTQLinearMethod(LinearMethodBase):
 
         pf, g = self.pack_factor, self.group_size
         if self.desc_act:
-            raise NotImplementedError("tensor_parallel_size > 1: a GPTQ checkpoint quantized "
-                                      "in act-order (desc_act) is not sharded")
+            return self._narrow_input_act_order(param_name, loaded, full, start, size)
         if start % pf or size % pf or (g != -1 and (start % g or (size % g and
                                                                     start + size != full))):
             raise WeightLoadError(
@@ -207,6 +215,23 @@ class GPTQLinearMethod(LinearMethodBase):
             return loaded
         return narrow_checked(loaded, 0, num_groups(full, g), start // g,
                               num_groups(size, g))                  # scales, qzeros rows
+
+    def _narrow_input_act_order(self, param_name, loaded, full, start, size):
+        """A row-parallel rank's share of an act-order layer: its input columns'
+        ``qweight`` rows and ``g_idx`` entries (group ids as they are), and every
+        group's ``scales`` / ``qzeros`` (its inputs belong to groups anywhere)."""
+        from tandem.engine.model.linear import narrow_checked
+
+        pf = self.pack_factor
+        if start % pf or size % pf:
+            raise WeightLoadError(f"tensor_parallel_size: input columns [{start}, "
+                                  f"{start + size}) of {full} do not fall on whole "
+                                  f"{pf}-input words")
+        if param_name == "qweight":
+            return narrow_checked(loaded, 0, full // pf, start // pf, size // pf)
+        if param_name == "g_idx":
+            return narrow_checked(loaded, 0, full, start, size)
+        return loaded                                   # scales, qzeros: every group
 
     @staticmethod
     def _load_g_idx(layer, target, loaded, shard_id):
