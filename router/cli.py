@@ -218,7 +218,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     for pool in ("prefill", "decode"):
         p.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
                        help=f"{pool} workers' tensor-parallel ranks (default: "
-                            "--tensor-parallel-size); above 1 only in colocated mode for now")
+                            "--tensor-parallel-size); the two pools' sizes may differ")
     _add_autoscale_args(p)
 
 
