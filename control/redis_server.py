@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -69,6 +70,10 @@ def _die_with_parent() -> None:
     # forked; start the server from a thread that lives as long as it should.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # A process group of its own: the terminal's Ctrl-C (SIGINT to the foreground
+    # group) goes to `tandem serve`, which stops the server in order, and no longer
+    # also kills it under its supervisor (which restarted it, empty, mid-shutdown).
+    os.setpgrp()
 
 
 class EmbeddedRedis:

@@ -28,6 +28,17 @@ def test_start_serves_and_stop_is_idempotent(private_redis):
     server.stop()
 
 
+def test_the_server_is_out_of_reach_of_a_terminal_ctrl_c(private_redis):
+    """Its own process group: a Ctrl-C (SIGINT to the terminal's foreground group)
+    reaches ``tandem serve``, which stops the server in order, not the server itself
+    (which the supervisor then restarted, empty, in the middle of the shutdown)."""
+    import os
+
+    server = private_redis()
+    assert os.getpgid(server.pid) == server.pid != os.getpgid(0)
+    server.stop()
+
+
 def test_restart_keeps_the_port_and_empties_the_data(private_redis):
     server = private_redis()
     port = server.port
