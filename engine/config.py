@@ -148,6 +148,17 @@ class ModelConfig:
         if self.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
             raise UnsupportedModelError("architectures", f"{who} handles Llama-layout models "
                                         f"only, not {self.architecture}")
+        self.check_plain_attention(who)
+
+    def check_plain_attention(self, who: str) -> None:
+        """Refuse a model whose attention is not Llama's (biases, RoPE scaling, a
+        sliding window), for ``who``'s own Llama attention (an MoE model's check,
+        whose feed-forward ``who`` computes separately).
+
+        Raises:
+            UnsupportedModelError: naming ``attention_bias``, ``rope_scaling`` or
+                ``sliding_window``.
+        """
         if self.attention_bias:
             raise UnsupportedModelError("attention_bias", f"{who} does not handle attention "
                                         "biases")

@@ -26,13 +26,18 @@ for AutoGPTQ; the tokenizer comes along
 (:func:`~tandem.quantize.dense.write_checkpoint`). RTN writes the same layout: it is
 GPTQ's format without the error feedback.
 
-**Mixture of experts.** RTN needs no forward, so it also quantizes Mixtral and
+**Mixture of experts.** RTN needs no forward, so it quantizes Mixtral and
 Qwen3-MoE checkpoints: every expert's gate/up/down projection
 (``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, ``mlp.experts.{e}.gate_proj``
 / ``up_proj`` / ``down_proj``) gets its own ``qweight`` / ``qzeros`` / ``scales`` /
-``g_idx``, as the engine's GPTQ experts load them; the router stays float16. GPTQ's
-calibration runs the dense Llama forward, which has no MoE block: it refuses such a
-model (:func:`~tandem.quantize.dense.load_dense`).
+``g_idx``, as the engine's GPTQ experts load them; the router stays float16. GPTQ
+quantizes Mixtral's experts the same way, each from the Hessian of the calibration
+tokens routed to it (the forward's MoE block routes as the engine does, the router
+dense; true sequential per expert: gate/up, then down on the quantized gate/up's
+output; every routed token counts once). An expert no calibration token reached
+has no Hessian: it is rounded to nearest, and
+:attr:`QuantizeResult.rtn_experts` lists it. Qwen3-MoE's Q/K norms are not in the
+calibration forward: GPTQ refuses it (:func:`~tandem.quantize.dense.load_dense`).
 """
 
 from __future__ import annotations
@@ -49,9 +54,9 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.quantization.packing import QuantizedWeight, pack_factor
 from tandem.kernels.reference import rope_cos_sin_cache
 from tandem.quantize.dense import (GROUPS, LINEAR_NAMES, GroupHook, calibration_segments,
-                                   check_output, data_path, decoder_linears, layer_weights,
-                                   load_dense, progress_bar, quantized_state, run_layer,
-                                   write_checkpoint)
+                                   check_output, data_path, decoder_linears, expert_groups,
+                                   layer_linear_module, layer_weights, load_dense,
+                                   progress_bar, quantized_state, run_layer, write_checkpoint)
 from tandem.quantize.gptq import HessianAccumulator, gptq_quantize
 from tandem.quantize.rtn import check_group_size, quantize_rtn
 
@@ -77,6 +82,8 @@ class QuantizeResult:
         num_calibration_tokens: calibration tokens used (0 for RTN).
         losses: GPTQ only: module name -> GPTQ's objective estimate (see
             :func:`~tandem.quantize.gptq.gptq_quantize`).
+        rtn_experts: GPTQ of a mixture-of-experts model: the expert projections no
+            calibration token was routed to, rounded to nearest instead.
     """
 
     output: str
@@ -84,6 +91,7 @@ class QuantizeResult:
     quantization_config: dict
     num_calibration_tokens: int = 0
     losses: dict[str, float] = field(default_factory=dict)
+    rtn_experts: list[str] = field(default_factory=list)
 
 
 # -- the layer-by-layer pass ----------------------------------------------------------------------
@@ -103,7 +111,8 @@ def sequential_forward(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
         segments: int64 token ids ``[T_s]``, each its own sequence (positions from 0).
         on_group: ``(layer, group, inputs, weights, residual)``: ``layer`` the layer
             index, the rest as :data:`~tandem.quantize.dense.GroupHook` (``group`` a
-            key of :data:`LINEAR_GROUPS`, ``inputs`` float32 ``[T_s, K]`` per segment,
+            key of :data:`LINEAR_GROUPS` or, in an MoE layer,
+            of :func:`~tandem.quantize.dense.expert_groups`; ``inputs`` float32 ``[T_s, K]`` per segment,
             ``weights`` the layer's current weights by short name, ``residual``
             ``[T_s, H]`` per segment for ``o`` and ``down``); returns replacement
             weights by short name (for instance the dequantized ones), or None.
@@ -121,7 +130,7 @@ def sequential_forward(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     for i in progress_bar(range(num_layers), progress, "layers"):
         hook: GroupHook = (lambda group, inputs, weights, residual, i=i:
                            on_group(i, group, inputs, weights, residual))
-        hs = [a.out for a in run_layer(cfg, layer_weights(tensors, i), hs, cos_sin, hook)]
+        hs = [a.out for a in run_layer(cfg, layer_weights(tensors, i, cfg), hs, cos_sin, hook)]
     return hs
 
 
@@ -236,7 +245,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
             ``rtn``; bad ``bits``, ``group_size``, ``damp``, token counts;
             a non-empty ``output``; an already quantized ``model``.
         UnsupportedModelError: an architecture the method does not quantize (GPTQ: a
-            mixture-of-experts model, naming the method and the architecture).
+            mixture-of-experts model other than Mixtral, naming the method and the
+            architecture).
         FileNotFoundError: ``model`` or ``calibration_file`` does not exist.
     """
     if method not in METHODS:
@@ -249,8 +259,10 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
     if not sink_weight > 0:
         raise ValueError(f"sink_weight: must be > 0, got {sink_weight!r}")
     check_output(output)
-    # RTN needs no forward: it also quantizes Mixtral / Qwen3-MoE experts
-    dense = load_dense(model, forward=method == "gptq", who=f"tandem quantize --method {method}")
+    # RTN needs no forward: it also quantizes Qwen3-MoE experts; GPTQ's forward has
+    # Mixtral's MoE block
+    dense = load_dense(model, forward=method == "gptq", who=f"tandem quantize --method {method}",
+                       moe=True)
     cfg, tensors = dense.cfg, dense.weights
     modules = decoder_linears(cfg)
     for width in sorted({tensors[m + ".weight"].shape[1] for m in modules}):
@@ -261,6 +273,7 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
     tokenizer = Tokenizer(dense.files)
     quantized: dict[str, QuantizedWeight] = {}
     losses: dict[str, float] = {}
+    rtn_experts: list[str] = []
     n_tokens = 0
     if method == "rtn":
         for module in progress_bar(modules, progress, "linears"):
@@ -272,24 +285,32 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
         segments = calibration_segments(tokenizer, text, segment_len, num_calibration_tokens)
         n_tokens = sum(len(s) for s in segments)
 
+        experts = expert_groups(cfg.moe.num_experts) if cfg.moe is not None else {}
+
         def quantize_group(i, group, inputs, weights, residual):
-            acc = HessianAccumulator(inputs[0].shape[-1])
-            counts = ([None] * len(inputs) if uniform_hessian else
-                      hessian_token_weights(group, inputs, weights, residual, sink_weight))
-            for x, c in zip(inputs, counts):
-                acc.add(x, c)
-            hessian = acc.result()
-            shorts = GROUPS[group]
+            shorts = GROUPS.get(group) or experts[group]
             # Rows are independent under one Hessian: the group's linears go
             # through GPTQ stacked, in one pass over the columns.
             stacked = torch.cat([weights[short] for short in shorts])
-            q, row_losses = gptq_quantize(stacked, hessian, bits, group_size, damp, desc_act,
-                                          block_size)
             sizes = [weights[short].shape[0] for short in shorts]
+            modules = [layer_linear_module(cfg, i, short) for short in shorts]
+            if group in experts and sum(x.shape[0] for x in inputs) == 0:
+                # No calibration token reached this expert: no Hessian to work with.
+                q, row_losses = quantize_rtn(stacked, bits, group_size), None
+                rtn_experts.extend(modules)
+            else:
+                acc = HessianAccumulator(inputs[0].shape[-1])
+                counts = ([None] * len(inputs) if uniform_hessian or group in experts else
+                          hessian_token_weights(group, inputs, weights, residual, sink_weight))
+                for x, c in zip(inputs, counts):
+                    acc.add(x, c)
+                q, row_losses = gptq_quantize(stacked, acc.result(), bits, group_size, damp,
+                                              desc_act, block_size)
             new = {}
-            for short, part, loss in zip(shorts, q.split_rows(sizes), row_losses.split(sizes)):
-                module = f"model.layers.{i}.{LINEAR_NAMES[short]}"
-                quantized[module], losses[module] = part, float(loss.sum())
+            for k, (short, module, part) in enumerate(zip(shorts, modules, q.split_rows(sizes))):
+                quantized[module] = part
+                if row_losses is not None:
+                    losses[module] = float(row_losses.split(sizes)[k].sum())
                 new[short] = part.dequantize()
             return new
 
@@ -305,6 +326,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
                                                   f"sink {sink_weight:g}, down 1/ms(residual)"),
                         "calibration_file": (os.path.basename(calibration_file or "calibration.txt")
                                              if method == "gptq" else None)}}
+    if rtn_experts:
+        qconfig["meta"]["rtn_experts"] = len(rtn_experts)
     quantize_config = {k: qconfig[k] for k in
                        ("bits", "group_size", "damp_percent", "desc_act", "static_groups", "sym",
                         "true_sequential", "quant_method", "checkpoint_format")}
@@ -313,4 +336,4 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
                                                         if module in quantized else None))
     write_checkpoint(output, dense, state, qconfig, tokenizer,
                      {"quantize_config.json": quantize_config})
-    return QuantizeResult(output, quantized, qconfig, n_tokens, losses)
+    return QuantizeResult(output, quantized, qconfig, n_tokens, losses, rtn_experts)

@@ -18,14 +18,18 @@ forward of its own. A model whose registered architecture computes anything else
 such a model in quantized form means extending this one forward (and
 :data:`LINEAR_NAMES`), not copying the loader.
 
-**Mixture of experts, weights only.** A quantizer that needs no forward (RTN)
-loads with ``forward=False``: then Mixtral and Qwen3-MoE are accepted too
+**Mixture of experts.** A quantizer that needs no forward (RTN) loads with
+``forward=False``: then Mixtral and Qwen3-MoE are accepted too
 (:data:`WEIGHTS_ONLY_MOE`), and :func:`expert_linear` names each expert's
 projections (``block_sparse_moe.experts.{e}.w1``, ``mlp.experts.{e}.gate_proj``, ...;
 transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are split
 into those per-expert names at load, as the engine's loader reads them). The router
-(``gate``) stays dense. Calibrated methods (GPTQ, AWQ) load with ``forward=True`` and
-refuse a mixture-of-experts model by name: :func:`run_layer` has no MoE block.
+(``gate``) stays dense. A calibrated method that runs the forward through MoE
+layers (GPTQ, ``moe=True``) accepts Mixtral (:data:`FORWARD_MOE`: Llama attention):
+:func:`run_layer` then routes each token as the engine does (float32 softmax over
+the router logits, top-k, renormalised) and calls the hook once per expert, with
+the tokens routed to it (:func:`expert_groups`). AWQ refuses a mixture-of-experts
+model by name.
 
 A decoder layer's tensors go by short names (:data:`LINEAR_NAMES`,
 :data:`NORM_NAMES`: ``q`` .. ``down``, ``ln1``, ``ln2``) in every quantizer.
@@ -63,6 +67,9 @@ GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
                                       "gate_up": ("gate", "up"), "down": ("down",)}
 # Architectures whose experts a weights-only quantizer (RTN) quantizes (``forward=False``).
 WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Mixture-of-experts architectures :func:`run_layer` computes (Llama attention and a
+# top-k SwiGLU MoE block): what a calibrated quantizer with ``moe=True`` accepts.
+FORWARD_MOE = ("MixtralForCausalLM",)
 # Tokenizer and generation files copied from a Hugging Face source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -93,7 +100,7 @@ class DenseModel(NamedTuple):
 
 
 def load_dense(model: str | None, forward: bool = True,
-               who: str = "tandem quantize") -> DenseModel:
+               who: str = "tandem quantize", moe: bool = False) -> DenseModel:
     """A dense model's files, config and float32 tensors.
 
     Args:
@@ -103,6 +110,8 @@ def load_dense(model: str | None, forward: bool = True,
             must be numerically a plain Llama. False (weights only, RTN): Mixtral and
             Qwen3-MoE Hugging Face checkpoints are accepted too (:data:`WEIGHTS_ONLY_MOE`).
         who: the method, as errors name it (``tandem quantize --method gptq``).
+        moe: with ``forward``, accept the mixture-of-experts models whose MoE block
+            :func:`run_layer` computes (:data:`FORWARD_MOE`).
 
     Raises:
         FileNotFoundError: nothing loadable at ``model``.
@@ -132,12 +141,16 @@ def load_dense(model: str | None, forward: bool = True,
         cfg = ModelConfig.from_hf_config(files.path)
         tensors = iter_safetensors(files.path)
     if cfg.moe is not None:
-        if forward:
+        if forward and not (moe and cfg.architecture in FORWARD_MOE):
             raise UnsupportedModelError(
                 "architectures", f"{who} cannot quantize {cfg.architecture}: its calibration "
-                "runs the dense Llama forward, which has no mixture-of-experts block (use "
-                "--method rtn, or a GGUF type on a .gguf file)")
-        if cfg.architecture not in WEIGHTS_ONLY_MOE:
+                "runs a forward with " + ("the mixture-of-experts block of "
+                                          f"{', '.join(FORWARD_MOE)} only" if moe else
+                                          "no mixture-of-experts block")
+                + " (use --method rtn, or a GGUF type on a .gguf file)")
+        if forward:
+            cfg.check_plain_attention(who)
+        elif cfg.architecture not in WEIGHTS_ONLY_MOE:
             raise UnsupportedModelError(
                 "architectures", f"{who} quantizes the experts of "
                 f"{', '.join(WEIGHTS_ONLY_MOE)} only, not {cfg.architecture}")
@@ -245,13 +258,46 @@ def calibration_segments(tokenizer, text: str, segment_len: int = 512,
 
 
 # -- the float32 forward --------------------------------------------------------------------
-def layer_weights(weights: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+def layer_weights(weights: dict[str, torch.Tensor], layer: int,
+                  cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """The tensors of decoder layer ``layer`` under short names (``q``, ..., ``down``:
     ``[out, in]``; ``ln1``, ``ln2``: ``[H]``): a new dict holding the same tensor
-    objects as ``weights`` (Hugging Face names)."""
+    objects as ``weights`` (Hugging Face names). A mixture-of-experts layer of
+    ``cfg`` has ``router`` ``[E, H]`` and ``experts.{e}.gate`` / ``.up`` / ``.down``
+    in place of ``gate``, ``up``, ``down``."""
     p = f"model.layers.{layer}"
-    out = {k: weights[f"{p}.{v}.weight"] for k, v in LINEAR_NAMES.items()}
-    return out | {k: weights[f"{p}.{v}.weight"] for k, v in NORM_NAMES.items()}
+    names = {k: v for k, v in LINEAR_NAMES.items()} | NORM_NAMES
+    if cfg is not None and cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+        names = {k: v for k, v in names.items() if k not in ("gate", "up", "down")}
+        block, projs = _moe_names(cfg)
+        names["router"] = f"{block}.gate"
+        for e in range(cfg.moe.num_experts):
+            for short, proj in zip(("gate", "up", "down"), projs):
+                names[f"experts.{e}.{short}"] = f"{block}.experts.{e}.{proj}"
+    return {k: weights[f"{p}.{v}.weight"] for k, v in names.items()}
+
+
+def expert_groups(num_experts: int) -> dict[str, tuple[str, ...]]:
+    """The linear groups of an MoE layer's experts, in the order :func:`run_layer`
+    calls them (each expert's gate/up, then its down): ``experts.{e}.gate_up`` ->
+    ``(experts.{e}.gate, experts.{e}.up)``, ``experts.{e}.down`` -> ``(experts.{e}.down,)``."""
+    out: dict[str, tuple[str, ...]] = {}
+    for e in range(num_experts):
+        out[f"experts.{e}.gate_up"] = (f"experts.{e}.gate", f"experts.{e}.up")
+        out[f"experts.{e}.down"] = (f"experts.{e}.down",)
+    return out
+
+
+def layer_linear_module(cfg: ModelConfig, layer: int, short: str) -> str:
+    """The module name of a layer's linear given by short name (``q``, ...,
+    ``experts.3.down``): ``model.layers.{layer}.self_attn.q_proj``,
+    ``model.layers.{layer}.block_sparse_moe.experts.3.w2``, ..."""
+    p = f"model.layers.{layer}"
+    if short.startswith("experts."):
+        _, e, role = short.split(".")
+        block, projs = _moe_names(cfg)
+        return f"{p}.{block}.experts.{e}.{projs[('gate', 'up', 'down').index(role)]}"
+    return f"{p}.{LINEAR_NAMES[short]}"
 
 
 def decoder_linear(name: str) -> str | None:
@@ -389,12 +435,42 @@ def run_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], hs: list[torch.Tens
     attn_out = [o @ lw["o"].t() for o in o_in]
     mid = [h + a for h, a in zip(hs, attn_out)]
     mlp_in = [rms_norm_ref(m, lw["ln2"], eps) for m in mid]
-    group("gate_up", mlp_in)
-    down_in = [F.silu(x @ lw["gate"].t()) * (x @ lw["up"].t()) for x in mlp_in]
-    group("down", down_in, mid)
-    mlp_out = [a @ lw["down"].t() for a in down_in]
+    if "router" in lw:
+        down_in = [None] * len(hs)
+        mlp_out = _moe_block(cfg, lw, mlp_in, group)
+    else:
+        group("gate_up", mlp_in)
+        down_in = [F.silu(x @ lw["gate"].t()) * (x @ lw["up"].t()) for x in mlp_in]
+        group("down", down_in, mid)
+        mlp_out = [a @ lw["down"].t() for a in down_in]
     return [LayerActivations(a, o, ao, mi, di, mo, m + mo) for a, o, ao, mi, di, mo, m in
             zip(attn_in, o_in, attn_out, mlp_in, down_in, mlp_out, mid)]
+
+
+def _moe_block(cfg: ModelConfig, lw: dict[str, torch.Tensor], xs: list[torch.Tensor],
+               group: Callable) -> list[torch.Tensor]:
+    """The MoE feed-forward of each batch in ``xs`` (``[..., H]``), float32: tokens
+    routed as the engine routes them (:func:`~tandem.engine.model.moe.route`, the
+    router dense), then expert by expert ``group("experts.{e}.gate_up", its tokens'
+    inputs)``, its SwiGLU, ``group("experts.{e}.down", ...)``, and the outputs summed
+    with the routing weights. An expert no token reached gets empty ``[0, K]`` inputs."""
+    from tandem.engine.model.moe import route
+
+    moe = cfg.moe
+    flat = [x.reshape(-1, x.shape[-1]) for x in xs]
+    routes = [route(x @ lw["router"].t(), moe.num_experts_per_tok, moe.norm_topk_prob, True)
+              for x in flat]
+    outs = [torch.zeros_like(x) for x in flat]
+    for e in range(moe.num_experts):
+        # per batch: (token rows, routing weight) of the tokens routed to expert e
+        picks = [((ids == e).nonzero(as_tuple=True)[0], w[ids == e]) for w, ids in routes]
+        group(f"experts.{e}.gate_up", [x[rows] for x, (rows, _) in zip(flat, picks)])
+        acts = [F.silu(x[rows] @ lw[f"experts.{e}.gate"].t()) * (x[rows] @ lw[f"experts.{e}.up"].t())
+                for x, (rows, _) in zip(flat, picks)]
+        group(f"experts.{e}.down", acts)
+        for out, a, (rows, w) in zip(outs, acts, picks):
+            out.index_add_(0, rows, (a @ lw[f"experts.{e}.down"].t()) * w[:, None])
+    return [o.view(x.shape) for o, x in zip(outs, xs)]
 
 
 def decoder_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], h: torch.Tensor,
@@ -422,7 +498,7 @@ def model_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor],
     cos_sin = rope_cos_sin_cache(cfg.head_dim, input_ids.shape[1], cfg.rope_theta)
     h = weights["model.embed_tokens.weight"].float()[input_ids]
     for i in range(cfg.num_layers):
-        h = decoder_layer(cfg, {k: v.float() for k, v in layer_weights(weights, i).items()},
+        h = decoder_layer(cfg, {k: v.float() for k, v in layer_weights(weights, i, cfg).items()},
                           h, cos_sin).out
     return final_logits(cfg, weights, h)
 

@@ -10,6 +10,7 @@ summation order differs). The calibrated methods refuse such a model by name."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -110,15 +111,18 @@ def test_gguf_requantization_quantizes_the_experts(method, qtype, case, tmp_path
     assert_same_greedy(packed, LLM(str(dst), dtype="float32", num_blocks=64))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_methods_refuse_moe_by_method_and_architecture(method, tmp_path, capsys):
+@pytest.mark.parametrize("method, case, arch", [("gptq", "qwen3-moe", "Qwen3MoeForCausalLM"),
+                                                ("awq", "mixtral", "MixtralForCausalLM")])
+def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_path, capsys):
+    """GPTQ's calibration forward has Mixtral's MoE block but not Qwen3's Q/K norms;
+    AWQ has no MoE block: each refuses by method and architecture, writing nothing."""
     from tandem.quantize.autogptq import quantize_model
     from tandem.quantize.awq import awq_quantize
 
-    config_class, overrides, _ = CASES["mixtral"]
+    config_class, overrides, _ = CASES[case]
     save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
     out = tmp_path / "out"
-    want = rf"tandem quantize --method {method} cannot quantize MixtralForCausalLM"
+    want = rf"tandem quantize --method {method} cannot quantize {arch}"
     with pytest.raises(UnsupportedModelError, match=want) as info:
         if method == "gptq":
             quantize_model(str(tmp_path / "hf"), str(out), "gptq")
@@ -129,6 +133,51 @@ def test_calibrated_methods_refuse_moe_by_method_and_architecture(method, tmp_pa
                  "--output", str(out)]) != 0
     assert want.replace("\\", "") in capsys.readouterr().err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_gptq_quantizes_mixtral_experts_from_their_routed_tokens(tmp_path):
+    """GPTQ on a tiny Mixtral (groups of 32): every expert projection packed, each
+    from the Hessian of the calibration tokens routed to it (an expert none reached
+    rounded to nearest); the checkpoint serves its experts as INT4 blocks with the
+    greedy ids of the same checkpoint dequantized; and on the
+    calibration tokens its logits are closer to the float model's than those of
+    round-to-nearest, which GPTQ's error feedback is for."""
+    from tandem.quantize.autogptq import quantize_model
+    from tandem.quantize.dense import calibration_segments, load_dense, model_logits
+
+    config_class, overrides, _ = CASES["mixtral"]
+    save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
+    # Text in the tiny tokenizer's words (w3 .. w511): any other text is all <unk>.
+    rng = random.Random(0)
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(" ".join(f"w{rng.randrange(3, 512)}" for _ in range(1024)))
+    results = {m: quantize_model(str(tmp_path / "hf"), str(tmp_path / m), m, group_size=32,
+                                 calibration_file=str(calibration) if m == "gptq" else None)
+               for m in ("gptq", "rtn")}
+    gptq = results["gptq"]
+    dense = load_dense(str(tmp_path / "hf"), moe=True)
+    experts = [n.removesuffix(".weight") for n in dense.weights if ".experts." in n]
+    assert experts and set(experts) <= set(gptq.quantized)
+    assert set(gptq.losses) | set(gptq.rtn_experts) >= set(experts)
+    assert not gptq.rtn_experts                 # 1,024 varied tokens reach every expert
+    assert gptq.quantization_config["meta"]["method"] == "gptq"
+
+    packed = LLM(str(tmp_path / "gptq"), dtype="float32", num_blocks=64)
+    layers = _expert_linears(packed)
+    assert layers and all(m.int4_blocks is not None for m in layers)
+    assert_same_greedy(packed, LLM(_dense_copy(str(tmp_path / "gptq"), tmp_path / "dense",
+                                               torch.float32), dtype="float32", num_blocks=64))
+
+    tokens = calibration_segments(packed.tokenizer, calibration.read_text(), 256, 256)[0][None]
+    want = model_logits(dense.cfg, dense.weights, tokens)
+    errors = {}
+    for m, result in results.items():
+        weights = {n: (result.quantized[n.removesuffix(".weight")].dequantize()
+                       if n.removesuffix(".weight") in result.quantized else w)
+                   for n, w in dense.weights.items()}
+        errors[m] = float((model_logits(dense.cfg, weights, tokens) - want).pow(2).mean())
+    print(f"\nlogit mean squared error against the float model, calibration tokens: {errors}")
+    assert errors["gptq"] < errors["rtn"], errors
 
 
 def test_stacked_experts_load_as_their_per_expert_tensors(tmp_path):
