@@ -26,11 +26,12 @@ for AutoGPTQ; the tokenizer comes along
 (:func:`~tandem.quantize.dense.write_checkpoint`). RTN writes the same layout: it is
 GPTQ's format without the error feedback.
 
-**Mixture of experts.** RTN needs no forward, so it quantizes Mixtral and
-Qwen3-MoE checkpoints: every expert's gate/up/down projection
+**Mixture of experts.** RTN needs no forward, so it quantizes Mixtral, Qwen2-MoE
+and Qwen3-MoE checkpoints: every expert's gate/up/down projection
 (``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, ``mlp.experts.{e}.gate_proj``
-/ ``up_proj`` / ``down_proj``) gets its own ``qweight`` / ``qzeros`` / ``scales`` /
-``g_idx``, as the engine's GPTQ experts load them; the router stays float16. GPTQ
+/ ``up_proj`` / ``down_proj``, and Qwen2-MoE's ``mlp.shared_expert.*_proj``) gets its
+own ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``, as the engine's GPTQ experts
+load them; the routers (and Qwen2-MoE's ``shared_expert_gate``) stay float16. GPTQ
 quantizes Mixtral's experts the same way, each from the Hessian of the calibration
 tokens routed to it (the forward's MoE block routes as the engine does, the router
 dense; true sequential per expert: gate/up, then down on the quantized gate/up's
@@ -259,7 +260,7 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
     if not sink_weight > 0:
         raise ValueError(f"sink_weight: must be > 0, got {sink_weight!r}")
     check_output(output)
-    # RTN needs no forward: it also quantizes Qwen3-MoE experts; GPTQ's forward has
+    # RTN needs no forward: it also quantizes Qwen2/3-MoE experts; GPTQ's forward has
     # Mixtral's MoE block
     dense = load_dense(model, forward=method == "gptq", who=f"tandem quantize --method {method}",
                        moe=True)

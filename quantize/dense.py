@@ -19,12 +19,13 @@ such a model in quantized form means extending this one forward (and
 :data:`LINEAR_NAMES`), not copying the loader.
 
 **Mixture of experts.** A quantizer that needs no forward (RTN) loads with
-``forward=False``: then Mixtral and Qwen3-MoE are accepted too
+``forward=False``: then Mixtral, Qwen2-MoE and Qwen3-MoE are accepted too
 (:data:`WEIGHTS_ONLY_MOE`), and :func:`expert_linear` names each expert's
 projections (``block_sparse_moe.experts.{e}.w1``, ``mlp.experts.{e}.gate_proj``, ...;
 transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are split
-into those per-expert names at load, as the engine's loader reads them). The router
-(``gate``) stays dense. A calibrated method that runs the forward through MoE
+into those per-expert names at load, as the engine's loader reads them; Qwen2-MoE's
+shared expert is quantized like a dense MLP). The routers (``gate``,
+``shared_expert_gate``) stay dense. A calibrated method that runs the forward through MoE
 layers (GPTQ, ``moe=True``) accepts Mixtral (:data:`FORWARD_MOE`: Llama attention):
 :func:`run_layer` then routes each token as the engine does (float32 softmax over
 the router logits, top-k, renormalised) and calls the hook once per expert, with
@@ -66,7 +67,7 @@ NORM_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
 GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
                                       "gate_up": ("gate", "up"), "down": ("down",)}
 # Architectures whose experts a weights-only quantizer (RTN) quantizes (``forward=False``).
-WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures :func:`run_layer` computes (Llama attention and a
 # top-k SwiGLU MoE block): what a calibrated quantizer with ``moe=True`` accepts.
 FORWARD_MOE = ("MixtralForCausalLM",)
@@ -194,7 +195,8 @@ def _moe_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
 def decoder_linears(cfg: ModelConfig) -> list[str]:
     """Module names of every linear a quantizer replaces, layer by layer: q/k/v/o,
     then a dense layer's gate/up/down or a sparse layer's experts' (expert by expert,
-    gate, up, down; the router is not among them)."""
+    gate, up, down; then Qwen2-MoE's shared expert's gate, up, down; the router and
+    the shared expert's gate are not among them)."""
     out = []
     moe = cfg.moe
     for i in range(cfg.num_layers):
@@ -204,6 +206,9 @@ def decoder_linears(cfg: ModelConfig) -> list[str]:
             block, projs = _moe_names(cfg)
             out += [f"{p}.{block}.experts.{e}.{proj}" for e in range(moe.num_experts)
                     for proj in projs]
+            if moe.shared_expert_intermediate_size:
+                out += [f"{p}.{block}.shared_expert.{proj}"
+                        for proj in ("gate_proj", "up_proj", "down_proj")]
         else:
             out += [f"{p}.{LINEAR_NAMES[k]}" for k in ("gate", "up", "down")]
     return out
@@ -316,13 +321,19 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 def expert_linear(name: str) -> str | None:
     """``model.layers.3.mlp.experts.5.up_proj.weight`` (or Mixtral's
-    ``...block_sparse_moe.experts.5.w3.weight``) -> the expert projection's module
-    name; None for any other tensor (routers and shared experts included)."""
+    ``...block_sparse_moe.experts.5.w3.weight``, or Qwen2-MoE's
+    ``model.layers.3.mlp.shared_expert.up_proj.weight``) -> the expert projection's
+    module name; None for any other tensor (the routers and ``shared_expert_gate``
+    included)."""
     module, _, leaf = name.rpartition(".")
     parts = module.split(".")
-    if (leaf == "weight" and len(parts) == 7 and parts[:2] == ["model", "layers"]
-            and parts[2].isdigit() and parts[3] in ("mlp", "block_sparse_moe")
-            and parts[4] == "experts" and parts[5].isdigit() and parts[6] in _EXPERT_PROJS):
+    if leaf != "weight" or parts[:2] != ["model", "layers"] or not parts[2:3] \
+            or not parts[2].isdigit():
+        return None
+    if (len(parts) == 7 and parts[3] in ("mlp", "block_sparse_moe") and parts[4] == "experts"
+            and parts[5].isdigit() and parts[6] in _EXPERT_PROJS):
+        return module
+    if len(parts) == 6 and parts[3:5] == ["mlp", "shared_expert"] and parts[5] in _EXPERT_PROJS:
         return module
     return None
 

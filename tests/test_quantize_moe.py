@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not gguf_kernels_available(),
 
 
 @pytest.mark.parametrize("case, projs", [("mixtral", ("w1", "w3", "w2")),
+                                         ("qwen2-moe", ("gate_proj", "up_proj", "down_proj")),
                                          ("qwen3-moe", ("gate_proj", "up_proj", "down_proj"))])
 def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
     from safetensors.torch import load_file
@@ -40,6 +41,8 @@ def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
     from tandem.quantize.rtn import quantize_rtn
 
     config_class, overrides, arch = CASES[case]
+    if case == "qwen2-moe":          # a shared expert of whole groups of 32 (not 48 wide)
+        overrides = overrides | {"shared_expert_intermediate_size": 64}
     src = tmp_path / "hf"
     save_tiny_checkpoint(src, config_class, **overrides)
     out = tmp_path / "rtn"
@@ -48,7 +51,8 @@ def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
 
     source = load_file(str(src / "model.safetensors"))
     state = load_file(str(out / "model.safetensors"))
-    expert_weights = [n for n in source if ".experts." in n]
+    # routed experts, and Qwen2-MoE's shared expert
+    expert_weights = [n for n in source if ".experts." in n or ".shared_expert." in n]
     assert expert_weights
     for name in expert_weights:       # every expert projection packed, as RTN computes it
         module = name.removesuffix(".weight")
@@ -56,7 +60,8 @@ def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
         want = quantize_rtn(source[name], 4, 32).pack()
         for leaf in ("qweight", "qzeros", "scales", "g_idx"):
             assert torch.equal(state[f"{module}.{leaf}"], want[leaf]), f"{module}.{leaf}"
-    routers = [n for n in source if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    routers = [n for n in source if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                                "mlp.shared_expert_gate.weight"))]
     assert routers and all(state[n].dtype == torch.float16 for n in routers)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [arch]
@@ -69,6 +74,11 @@ def test_rtn_int4_quantizes_every_expert(case, projs, tmp_path):
     assert len(layers) == 2 * moe.num_experts * sum(moe.sparse_layers)
     assert {m.quant_method.name for m in layers} == {"gptq"}
     assert all(m.int4_blocks is not None for m in layers)
+    if moe.shared_expert_intermediate_size:
+        shared = [layer.mlp.shared_expert for layer in int4.engine.model.model.layers
+                  if hasattr(layer.mlp, "shared_expert")]
+        assert shared and all(p.int4_blocks is not None for s in shared
+                              for p in (s.gate_up_proj, s.down_proj))
     dense = LLM(_dense_copy(str(out), tmp_path / "dense", torch.float32), dtype="float32",
                 num_blocks=64)
     assert not _expert_linears(dense)
