@@ -32,13 +32,14 @@ and Qwen3-MoE checkpoints: every expert's gate/up/down projection
 / ``up_proj`` / ``down_proj``, and Qwen2-MoE's ``mlp.shared_expert.*_proj``) gets its
 own ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``, as the engine's GPTQ experts
 load them; the routers (and Qwen2-MoE's ``shared_expert_gate``) stay float16. GPTQ
-quantizes Mixtral's experts the same way, each from the Hessian of the calibration
+quantizes Mixtral's and Qwen3-MoE's experts the same way, each from the Hessian of the calibration
 tokens routed to it (the forward's MoE block routes as the engine does, the router
 dense; true sequential per expert: gate/up, then down on the quantized gate/up's
 output; every routed token counts once). An expert no calibration token reached
 has no Hessian: it is rounded to nearest, and
-:attr:`QuantizeResult.rtn_experts` lists it. Qwen3-MoE's Q/K norms are not in the
-calibration forward: GPTQ refuses it (:func:`~tandem.quantize.dense.load_dense`).
+:attr:`QuantizeResult.rtn_experts` lists it. Qwen2-MoE's attention biases and shared
+expert are not in the calibration forward: GPTQ refuses it
+(:func:`~tandem.quantize.dense.load_dense`).
 """
 
 from __future__ import annotations
@@ -246,8 +247,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
             ``rtn``; bad ``bits``, ``group_size``, ``damp``, token counts;
             a non-empty ``output``; an already quantized ``model``.
         UnsupportedModelError: an architecture the method does not quantize (GPTQ: a
-            mixture-of-experts model other than Mixtral, naming the method and the
-            architecture).
+            mixture-of-experts model other than Mixtral and Qwen3-MoE, naming the
+            method and the architecture).
         FileNotFoundError: ``model`` or ``calibration_file`` does not exist.
     """
     if method not in METHODS:

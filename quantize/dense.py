@@ -26,9 +26,10 @@ transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are sp
 into those per-expert names at load, as the engine's loader reads them; Qwen2-MoE's
 shared expert is quantized like a dense MLP). The routers (``gate``,
 ``shared_expert_gate``) stay dense. A calibrated method that runs the forward through MoE
-layers (GPTQ, ``moe=True``) accepts Mixtral (:data:`FORWARD_MOE`: Llama attention):
-:func:`run_layer` then routes each token as the engine does (float32 softmax over
-the router logits, top-k, renormalised) and calls the hook once per expert, with
+layers (GPTQ, ``moe=True``) accepts Mixtral and Qwen3-MoE (:data:`FORWARD_MOE`:
+Llama attention, with Qwen3's per-head Q/K RMSNorm before RoPE): :func:`run_layer`
+then routes each token as the engine does (float32 softmax over the router logits,
+top-k, renormalised where the model does) and calls the hook once per expert, with
 the tokens routed to it (:func:`expert_groups`). AWQ refuses a mixture-of-experts
 model by name.
 
@@ -70,7 +71,7 @@ GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
 WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures :func:`run_layer` computes (Llama attention and a
 # top-k SwiGLU MoE block): what a calibrated quantizer with ``moe=True`` accepts.
-FORWARD_MOE = ("MixtralForCausalLM",)
+FORWARD_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Tokenizer and generation files copied from a Hugging Face source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -272,6 +273,8 @@ def layer_weights(weights: dict[str, torch.Tensor], layer: int,
     in place of ``gate``, ``up``, ``down``."""
     p = f"model.layers.{layer}"
     names = {k: v for k, v in LINEAR_NAMES.items()} | NORM_NAMES
+    if f"{p}.self_attn.q_norm.weight" in weights:              # Qwen3: per-head Q/K norms
+        names |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
     if cfg is not None and cfg.moe is not None and cfg.moe.sparse_layers[layer]:
         names = {k: v for k, v in names.items() if k not in ("gate", "up", "down")}
         block, projs = _moe_names(cfg)
@@ -346,9 +349,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _attend(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-            wv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+            wv: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None = None,
+            k_norm: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``x`` ``[B, S, H]`` (or ``[S, H]``, one sequence) before
-    ``o_proj``: ``[B, S, Hq D]`` (or ``[S, Hq D]``)."""
+    ``o_proj``: ``[B, S, Hq D]`` (or ``[S, Hq D]``). ``q_norm`` / ``k_norm`` ``[D]``:
+    Qwen3's RMSNorm of each head's query and key before RoPE."""
     one = x.dim() == 2
     if one:
         x = x[None]
@@ -357,6 +362,8 @@ def _attend(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tenso
     q = (x @ wq.t()).view(b, s, hq, d).transpose(1, 2)          # [B, Hq, S, D]
     k = (x @ wk.t()).view(b, s, hkv, d).transpose(1, 2)         # [B, Hkv, S, D]
     v = (x @ wv.t()).view(b, s, hkv, d).transpose(1, 2)
+    if q_norm is not None:
+        q, k = rms_norm_ref(q, q_norm, cfg.rms_norm_eps), rms_norm_ref(k, k_norm, cfg.rms_norm_eps)
     cos, sin = cos_sin[:s, : d // 2], cos_sin[:s, d // 2:]
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=default_scale(d),
@@ -441,7 +448,8 @@ def run_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], hs: list[torch.Tens
     eps = cfg.rms_norm_eps
     attn_in = [rms_norm_ref(h, lw["ln1"], eps) for h in hs]
     group("qkv", attn_in)
-    o_in = [_attend(cfg, x, lw["q"], lw["k"], lw["v"], cos_sin) for x in attn_in]
+    o_in = [_attend(cfg, x, lw["q"], lw["k"], lw["v"], cos_sin, lw.get("q_norm"),
+                    lw.get("k_norm")) for x in attn_in]
     group("o", o_in, hs)
     attn_out = [o @ lw["o"].t() for o in o_in]
     mid = [h + a for h, a in zip(hs, attn_out)]

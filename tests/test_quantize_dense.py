@@ -71,9 +71,12 @@ def test_expert_linear_names_only_the_expert_projection_weights():
         "model.layers.3.mlp.experts.0.up_proj"
     assert expert_linear("model.layers.1.block_sparse_moe.experts.7.w2.weight") == \
         "model.layers.1.block_sparse_moe.experts.7.w2"
+    assert expert_linear("model.layers.3.mlp.shared_expert.up_proj.weight") == \
+        "model.layers.3.mlp.shared_expert.up_proj"                   # Qwen2-MoE
     for name in ("model.layers.3.mlp.gate.weight", "model.layers.3.mlp.up_proj.weight",
                  "model.layers.1.block_sparse_moe.gate.weight",
-                 "model.layers.3.mlp.shared_expert.up_proj.weight",
+                 "model.layers.3.mlp.shared_expert_gate.weight",
+                 "model.layers.3.mlp.shared_expert.up_proj.bias",
                  "model.layers.3.mlp.experts.gate_up_proj",
                  "model.layers.3.mlp.experts.0.up_proj.bias"):
         assert expert_linear(name) is None, name

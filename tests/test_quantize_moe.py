@@ -121,11 +121,12 @@ def test_gguf_requantization_quantizes_the_experts(method, qtype, case, tmp_path
     assert_same_greedy(packed, LLM(str(dst), dtype="float32", num_blocks=64))
 
 
-@pytest.mark.parametrize("method, case, arch", [("gptq", "qwen3-moe", "Qwen3MoeForCausalLM"),
+@pytest.mark.parametrize("method, case, arch", [("gptq", "qwen2-moe", "Qwen2MoeForCausalLM"),
                                                 ("awq", "mixtral", "MixtralForCausalLM")])
 def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_path, capsys):
-    """GPTQ's calibration forward has Mixtral's MoE block but not Qwen3's Q/K norms;
-    AWQ has no MoE block: each refuses by method and architecture, writing nothing."""
+    """GPTQ's calibration forward has Mixtral's and Qwen3-MoE's blocks but not
+    Qwen2-MoE's (attention biases, shared expert); AWQ has no MoE block: each refuses
+    by method and architecture, writing nothing."""
     from tandem.quantize.autogptq import quantize_model
     from tandem.quantize.awq import awq_quantize
 
@@ -145,18 +146,21 @@ def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_p
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-def test_gptq_quantizes_mixtral_experts_from_their_routed_tokens(tmp_path):
-    """GPTQ on a tiny Mixtral (groups of 32): every expert projection packed, each
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_gptq_quantizes_experts_from_their_routed_tokens(case, tmp_path):
+    """GPTQ on a tiny Mixtral and Qwen3-MoE (Q/K norms, a dense layer 0; groups of
+    32): every expert projection packed, each
     from the Hessian of the calibration tokens routed to it (an expert none reached
     rounded to nearest); the checkpoint serves its experts as INT4 blocks with the
     greedy ids of the same checkpoint dequantized; and on the
     calibration tokens its logits are closer to the float model's than those of
-    round-to-nearest, which GPTQ's error feedback is for."""
+    round-to-nearest, which GPTQ's error feedback is for. The calibration forward's
+    logits are transformers' (routing, Q/K norms)."""
     from tandem.quantize.autogptq import quantize_model
     from tandem.quantize.dense import calibration_segments, load_dense, model_logits
 
-    config_class, overrides, _ = CASES["mixtral"]
-    save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
+    config_class, overrides, _ = CASES[case]
+    hf_model = save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
     # Text in the tiny tokenizer's words (w3 .. w511): any other text is all <unk>.
     rng = random.Random(0)
     calibration = tmp_path / "calibration.txt"
@@ -180,6 +184,8 @@ def test_gptq_quantizes_mixtral_experts_from_their_routed_tokens(tmp_path):
 
     tokens = calibration_segments(packed.tokenizer, calibration.read_text(), 256, 256)[0][None]
     want = model_logits(dense.cfg, dense.weights, tokens)
+    with torch.no_grad():          # the calibration forward is the model transformers runs
+        torch.testing.assert_close(want, hf_model(tokens).logits, rtol=1e-4, atol=1e-4)
     errors = {}
     for m, result in results.items():
         weights = {n: (result.quantized[n.removesuffix(".weight")].dequantize()
