@@ -32,12 +32,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from tandem.engine.kv.kv_connector import KVConnector, KVSave, KVTransferParams
+from tandem.engine.kv.kv_connector import KVConnector, KVRankGroup, KVSave, KVTransferParams
 from tandem.kvtransfer.base import KVReceiver, KVSender, KVTransferError, get_transport
 from tandem.kvtransfer.layout import (KVLayout, KVLayoutMismatchError, KVTransferTicket,
                                       check_compatible)
 from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
-from tandem.kvtransfer.sharded import (KVPair, KVRanks, StepSends, heads_view, pair_plan,
+from tandem.kvtransfer.sharded import (KVPair, RankControl, StepSends, heads_view, pair_plan,
                                        pair_ticket, parse_worker_layout, wait_for_saved,
                                        worker_layout)
 
@@ -99,7 +99,7 @@ class TransportKVConnector(KVConnector):
 
     def __init__(self, transport: str, kv_cache: Any, notify: Callable[[], None] | None = None,
                  transfer_timeout_s: float = 60.0, num_receive_threads: int = 4,
-                 kv_scales: Any = None, ranks: KVRanks | None = None):
+                 kv_scales: Any = None, ranks: KVRankGroup | None = None):
         from tandem.engine.runtime.kv_scales import scales_checksum
 
         super().__init__(kv_cache, notify)
@@ -107,7 +107,9 @@ class TransportKVConnector(KVConnector):
         self.transport = get_transport(transport)
         self.transfer_timeout_s = transfer_timeout_s
         local = KVLayout.from_cache(kv_cache, scales_checksum(kv_scales))
-        self._ranks = ranks or KVRanks(((0, local.num_kv_heads),))
+        self._ranks = ranks or KVRankGroup(((0, local.num_kv_heads),))
+        self._control = (RankControl(self._ranks.store_host, self._ranks.store_port)
+                         if self._ranks.world_size > 1 else None)
         if self._ranks.world_size > 1 and (kv_scales is not None or local.dtype == "uint8"):
             raise ValueError(f"kv_cache_dtype: a {local.dtype} KV cache is not transferred "
                              "between tensor-parallel workers yet (use the model dtype)")
@@ -156,8 +158,8 @@ class TransportKVConnector(KVConnector):
         self._ticket_waits: dict[tuple[str, str, int], Future] = {}
         self._early_tickets: OrderedDict[tuple[str, str, int], dict] = OrderedDict()
         self._forgotten: OrderedDict[tuple[str, str], None] = OrderedDict()
-        if self._ranks.control is not None:
-            self._ranks.control.watch("load", self._on_rank_load)
+        if self._control is not None:
+            self._control.watch("load", self._on_rank_load)
 
     # -- channels --------------------------------------------------------------------------
     def layout(self) -> dict:
@@ -186,7 +188,7 @@ class TransportKVConnector(KVConnector):
                  for pair in plan if pair.decode_rank == 0]
         rendezvous = {pair: r.rendezvous for pair, r in local}
         for rank, pairs in self._rank_pairs(plan, "decode_rank").items():
-            rdvs = self._ranks.control.call(rank, "open", peer_id, self.transport_name, host,
+            rdvs = self._control.call(rank, "open", peer_id, self.transport_name, host,
                                             [p.to_list() for p in pairs],
                                             os.environ.get(CLUSTER_SECRET_ENV))
             rendezvous.update(zip(pairs, rdvs))
@@ -212,7 +214,7 @@ class TransportKVConnector(KVConnector):
         local = [(pair, self.transport.sender.connect(offered[pair], local_host=local_host))
                  for pair in plan if pair.prefill_rank == 0]
         for rank, pairs in self._rank_pairs(plan, "prefill_rank").items():
-            self._ranks.control.call(rank, "connect", peer_id, self.transport_name,
+            self._control.call(rank, "connect", peer_id, self.transport_name,
                                      [(p.to_list(), offered[p]) for p in pairs], local_host,
                                      self.transfer_timeout_s, os.environ.get(CLUSTER_SECRET_ENV))
         self._plans[peer_id] = plan
@@ -235,7 +237,7 @@ class TransportKVConnector(KVConnector):
         for side in ("prefill_rank", "decode_rank") if ranks else ():
             for rank in self._rank_pairs(plan, side):
                 try:
-                    self._ranks.control.call(rank, "close", peer_id)
+                    self._control.call(rank, "close", peer_id)
                 except KVTransferError as e:
                     logger.warning("closing the KV channel to %s on rank %d: %s", peer_id, rank, e)
         return bool(ends)
@@ -277,7 +279,7 @@ class TransportKVConnector(KVConnector):
     def wait_for_save(self) -> dict[str, str]:
         failed = self._step.finish(self.transfer_timeout_s)
         if self.step_saves:                 # ranks 1.. sent their heads in the same step
-            for rid, message in wait_for_saved(self._ranks.control, self._ranks.world_size - 1,
+            for rid, message in wait_for_saved(self._control, self._ranks.world_size - 1,
                                                self.transfer_timeout_s + 30.0,
                                                self._ranks.check_ranks).items():
                 failed.setdefault(rid, message)
@@ -389,7 +391,7 @@ class TransportKVConnector(KVConnector):
                         self._rank_loads[key] = [set(ranks), None]
                     self._rank_load_keys[request_id] = key
                     for rank in ranks:
-                        self._ranks.control.post(rank, "load", peer_id, ticket.to_dict(),
+                        self._control.post(rank, "load", peer_id, ticket.to_dict(),
                                                  self.transfer_timeout_s)
                 parts = [(pair_ticket(ticket, pair), r, self._view(pair))
                          for pair, r in self._pair_receivers[peer_id]]
@@ -421,7 +423,7 @@ class TransportKVConnector(KVConnector):
             entry = self._rank_loads.get((peer_id, transfer_id))
             ranks = list(entry[0]) if entry is not None else []
         for rank in ranks:
-            self._ranks.control.post(rank, "discard", peer_id, transfer_id)
+            self._control.post(rank, "discard", peer_id, transfer_id)
 
     def _on_rank_load(self, report: tuple[str, int, int, str | None]) -> None:
         """Rank ``r`` (1..) ended its part of a load (on the reports thread)."""
@@ -457,7 +459,7 @@ class TransportKVConnector(KVConnector):
             entry = self._rank_loads.get((peer_id, transfer_id))
             ranks = list(entry[0]) if entry is not None else []
         for rank in ranks:
-            self._ranks.control.post(rank, "extend", peer_id, transfer_id, timeout_s)
+            self._control.post(rank, "extend", peer_id, transfer_id, timeout_s)
         return True
 
     def get_finished_loads(self) -> list[tuple[str, str | None]]:

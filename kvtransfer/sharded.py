@@ -160,26 +160,6 @@ def heads_view(kv_cache: torch.Tensor, rank_head_start: int, pair: KVPair) -> to
     return kv_cache[:, :, :, :, lo:lo + pair.num_heads]
 
 
-@dataclass(frozen=True)
-class KVRanks:
-    """What a tensor-parallel worker's rank 0 connector knows of its ranks.
-
-    Attributes:
-        head_ranges: ``(first KV head, heads)`` of each rank, rank 0 first.
-        control: commands to ranks 1.. (None with one rank).
-        check_ranks: raises if a rank 1.. died
-            (:class:`~tandem.engine.parallel.communicator.RankDiedError`).
-    """
-
-    head_ranges: tuple[tuple[int, int], ...]
-    control: RankControl | None = None
-    check_ranks: Callable[[], None] = lambda: None
-
-    @property
-    def world_size(self) -> int:
-        return len(self.head_ranges)
-
-
 class StepSends:
     """One rank's KV sends of one producer step: each request's pairs from this rank,
     each pair its heads' view of the cache, sent layer by layer from inside the

@@ -76,6 +76,28 @@ class KVTransferParams:
 
 
 @dataclass(frozen=True)
+class KVRankGroup:
+    """A tensor-parallel engine's ranks, as its KV connector (on rank 0) needs them.
+
+    Attributes:
+        head_ranges: ``(first KV head, heads)`` each rank holds, rank 0 first.
+        store_host, store_port: the group's ``TCPStore``, through which the connector
+            drives ranks 1..'s ends of its channels (:func:`get_rank_kv_agent`).
+        check_ranks: raises if a rank 1.. died or hangs
+            (:class:`~tandem.engine.parallel.communicator.RankDiedError`).
+    """
+
+    head_ranges: tuple[tuple[int, int], ...]
+    store_host: str = ""
+    store_port: int = 0
+    check_ranks: Callable[[], None] = lambda: None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.head_ranges)
+
+
+@dataclass(frozen=True)
 class KVSave:
     """One request whose prompt KV the producer sends in this step.
 
@@ -248,6 +270,23 @@ _CONNECTORS: dict[str, str] = {
     "gloo": "tandem.kvtransfer.connector:TransportKVConnector",
     "nccl": "tandem.kvtransfer.connector:TransportKVConnector",
 }
+
+
+# A tensor-parallel rank's ends of its worker's KV channels (transport-independent:
+# rank 0's connector names the transport with each channel).
+_RANK_KV_AGENT = "tandem.kvtransfer.sharded:RankKVAgent"
+
+
+def get_rank_kv_agent(rank: int, store_host: str, store_port: int, kv_cache: Any,
+                      head_start: int) -> Any:
+    """Rank ``rank`` (1..)'s agent for its worker's KV channels: it serves the commands
+    rank 0's connector sends through the group's ``TCPStore`` at ``store_host:store_port``
+    and sends a producer step's KV heads (``start_save``, ``save_kv_layer``,
+    ``wait_for_save``) from ``kv_cache`` (this rank's ``[L, 2, NB, BS, Hkv_rank, D]``,
+    holding the model's KV heads from ``head_start``)."""
+    module, cls = _RANK_KV_AGENT.split(":")
+    return getattr(importlib.import_module(module), cls)(rank, store_host, store_port,
+                                                         kv_cache, head_start)
 
 
 def kv_connector_names() -> list[str]:

@@ -172,14 +172,14 @@ class TensorParallelGroup:
 
     def kv_ranks(self, cfg: ModelConfig):
         """What a KV connector on rank 0 needs of the ranks
-        (:class:`~tandem.kvtransfer.sharded.KVRanks`): each rank's KV heads of the
-        model ``cfg``, the commands to ranks 1.. and a check that they live."""
-        from tandem.kvtransfer.sharded import KVRanks, RankControl
+        (:class:`~tandem.engine.kv.kv_connector.KVRankGroup`): each rank's KV heads of
+        the model ``cfg``, the group's store and a check that the ranks live."""
+        from tandem.engine.kv.kv_connector import KVRankGroup
 
         heads = [head_partition(cfg.num_heads, cfg.num_kv_heads, self.world_size, r)
                  for r in range(self.world_size)]
-        return KVRanks(tuple((h.kv_start, h.num_kv_heads) for h in heads),
-                       RankControl("127.0.0.1", self._store.port), self.check_workers)
+        return KVRankGroup(tuple((h.kv_start, h.num_kv_heads) for h in heads), "127.0.0.1",
+                           self._store.port, self.check_workers)
 
     def setup_workers(self, num_blocks: int, num_host_blocks: int) -> None:
         """Wait until every worker loaded its shard, then send the KV cache's size;

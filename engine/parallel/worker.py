@@ -24,6 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tandem.engine.kv.kv_connector import get_rank_kv_agent
 from tandem.engine.model.layers import DecoderForCausalLM
 from tandem.engine.parallel.communicator import Communicator, TorchDistributedCommunicator
 from tandem.engine.parallel.group import (STORE_PREFIX, WorkerInit, backend_for, heartbeat,
@@ -34,12 +35,11 @@ from tandem.engine.parallel.partition import head_partition
 from tandem.engine.runtime.model_runner import KVCache
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 from tandem.kernels.int4_kv import Int4WritePlan
-from tandem.kvtransfer.sharded import RankKVAgent
 
 
 @torch.inference_mode()
 def follow(comm: Communicator, model: DecoderForCausalLM, kv_cache: KVCache,
-           backend: AttentionBackend, kv_agent: RankKVAgent | None = None) -> None:
+           backend: AttentionBackend, kv_agent=None) -> None:
     """Run rank 0's steps on this rank's shard until a
     :class:`~tandem.engine.parallel.messages.Shutdown`.
 
@@ -148,7 +148,7 @@ def run_worker(init: WorkerInit) -> None:
                                     config.batch_invariant)
     # This rank's ends of the worker's KV channels (disaggregated serving), driven by rank 0.
     heads = head_partition(cfg.num_heads, cfg.num_kv_heads, init.world_size, rank)
-    kv_agent = RankKVAgent(rank, init.host, init.port, kv_cache.tensor, heads.kv_start)
+    kv_agent = get_rank_kv_agent(rank, init.host, init.port, kv_cache.tensor, heads.kv_start)
     try:
         follow(comm, model, kv_cache, backend, kv_agent)
     finally:
