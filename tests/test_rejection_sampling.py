@@ -173,3 +173,27 @@ def test_seeded_verification_reproduces(model_logits):
     drafts = model_logits.argmax(dim=-1).tolist()[:2]
     runs = [_run(model_logits, lambda s: (drafts, None), trials=200)[0] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_point_mass_drafts_give_plain_samplings_tokens_and_uniforms(model_logits):
+    """n-gram drafts change how many tokens one forward pass yields, never which: a
+    seeded request's verified tokens are the ones plain sampling of the same rows
+    draws with the same seed (the first one that is not a draft ends the step), and
+    the generator has taken one uniform per token, as plain sampling would. So a
+    seeded request gives the same text with speculation on or off, and a resumed
+    one skips one uniform per emitted token (LLMEngine.add_request)."""
+    p0 = _target(model_logits[0], _request())
+    p1 = _target(model_logits[1], _request())
+    drafts = [int(p0.argmax()), int(p1.argmax())]
+    accepted = 0
+    for seed in range(300):
+        params = SamplingParams(temperature=1.0, top_k=30, top_p=0.95, min_p=0.01, seed=seed)
+        spec, plain = Sampler(), Sampler()
+        rs, rp = _request(params), _request(params)
+        got = [r.token_id for r in spec.verify(model_logits, rs, drafts)]
+        want = [plain(model_logits[j][None], [rp])[0].token_id for j in range(len(got))]
+        assert got == want, seed
+        assert got[:-1] == drafts[:len(got) - 1] and (len(got) == 3 or got[-1] != drafts[len(got) - 1])
+        assert torch.equal(spec.generator_for(rs).get_state(), plain.generator_for(rp).get_state())
+        accepted += len(got) - 1
+    assert accepted >= 10                     # some drafts were accepted (38 of 300 here)

@@ -219,15 +219,26 @@ class Sampler:
         * greedy: drafts are accepted while each equals its row's argmax; the
           argmax of the first mismatching row (or of row ``k``, the bonus token)
           follows them;
-        * sampled: draft ``d_j`` is accepted with probability
-          ``min(1, p_j(d_j) / q_j(d_j))``, ``p_j`` the target's processed
-          distribution (temperature, top-k, top-p, min-p) and ``q_j`` the
-          proposer's (one-hot at ``d_j`` when ``draft_probs`` is None, as for
-          n-gram drafts); the first rejection is replaced by a draw from
-          ``norm(max(0, p_j - q_j))``, and when all ``k`` are accepted a bonus
-          token is drawn from ``p_k``. The tokens returned are distributed exactly
-          as ``len(result)`` target samples (Leviathan et al. 2023, Alg. 1 and
-          Appendix A.1; Chen et al. 2023, Alg. 2).
+        * sampled, point-mass drafts (``draft_probs`` None, as n-gram drafts are):
+          row ``j``'s token is drawn from ``p_j``, the target's processed
+          distribution (temperature, top-k, top-p, min-p), exactly as without
+          speculation (:func:`draw_proportional`, one uniform); draft ``d_j`` is
+          accepted if it is that token, and the first token that is not a draft
+          ends the step. The drafts only decide how many draws one forward pass
+          serves: the tokens, and the uniforms taken, are those of plain sampling,
+          one per token, so a seeded request gives the same tokens with and without
+          speculation, whatever the batch around it, and after a resume that
+          skipped one uniform per token. A draft is accepted with probability
+          ``p_j(d_j)``, as rejection sampling's ``min(1, p_j(d_j) / 1)`` would, and a
+          rejected one's replacement follows ``p_j`` without ``d_j``, its residual.
+        * sampled, drawn drafts (a draft model's ``q_j``): draft ``d_j`` is accepted
+          with probability ``min(1, p_j(d_j) / q_j(d_j))``; the first rejection is
+          replaced by a draw from ``norm(max(0, p_j - q_j))``, and when all ``k``
+          are accepted a bonus token is drawn from ``p_k``. The tokens returned are
+          distributed exactly as ``len(result)`` target samples (Leviathan et al.
+          2023, Alg. 1 and Appendix A.1; Chen et al. 2023, Alg. 2), but take one
+          more uniform per draft examined, so which tokens a seed gives depends on
+          the drafts made.
 
         A constrained request (``structured_outputs``) has row ``j`` masked to what
         its grammar allows after the drafts before ``j``: a draft outside the
@@ -235,9 +246,8 @@ class Sampler:
         probability is 0), and the chosen tokens advance its matcher.
 
         Randomness comes from the request's generator (:meth:`generator_for`):
-        one uniform per draft examined, then one for the final draw
-        (:func:`draw_proportional`), so a seeded request reproduces whatever else is
-        batched with it.
+        point-mass drafts take one uniform per token returned; drawn drafts one per
+        draft examined, then one for the final draw (:func:`draw_proportional`).
 
         Args:
             logits: ``[k + 1, V]`` float32 target logits.
@@ -288,18 +298,21 @@ class Sampler:
                     tokens.append(draw_proportional(probs, gen))
                     break
                 d = drafts[j]
+                if draft_probs is None:
+                    # Point mass: the token plain sampling draws here, the draft
+                    # accepted if it is that token.
+                    tokens.append(draw_proportional(probs, gen))
+                    if tokens[-1] != d:
+                        break
+                    continue
                 total = float(probs.sum())
                 target = float(probs[d]) / total
-                proposed = 1.0 if draft_probs is None else float(draft_probs[j, d])
+                proposed = float(draft_probs[j, d])
                 if float(torch.rand((), generator=gen)) * proposed < target:
                     tokens.append(d)
                     continue
-                if draft_probs is None:
-                    residual = probs.clone()
-                    residual[d] = 0.0
-                else:
-                    q = draft_probs[j].to(probs.dtype)
-                    residual = (probs / total - q / q.sum()).clamp_(min=0.0)
+                q = draft_probs[j].to(probs.dtype)
+                residual = (probs / total - q / q.sum()).clamp_(min=0.0)
                 if not float(residual.sum()) > 0.0:
                     residual = probs     # p <= q nowhere strictly: a rejection had probability 0
                 tokens.append(draw_proportional(residual, gen))

@@ -34,12 +34,14 @@ def _requests():
     one of them seeded with n = 2 and one asking for prompt logprobs (both prefill
     on the decode worker), so the resumed requests cover those paths too.
 
-    The seed: a resumed sample recomputes its tokens' KV in another batch, so its
-    float32 logits differ from the first attempt's in the last bits, and a draw
-    whose uniform falls that close to a boundary of the cumulative distribution
-    would pick the neighbouring token. Seed 7 had one of its 64 draws 3.3e-6 of the
-    mass from a boundary (and failed, now and then, under load); seed 4's closest
-    is 5.9e-4, far beyond float32 rounding."""
+    The seeded request resumes exactly because n-gram speculation (on in this
+    cluster) takes one uniform per token, as plain sampling does
+    (``Sampler.verify``), so the resumed sample's skip of one uniform per emitted
+    token puts its generator where the lost worker's was. The seed keeps its draws
+    away from ties: a resumed sample recomputes its tokens' KV in another batch, so
+    its float32 logits differ in the last bits; seed 4's closest draw is 5.9e-4 of
+    the mass from a boundary of the cumulative distribution (seed 7 had one at
+    3.3e-6)."""
     from tandem.v1 import tandem_pb2 as pb
 
     reqs = [greedy(p, N) for p in PROMPTS + PROMPTS]
