@@ -108,11 +108,11 @@ class TransportKVConnector(KVConnector):
         self.transfer_timeout_s = transfer_timeout_s
         local = KVLayout.from_cache(kv_cache, scales_checksum(kv_scales))
         self._ranks = ranks or KVRankGroup(((0, local.num_kv_heads),))
-        self._control = (RankControl(self._ranks.store_host, self._ranks.store_port)
-                         if self._ranks.world_size > 1 else None)
         if self._ranks.world_size > 1 and (kv_scales is not None or local.dtype == "uint8"):
             raise ValueError(f"kv_cache_dtype: a {local.dtype} KV cache is not transferred "
                              "between tensor-parallel workers yet (use the model dtype)")
+        self._control = (RankControl(self._ranks.store_host, self._ranks.store_port)
+                         if self._ranks.world_size > 1 else None)
         self._head_start = self._ranks.head_ranges[0][0]
         total = max(s + n for s, n in self._ranks.head_ranges)
         # The model's whole layout (all KV heads): what tickets carry and peers compare.
@@ -139,10 +139,9 @@ class TransportKVConnector(KVConnector):
         self.kv_transfer_bytes = 0            # bytes of completed sends, all time
         # Consumer state: request id -> (receive future, handshake receiver, ticket).
         self._loads: dict[str, tuple[Future, KVReceiver | None, KVTransferTicket | None]] = {}
-        # Loads whose parts on ranks 1.. are not reported yet: (peer, transfer id) ->
-        # [ranks still receiving, first error]; request id -> (peer, transfer id).
+        # Loads with parts on ranks 1..: (peer, transfer id) -> [ranks still
+        # receiving, first error]; request id -> its load's peer.
         self._rank_loads: dict[tuple[str, int], list] = {}
-        self._rank_load_keys: dict[str, tuple[str, int]] = {}
         self._load_peers: dict[str, str] = {}
         self._transfer_ids = itertools.count()
         self._pool = ThreadPoolExecutor(num_receive_threads, thread_name_prefix="kv-recv")
@@ -389,7 +388,6 @@ class TransportKVConnector(KVConnector):
                     key = (peer_id, ticket.transfer_id)
                     with self._handshake_lock:
                         self._rank_loads[key] = [set(ranks), None]
-                    self._rank_load_keys[request_id] = key
                     for rank in ranks:
                         self._control.post(rank, "load", peer_id, ticket.to_dict(),
                                                  self.transfer_timeout_s)
@@ -464,19 +462,17 @@ class TransportKVConnector(KVConnector):
 
     def get_finished_loads(self) -> list[tuple[str, str | None]]:
         done = []
-        for rid, (fut, _, _) in list(self._loads.items()):
+        for rid, (fut, _, ticket) in list(self._loads.items()):
             if not fut.done():
                 continue
             error = None if fut.exception() is None else str(fut.exception())
-            key = self._rank_load_keys.get(rid)
-            if key is not None:
-                with self._handshake_lock:
-                    waiting, rank_error = self._rank_loads[key]
-                    if waiting:
+            with self._handshake_lock:
+                entry = self._rank_loads.get((self._load_peers[rid], ticket.transfer_id))
+                if entry is not None:
+                    if entry[0]:
                         continue            # ranks 1.. still landing their heads
-                    del self._rank_loads[key]
-                del self._rank_load_keys[rid]
-                error = error or rank_error
+                    del self._rank_loads[(self._load_peers[rid], ticket.transfer_id)]
+                    error = error or entry[1]
             del self._loads[rid]
             self._load_peers.pop(rid, None)
             if error is not None:
