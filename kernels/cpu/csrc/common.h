@@ -164,11 +164,14 @@ inline __m512 load16(const bf16* p) {
 
 // Ask for the `rows` rows of d elements (stride `row`) of the next block early:
 // blocks lie anywhere in the cache, so the hardware prefetcher cannot guess them.
+// Into L2 (T1), not L1: a block's 16-64 lines at once filled L1's few miss buffers
+// and each prefetch then stalled the pass (decode attention over 64 x 256 float32
+// tokens: 1.35 instead of 1.68 ms per layer).
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t rows, int64_t row, int64_t d) {
     for (int64_t j = 0; j < rows; ++j)
         for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p + j * row) + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(p + j * row) + off, _MM_HINT_T1);
 }
 
 constexpr int kMaxGroup = 8;    // query heads per KV head handled in registers

@@ -91,14 +91,19 @@ inline void softmax_rows512(float* x, int64_t rows, int64_t len, int64_t stride)
 }
 
 // The value pass of decode_one_*: out[h*G + g] = sum_t p[g][t] V[t] for the G query
-// heads of KV head h, float32 accumulators in registers, blocks prefetched kAhead
-// ahead. `p` holds G rows of `stride` softmax weights.
-template <typename T>
+// heads of KV head h, float32 accumulators, blocks prefetched kAhead ahead. `p`
+// holds G rows of `stride` softmax weights. GT / CT: the group size and head_dim /
+// 16 fixed at compile time (0: the runtime `g_size`, `d / 16`); fixed, the loops
+// unroll and the G x CT accumulators live in registers, where runtime bounds left
+// them on the stack (every FMA a load and a store). Each V vector is loaded where
+// it is used: a separate copy loop into a local array compiled to a memcpy call
+// per token. The same FMAs in the same order either way.
+template <typename T, int GT = 0, int CT = 0>
 void weighted_values(T* out, const T* vc, const int32_t* table, int64_t off0, int64_t len,
-                     int64_t h, int64_t g_size, int64_t hkv, int64_t d, int64_t bs,
+                     int64_t h, int64_t g_rt, int64_t hkv, int64_t d, int64_t bs,
                      const float* p, int64_t stride) {
-    const int64_t row = hkv * d, chunks = d / 16;
-    __m512 acc[kMaxGroup][kMaxChunks];
+    const int64_t g_size = GT ? GT : g_rt, chunks = CT ? CT : d / 16, row = hkv * d;
+    __m512 acc[GT ? GT : kMaxGroup][CT ? CT : kMaxChunks];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
     const int64_t end = off0 + len;          // in the table's token positions
@@ -109,12 +114,13 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t off0, in
         const int64_t n = blk == nblk - 1 ? end - blk * bs : bs;
         if (blk + kAhead < nblk)
             prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
+        const float* pb = p + blk * bs - off0;
         for (int64_t j = j0; j < n; ++j) {
-            __m512 vv[kMaxChunks];
-            for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(base + j * row + 16 * c);
-            for (int64_t g = 0; g < g_size; ++g) {
-                const __m512 pj = _mm512_set1_ps(p[g * stride + blk * bs + j - off0]);
-                for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
+            __m512 pj[GT ? GT : kMaxGroup];
+            for (int64_t g = 0; g < g_size; ++g) pj[g] = _mm512_set1_ps(pb[g * stride + j]);
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512 v = load16(base + j * row + 16 * c);
+                for (int64_t g = 0; g < g_size; ++g) acc[g][c] = _mm512_fmadd_ps(pj[g], v, acc[g][c]);
             }
         }
     }
@@ -156,15 +162,14 @@ inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_
 // in one vector and the 16 vectors reduced together (hsum16x16: one tree
 // reduction per 16 scores instead of one horizontal sum per score); the value
 // pass keeps the G x D float32 accumulators in registers. `scores` holds G rows
-// of `stride` (len rounded up to 16) floats.
-template <typename T>
+// of `stride` (len rounded up to 16) floats. GT / CT as for weighted_values.
+template <typename T, int GT = 0, int CT = 0>
 void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
-                       int64_t off0, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
+                       int64_t off0, int64_t len, int64_t h, int64_t g_rt, int64_t hkv,
                        int64_t d, int64_t bs, float scale, float softcap, float* scores,
                        int64_t stride) {
-    const int64_t row = hkv * d;
-    const int64_t chunks = d / 16;
-    __m512 qv[kMaxGroup][kMaxChunks];
+    const int64_t g_size = GT ? GT : g_rt, chunks = CT ? CT : d / 16, row = hkv * d;
+    __m512 qv[GT ? GT : kMaxGroup][CT ? CT : kMaxChunks];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c)
             qv[g][c] = _mm512_mul_ps(load16(q + (h * g_size + g) * d + 16 * c), _mm512_set1_ps(scale));
@@ -185,7 +190,7 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
     }
     softcap_rows(scores, g_size, len, stride, softcap);
     softmax_rows512(scores, g_size, len, stride);
-    weighted_values<T>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
+    weighted_values<T, GT, CT>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
 }
 #endif  // __AVX512F__
 
@@ -193,13 +198,15 @@ void decode_one_avx512(T* out, const T* q, const T* kc, const T* vc, const int32
 // bfloat16 decode_one for head_dim % 32 == 0: scores on the BF16 dot-product
 // instruction straight from the cache (no conversion), 16 tokens at a time with
 // one tree reduction; exact float32 softmax; values accumulated in float32.
-// `scores` holds G rows of `stride` (len rounded up to 16) floats.
+// `scores` holds G rows of `stride` (len rounded up to 16) floats. GT / CT as for
+// weighted_values.
+template <int GT = 0, int CT = 0>
 void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
                      const int32_t* table, int64_t off0, int64_t len, int64_t h,
-                     int64_t g_size, int64_t hkv, int64_t d, int64_t bs, float scale,
+                     int64_t g_rt, int64_t hkv, int64_t d, int64_t bs, float scale,
                      float softcap, float* scores, int64_t stride) {
-    const int64_t row = hkv * d, pairs = d / 32;
-    __m512bh qb[kMaxGroup][kMaxChunks / 2];
+    const int64_t g_size = GT ? GT : g_rt, pairs = CT ? CT / 2 : d / 32, row = hkv * d;
+    __m512bh qb[GT ? GT : kMaxGroup][CT ? CT / 2 : kMaxChunks / 2];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < pairs; ++c)
             qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * g_size + g) * d + 32 * c);
@@ -221,7 +228,7 @@ void decode_one_bf16(bf16* out, const bf16* q, const bf16* kc, const bf16* vc,
     }
     softcap_rows(scores, g_size, len, stride, softcap);
     softmax_rows512(scores, g_size, len, stride);
-    weighted_values<bf16>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
+    weighted_values<bf16, GT, CT>(out, vc, table, off0, len, h, g_size, hkv, d, bs, scores, stride);
 }
 #endif  // __AVX512BF16__
 
@@ -333,6 +340,27 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
 }
 #endif  // AVX2 without AVX-512
 
+#if defined(__AVX512F__)
+// CALL(GT, CT) with the group size G and head_dim / 16 = C as compile-time constants
+// for the shapes models have (G 1..8; C 4 or 8: head_dim 64 or 128), else
+// CALL(0, 0): the same kernel with runtime bounds.
+#define TANDEM_GROUP_CASES(C, CALL)                                                   \
+    case 16 * C + 1: CALL(1, C); break;                                               \
+    case 16 * C + 2: CALL(2, C); break;                                               \
+    case 16 * C + 3: CALL(3, C); break;                                               \
+    case 16 * C + 4: CALL(4, C); break;                                               \
+    case 16 * C + 5: CALL(5, C); break;                                               \
+    case 16 * C + 6: CALL(6, C); break;                                               \
+    case 16 * C + 7: CALL(7, C); break;                                               \
+    case 16 * C + 8: CALL(8, C); break;
+#define TANDEM_GROUP_SHAPES(G, C, CALL)                                               \
+    switch (16 * (C) + (G)) {                                                         \
+        TANDEM_GROUP_CASES(4, CALL)                                                   \
+        TANDEM_GROUP_CASES(8, CALL)                                                   \
+        default: CALL(0, 0);                                                          \
+    }
+#endif
+
 // One (sequence, KV head) pair: the sequence's `full_len` cached tokens, of which
 // only the last `window` are attended when `window` > 0.
 template <typename T>
@@ -348,16 +376,22 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* ful
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
         if (d % 32 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
-            decode_one_bf16(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
-                            softcap, scores, stride);
+#define TANDEM_CALL(GT, CT)                                                                  \
+    decode_one_bf16<GT, CT>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale, \
+                            softcap, scores, stride)
+            TANDEM_GROUP_SHAPES(g_size, d / 16, TANDEM_CALL);
+#undef TANDEM_CALL
             return;
         }
     }
 #endif
 #if defined(__AVX512F__)
     if (d % 16 == 0 && d / 16 <= kMaxChunks && g_size <= kMaxGroup) {
-        decode_one_avx512<T>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs, scale,
-                             softcap, scores, stride);
+#define TANDEM_CALL(GT, CT)                                                                   \
+    decode_one_avx512<T, GT, CT>(out, q, kc, vc, table, off0, len, h, g_size, hkv, d, bs,    \
+                                 scale, softcap, scores, stride)
+        TANDEM_GROUP_SHAPES(g_size, d / 16, TANDEM_CALL);
+#undef TANDEM_CALL
         return;
     }
 #endif
