@@ -27,6 +27,20 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Ask for the `rows` rows of d elements (stride `row`) of the next block early:
+// blocks lie anywhere in the cache, so the hardware prefetcher cannot guess them.
+// Into L2 (T1), not L1: a block's 16-64 lines at once filled L1's few miss buffers
+// and each prefetch then stalled the pass (decode attention over 64 x 256 float32
+// tokens: 1.35 instead of 1.68 ms per layer).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t rows, int64_t row, int64_t d) {
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p + j * row) + off, _MM_HINT_T1);
+}
+#endif
+
 namespace tandem_cpu {
 
 using bf16 = uint16_t;
@@ -160,18 +174,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Ask for the `rows` rows of d elements (stride `row`) of the next block early:
-// blocks lie anywhere in the cache, so the hardware prefetcher cannot guess them.
-// Into L2 (T1), not L1: a block's 16-64 lines at once filled L1's few miss buffers
-// and each prefetch then stalled the pass (decode attention over 64 x 256 float32
-// tokens: 1.35 instead of 1.68 ms per layer).
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t rows, int64_t row, int64_t d) {
-    for (int64_t j = 0; j < rows; ++j)
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p + j * row) + off, _MM_HINT_T1);
 }
 
 constexpr int kMaxGroup = 8;    // query heads per KV head handled in registers

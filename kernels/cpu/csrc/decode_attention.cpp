@@ -254,26 +254,50 @@ inline __m256 hsum8x8(const __m256* v) {
 }
 
 // The value pass for CW chunks (8 floats each) of the head dim starting at chunk
-// c0: G x CW float32 accumulators in registers, tokens summed in order.
-template <typename T, int CW>
+// c0: G x CW float32 accumulators in registers, tokens summed in order. GT: the
+// group size fixed at compile time (0: the runtime `g_rt`), which keeps the
+// accumulators in registers instead of on the stack; the same FMAs either way.
+// The first pass (c0 == 0) prefetches the blocks kAhead2 ahead.
+constexpr int64_t kAhead2 = 2;   // prefetch distance in blocks
+template <typename T, int CW, int GT = 0>
 void values_avx2(float* acc, const T* vc, const int32_t* table, int64_t off0, int64_t len,
-                 int64_t h, int64_t g_size, int64_t row, int64_t d, int64_t bs, const float* p,
+                 int64_t h, int64_t g_rt, int64_t row, int64_t d, int64_t bs, const float* p,
                  int64_t c0) {
-    __m256 a[kMaxGroup2][CW];
+    const int64_t g_size = GT ? GT : g_rt;
+    const int64_t nblk = (off0 + len + bs - 1) / bs;
+    __m256 a[GT ? GT : kMaxGroup2][CW];
     for (int64_t g = 0; g < g_size; ++g)
         for (int c = 0; c < CW; ++c) a[g][c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
         const int64_t pos = off0 + t;
+        if (c0 == 0 && pos % bs == 0 && pos / bs + kAhead2 < nblk)
+            prefetch_rows(vc + static_cast<int64_t>(table[pos / bs + kAhead2]) * bs * row + h * d,
+                          bs, row, d);
         const T* vp = vc + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row + h * d + 8 * c0;
-        __m256 v[CW];
-        for (int c = 0; c < CW; ++c) v[c] = load8(vp + 8 * c);
-        for (int64_t g = 0; g < g_size; ++g) {
-            const __m256 pg = _mm256_set1_ps(p[g * len + t]);
-            for (int c = 0; c < CW; ++c) a[g][c] = _mm256_fmadd_ps(pg, v[c], a[g][c]);
+        __m256 pg[GT ? GT : kMaxGroup2];
+        for (int64_t g = 0; g < g_size; ++g) pg[g] = _mm256_set1_ps(p[g * len + t]);
+        for (int c = 0; c < CW; ++c) {
+            const __m256 v = load8(vp + 8 * c);
+            for (int64_t g = 0; g < g_size; ++g) a[g][c] = _mm256_fmadd_ps(pg[g], v, a[g][c]);
         }
     }
     for (int64_t g = 0; g < g_size; ++g)
         for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + g * d + 8 * (c0 + c), a[g][c]);
+}
+
+// values_avx2 with the group size as a compile-time constant where it is 1..8.
+template <typename T, int CW>
+void values_avx2_g(float* acc, const T* vc, const int32_t* table, int64_t off0, int64_t len,
+                   int64_t h, int64_t g_size, int64_t row, int64_t d, int64_t bs, const float* p,
+                   int64_t c0) {
+    switch (g_size) {
+#define TANDEM_CASE(G) \
+    case G: values_avx2<T, CW, G>(acc, vc, table, off0, len, h, g_size, row, d, bs, p, c0); return;
+        TANDEM_CASE(1) TANDEM_CASE(2) TANDEM_CASE(3) TANDEM_CASE(4)
+        TANDEM_CASE(5) TANDEM_CASE(6) TANDEM_CASE(7) TANDEM_CASE(8)
+#undef TANDEM_CASE
+        default: values_avx2<T, CW>(acc, vc, table, off0, len, h, g_size, row, d, bs, p, c0);
+    }
 }
 
 // decode_one for AVX2 + FMA (head_dim % 8 == 0): the G scaled query rows as
@@ -289,7 +313,7 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
                      int64_t off0, int64_t len, int64_t h, int64_t g_size, int64_t hkv,
                      int64_t d, int64_t bs, float scale, float softcap, float* scores,
                      float* acc) {
-    const int64_t row = hkv * d, chunks = d / 8;
+    const int64_t row = hkv * d, chunks = d / 8, nblk = (off0 + len + bs - 1) / bs;
     alignas(32) float qf[kMaxGroup2 * kMaxChunks2 * 8];
     for (int64_t g = 0; g < g_size; ++g)
         for (int64_t c = 0; c < chunks; ++c)
@@ -301,6 +325,9 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
         for (int64_t i = 0; i < n; ++i) {
             const int64_t t = off0 + t0 + i;
             kp[i] = kc + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * d;
+            if (t % bs == 0 && t / bs + kAhead2 < nblk)
+                prefetch_rows(kc + static_cast<int64_t>(table[t / bs + kAhead2]) * bs * row + h * d,
+                              bs, row, d);
         }
         for (int64_t g = 0; g < g_size; ++g) {
             const float* qg = qf + g * chunks * 8;
@@ -323,13 +350,13 @@ void decode_one_avx2(T* out, const T* q, const T* kc, const T* vc, const int32_t
     for (int64_t c0 = 0; c0 < chunks;) {
         const int64_t left = chunks - c0;
         if (cw >= 4 && left >= 4) {
-            values_avx2<T, 4>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2_g<T, 4>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 4;
         } else if (cw >= 2 && left >= 2) {
-            values_avx2<T, 2>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2_g<T, 2>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 2;
         } else {
-            values_avx2<T, 1>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
+            values_avx2_g<T, 1>(acc, vc, table, off0, len, h, g_size, row, d, bs, scores, c0);
             c0 += 1;
         }
     }
