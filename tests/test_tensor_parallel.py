@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import random
 
 import pytest
@@ -314,6 +315,32 @@ def tp1(f32_weights):
 
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_rank_cpu_sets_cut_the_affinity_into_disjoint_parts():
+    from tandem.engine.parallel.group import rank_cpu_sets
+
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        os.sched_setaffinity(0, cores[:1])          # fewer cores than ranks: shared
+        assert rank_cpu_sets(2, "cpu") is None
+        assert rank_cpu_sets(1, "cpu") == [(cores[0],)]
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert rank_cpu_sets(2, "cuda") is None
+    if len(cores) >= 2:
+        per = len(cores) // 2
+        assert rank_cpu_sets(2, "cpu") == [tuple(cores[:per]), tuple(cores[per:2 * per])]
+
+
+def test_tp2_rank_1_runs_on_its_own_cores(tp2):
+    from tandem.engine.parallel.group import rank_cpu_sets
+
+    (proc,) = tp2.engine.parallel._procs
+    sets = rank_cpu_sets(2, "cpu")
+    if sets is None:
+        pytest.skip("fewer cores than ranks: the ranks share them")
+    assert os.sched_getaffinity(proc.pid) == set(sets[1])
 
 
 def test_tp2_greedy_tokens_equal_tp1_on_the_default_model(tp2, tp1):

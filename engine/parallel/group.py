@@ -70,6 +70,8 @@ class WorkerInit:
         rank, world_size: the worker's rank and the group's size.
         host, port: rank 0's rendezvous ``TCPStore``.
         timeout_s: how long startup and each collective may wait.
+        cpus: the cores the worker pins itself to (:func:`rank_cpu_sets`); None:
+            it keeps the affinity it inherited.
     """
 
     config: EngineConfig
@@ -78,6 +80,7 @@ class WorkerInit:
     host: str
     port: int
     timeout_s: float
+    cpus: tuple[int, ...] | None = None
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -98,6 +101,29 @@ def rank_model_config(cfg: ModelConfig, world_size: int, rank: int) -> ModelConf
     KV cache hold; :func:`~tandem.engine.parallel.partition.head_partition`)."""
     heads = head_partition(cfg.num_heads, cfg.num_kv_heads, world_size, rank)
     return dataclasses.replace(cfg, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+
+
+def rank_cpu_sets(world_size: int, device: str) -> list[tuple[int, ...]] | None:
+    """One core set per rank on a CPU device: this process's CPU affinity, sorted, cut
+    into ``world_size`` contiguous parts of :func:`threads_per_rank` cores each (what
+    cores are left over stay unused, as they are by the thread counts).
+
+    Ranks 1.. pin themselves to theirs, so a rank's OpenMP team never shares a core
+    with another rank's, whose spinning or preempted thread would hold up its
+    parallel regions and the shared-memory all-reduce that every rank waits in
+    (vLLM's CPU workers bind each rank's OpenMP threads to its own cores the same
+    way). Rank 0 runs in the caller's process, whose affinity is the caller's
+    choice (a serving worker's ``--cpu-affinity``), and keeps it.
+
+    Returns:
+        ``world_size`` tuples of core ids, or None on a GPU device or when the
+        process has fewer cores than ranks (they then share all of them).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if torch.device(device).type != "cpu" or len(cores) < world_size:
+        return None
+    per = threads_per_rank(world_size)
+    return [tuple(cores[r * per:(r + 1) * per]) for r in range(world_size)]
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -137,11 +163,13 @@ class TensorParallelGroup:
         Raises:
             RuntimeError: a worker exited, or did not join within ``timeout_s``.
 
-        The workers inherit this process's environment and CPU affinity; each runs
-        ``config.num_threads`` torch threads (default :func:`threads_per_rank`).
+        The workers inherit this process's environment; on the CPU each pins itself
+        to its own core set (:func:`rank_cpu_sets`). Each runs ``config.num_threads``
+        torch threads (default :func:`threads_per_rank`).
         """
         world = config.tensor_parallel_size
         device = rank_device(config.device, 0)
+        cpu_sets = rank_cpu_sets(world, config.device)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         procs = []
@@ -151,7 +179,8 @@ class TensorParallelGroup:
                                          "tandem.engine.parallel.worker"],
                                         stdin=subprocess.PIPE)
                 payload = pickle.dumps(WorkerInit(config, rank, world, "127.0.0.1", store.port,
-                                                  timeout_s))
+                                                  timeout_s,
+                                                  cpu_sets[rank] if cpu_sets else None))
                 proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
                 proc.stdin.flush()
                 procs.append(proc)

@@ -111,7 +111,8 @@ def run_worker(init: WorkerInit) -> None:
     from tandem.kernels.registry import get_attention_backend
 
     config, rank = init.config, init.rank
-    torch.set_num_threads(config.num_threads or threads_per_rank(init.world_size))
+    torch.set_num_threads(config.num_threads
+                          or (len(init.cpus) if init.cpus else threads_per_rank(init.world_size)))
     store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(
         init.host, init.port, is_master=False, timeout=datetime.timedelta(seconds=init.timeout_s)))
     device = rank_device(config.device, rank)
@@ -167,6 +168,8 @@ def main() -> None:
     stream = sys.stdin.buffer
     n = int.from_bytes(stream.read(8), "little")
     init: WorkerInit = pickle.loads(stream.read(n))
+    if init.cpus:     # before any thread starts: they inherit it
+        os.sched_setaffinity(0, init.cpus)
     threading.Thread(target=_exit_when_stdin_closes, args=(stream,), daemon=True,
                      name="tp-parent-watch").start()
     try:
