@@ -150,16 +150,17 @@ class ModelConfig:
                                         f"only, not {self.architecture}")
         self.check_plain_attention(who)
 
-    def check_plain_attention(self, who: str) -> None:
+    def check_plain_attention(self, who: str, allow_bias: bool = False) -> None:
         """Refuse a model whose attention is not Llama's (biases, RoPE scaling, a
         sliding window), for ``who``'s own Llama attention (an MoE model's check,
-        whose feed-forward ``who`` computes separately).
+        whose feed-forward ``who`` computes separately); ``allow_bias``: ``who``
+        adds q/k/v biases itself.
 
         Raises:
             UnsupportedModelError: naming ``attention_bias``, ``rope_scaling`` or
                 ``sliding_window``.
         """
-        if self.attention_bias:
+        if self.attention_bias and not allow_bias:
             raise UnsupportedModelError("attention_bias", f"{who} does not handle attention "
                                         "biases")
         if self.rope_scaling is not None:

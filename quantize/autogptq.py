@@ -32,14 +32,13 @@ and Qwen3-MoE checkpoints: every expert's gate/up/down projection
 / ``up_proj`` / ``down_proj``, and Qwen2-MoE's ``mlp.shared_expert.*_proj``) gets its
 own ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``, as the engine's GPTQ experts
 load them; the routers (and Qwen2-MoE's ``shared_expert_gate``) stay float16. GPTQ
-quantizes Mixtral's and Qwen3-MoE's experts the same way, each from the Hessian of the calibration
-tokens routed to it (the forward's MoE block routes as the engine does, the router
-dense; true sequential per expert: gate/up, then down on the quantized gate/up's
-output; every routed token counts once). An expert no calibration token reached
-has no Hessian: it is rounded to nearest, and
-:attr:`QuantizeResult.rtn_experts` lists it. Qwen2-MoE's attention biases and shared
-expert are not in the calibration forward: GPTQ refuses it
-(:func:`~tandem.quantize.dense.load_dense`).
+quantizes the experts of all three the same way, each from the Hessian of the
+calibration tokens routed to it (the forward's MoE block routes as the engine does,
+the router dense; true sequential per expert: gate/up, then down on the quantized
+gate/up's output; every routed token counts once), and Qwen2-MoE's shared expert
+from every token's (its attention biases are in the forward, and stay float). An
+expert no calibration token reached has no Hessian: it is rounded to nearest, and
+:attr:`QuantizeResult.rtn_experts` lists it.
 """
 
 from __future__ import annotations
@@ -247,8 +246,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
             ``rtn``; bad ``bits``, ``group_size``, ``damp``, token counts;
             a non-empty ``output``; an already quantized ``model``.
         UnsupportedModelError: an architecture the method does not quantize (GPTQ: a
-            mixture-of-experts model other than Mixtral and Qwen3-MoE, naming the
-            method and the architecture).
+            mixture-of-experts model other than Mixtral, Qwen2-MoE and Qwen3-MoE,
+            naming the method and the architecture).
         FileNotFoundError: ``model`` or ``calibration_file`` does not exist.
     """
     if method not in METHODS:
@@ -287,7 +286,8 @@ def quantize_model(model: str | None, output: str, method: str = "gptq", *, bits
         segments = calibration_segments(tokenizer, text, segment_len, num_calibration_tokens)
         n_tokens = sum(len(s) for s in segments)
 
-        experts = expert_groups(cfg.moe.num_experts) if cfg.moe is not None else {}
+        experts = (expert_groups(cfg.moe.num_experts, bool(cfg.moe.shared_expert_intermediate_size))
+                   if cfg.moe is not None else {})
 
         def quantize_group(i, group, inputs, weights, residual):
             shorts = GROUPS.get(group) or experts[group]

@@ -26,12 +26,13 @@ transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are sp
 into those per-expert names at load, as the engine's loader reads them; Qwen2-MoE's
 shared expert is quantized like a dense MLP). The routers (``gate``,
 ``shared_expert_gate``) stay dense. A calibrated method that runs the forward through MoE
-layers (GPTQ, ``moe=True``) accepts Mixtral and Qwen3-MoE (:data:`FORWARD_MOE`:
-Llama attention, with Qwen3's per-head Q/K RMSNorm before RoPE): :func:`run_layer`
-then routes each token as the engine does (float32 softmax over the router logits,
-top-k, renormalised where the model does) and calls the hook once per expert, with
-the tokens routed to it (:func:`expert_groups`). AWQ refuses a mixture-of-experts
-model by name.
+layers (GPTQ, ``moe=True``) accepts Mixtral, Qwen2-MoE and Qwen3-MoE
+(:data:`FORWARD_MOE`: Llama attention, with Qwen2-MoE's q/k/v biases and Qwen3's
+per-head Q/K RMSNorm before RoPE): :func:`run_layer` then routes each token as the
+engine does (float32 softmax over the router logits, top-k, renormalised where the
+model does) and calls the hook once per expert, with the tokens routed to it, then
+for Qwen2-MoE's shared expert with every token (:func:`expert_groups`). AWQ refuses a
+mixture-of-experts model by name.
 
 A decoder layer's tensors go by short names (:data:`LINEAR_NAMES`,
 :data:`NORM_NAMES`: ``q`` .. ``down``, ``ln1``, ``ln2``) in every quantizer.
@@ -71,7 +72,7 @@ GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
 WEIGHTS_ONLY_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures :func:`run_layer` computes (Llama attention and a
 # top-k SwiGLU MoE block): what a calibrated quantizer with ``moe=True`` accepts.
-FORWARD_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+FORWARD_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Tokenizer and generation files copied from a Hugging Face source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -150,8 +151,8 @@ def load_dense(model: str | None, forward: bool = True,
                                           f"{', '.join(FORWARD_MOE)} only" if moe else
                                           "no mixture-of-experts block")
                 + " (use --method rtn, or a GGUF type on a .gguf file)")
-        if forward:
-            cfg.check_plain_attention(who)
+        if forward:      # run_layer adds q/k/v biases (Qwen2-MoE); nothing else
+            cfg.check_plain_attention(who, allow_bias=True)
         elif cfg.architecture not in WEIGHTS_ONLY_MOE:
             raise UnsupportedModelError(
                 "architectures", f"{who} quantizes the experts of "
@@ -270,7 +271,9 @@ def layer_weights(weights: dict[str, torch.Tensor], layer: int,
     ``[out, in]``; ``ln1``, ``ln2``: ``[H]``): a new dict holding the same tensor
     objects as ``weights`` (Hugging Face names). A mixture-of-experts layer of
     ``cfg`` has ``router`` ``[E, H]`` and ``experts.{e}.gate`` / ``.up`` / ``.down``
-    in place of ``gate``, ``up``, ``down``."""
+    in place of ``gate``, ``up``, ``down``, and with a shared expert (Qwen2-MoE)
+    ``shared_expert.gate`` / ``.up`` / ``.down`` and ``shared_expert_gate`` ``[1, H]``.
+    Attention biases (Qwen2-MoE) come as ``q_bias``, ``k_bias``, ``v_bias``."""
     p = f"model.layers.{layer}"
     names = {k: v for k, v in LINEAR_NAMES.items()} | NORM_NAMES
     if f"{p}.self_attn.q_norm.weight" in weights:              # Qwen3: per-head Q/K norms
@@ -282,25 +285,41 @@ def layer_weights(weights: dict[str, torch.Tensor], layer: int,
         for e in range(cfg.moe.num_experts):
             for short, proj in zip(("gate", "up", "down"), projs):
                 names[f"experts.{e}.{short}"] = f"{block}.experts.{e}.{proj}"
-    return {k: weights[f"{p}.{v}.weight"] for k, v in names.items()}
+        if cfg.moe.shared_expert_intermediate_size:
+            names |= {f"shared_expert.{short}": f"{block}.shared_expert.{short}_proj"
+                      for short in ("gate", "up", "down")}
+            names["shared_expert_gate"] = f"{block}.shared_expert_gate"
+    out = {k: weights[f"{p}.{v}.weight"] for k, v in names.items()}
+    for short in ("q", "k", "v"):
+        bias = weights.get(f"{p}.{LINEAR_NAMES[short]}.bias")
+        if bias is not None:
+            out[f"{short}_bias"] = bias
+    return out
 
 
-def expert_groups(num_experts: int) -> dict[str, tuple[str, ...]]:
+def expert_groups(num_experts: int, shared_expert: bool = False) -> dict[str, tuple[str, ...]]:
     """The linear groups of an MoE layer's experts, in the order :func:`run_layer`
-    calls them (each expert's gate/up, then its down): ``experts.{e}.gate_up`` ->
-    ``(experts.{e}.gate, experts.{e}.up)``, ``experts.{e}.down`` -> ``(experts.{e}.down,)``."""
+    calls them (each expert's gate/up, then its down; then the shared expert's):
+    ``experts.{e}.gate_up`` -> ``(experts.{e}.gate, experts.{e}.up)``,
+    ``experts.{e}.down`` -> ``(experts.{e}.down,)``, ``shared_expert.gate_up`` ->
+    ``(shared_expert.gate, shared_expert.up)``, ``shared_expert.down``."""
     out: dict[str, tuple[str, ...]] = {}
-    for e in range(num_experts):
-        out[f"experts.{e}.gate_up"] = (f"experts.{e}.gate", f"experts.{e}.up")
-        out[f"experts.{e}.down"] = (f"experts.{e}.down",)
+    for e in [*(f"experts.{e}" for e in range(num_experts)),
+              *(["shared_expert"] if shared_expert else [])]:
+        out[f"{e}.gate_up"] = (f"{e}.gate", f"{e}.up")
+        out[f"{e}.down"] = (f"{e}.down",)
     return out
 
 
 def layer_linear_module(cfg: ModelConfig, layer: int, short: str) -> str:
     """The module name of a layer's linear given by short name (``q``, ...,
     ``experts.3.down``): ``model.layers.{layer}.self_attn.q_proj``,
-    ``model.layers.{layer}.block_sparse_moe.experts.3.w2``, ..."""
+    ``model.layers.{layer}.block_sparse_moe.experts.3.w2``,
+    ``model.layers.{layer}.mlp.shared_expert.down_proj``, ..."""
     p = f"model.layers.{layer}"
+    if short.startswith("shared_expert."):
+        block, _ = _moe_names(cfg)
+        return f"{p}.{block}.shared_expert.{short.split('.')[1]}_proj"
     if short.startswith("experts."):
         _, e, role = short.split(".")
         block, projs = _moe_names(cfg)
@@ -350,18 +369,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attend(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
             wv: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None = None,
-            k_norm: torch.Tensor | None = None) -> torch.Tensor:
+            k_norm: torch.Tensor | None = None,
+            biases: tuple[torch.Tensor | None, ...] = (None, None, None)) -> torch.Tensor:
     """Causal attention of ``x`` ``[B, S, H]`` (or ``[S, H]``, one sequence) before
     ``o_proj``: ``[B, S, Hq D]`` (or ``[S, Hq D]``). ``q_norm`` / ``k_norm`` ``[D]``:
-    Qwen3's RMSNorm of each head's query and key before RoPE."""
+    Qwen3's RMSNorm of each head's query and key before RoPE; ``biases``: the q, k
+    and v projections' (Qwen2-MoE), None where absent."""
     one = x.dim() == 2
     if one:
         x = x[None]
     b, s, _ = x.shape
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q = (x @ wq.t()).view(b, s, hq, d).transpose(1, 2)          # [B, Hq, S, D]
-    k = (x @ wk.t()).view(b, s, hkv, d).transpose(1, 2)         # [B, Hkv, S, D]
-    v = (x @ wv.t()).view(b, s, hkv, d).transpose(1, 2)
+    q, k, v = (x @ w.t() if bias is None else x @ w.t() + bias
+               for w, bias in zip((wq, wk, wv), biases))
+    q = q.view(b, s, hq, d).transpose(1, 2)                     # [B, Hq, S, D]
+    k = k.view(b, s, hkv, d).transpose(1, 2)                    # [B, Hkv, S, D]
+    v = v.view(b, s, hkv, d).transpose(1, 2)
     if q_norm is not None:
         q, k = rms_norm_ref(q, q_norm, cfg.rms_norm_eps), rms_norm_ref(k, k_norm, cfg.rms_norm_eps)
     cos, sin = cos_sin[:s, : d // 2], cos_sin[:s, d // 2:]
@@ -448,8 +471,9 @@ def run_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], hs: list[torch.Tens
     eps = cfg.rms_norm_eps
     attn_in = [rms_norm_ref(h, lw["ln1"], eps) for h in hs]
     group("qkv", attn_in)
+    biases = (lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias"))
     o_in = [_attend(cfg, x, lw["q"], lw["k"], lw["v"], cos_sin, lw.get("q_norm"),
-                    lw.get("k_norm")) for x in attn_in]
+                    lw.get("k_norm"), biases) for x in attn_in]
     group("o", o_in, hs)
     attn_out = [o @ lw["o"].t() for o in o_in]
     mid = [h + a for h, a in zip(hs, attn_out)]
@@ -472,7 +496,10 @@ def _moe_block(cfg: ModelConfig, lw: dict[str, torch.Tensor], xs: list[torch.Ten
     routed as the engine routes them (:func:`~tandem.engine.model.moe.route`, the
     router dense), then expert by expert ``group("experts.{e}.gate_up", its tokens'
     inputs)``, its SwiGLU, ``group("experts.{e}.down", ...)``, and the outputs summed
-    with the routing weights. An expert no token reached gets empty ``[0, K]`` inputs."""
+    with the routing weights; then a shared expert (Qwen2-MoE) on every token,
+    ``group("shared_expert.gate_up" / ".down", ...)``, its output scaled by
+    ``sigmoid(x shared_expert_gate^T)`` and added. An expert no token reached gets
+    empty ``[0, K]`` inputs."""
     from tandem.engine.model.moe import route
 
     moe = cfg.moe
@@ -489,6 +516,13 @@ def _moe_block(cfg: ModelConfig, lw: dict[str, torch.Tensor], xs: list[torch.Ten
         group(f"experts.{e}.down", acts)
         for out, a, (rows, w) in zip(outs, acts, picks):
             out.index_add_(0, rows, (a @ lw[f"experts.{e}.down"].t()) * w[:, None])
+    if "shared_expert.gate" in lw:
+        group("shared_expert.gate_up", flat)
+        acts = [F.silu(x @ lw["shared_expert.gate"].t()) * (x @ lw["shared_expert.up"].t())
+                for x in flat]
+        group("shared_expert.down", acts)
+        for out, x, a in zip(outs, flat, acts):
+            out += torch.sigmoid(x @ lw["shared_expert_gate"].t()) * (a @ lw["shared_expert.down"].t())
     return [o.view(x.shape) for o, x in zip(outs, xs)]
 
 

@@ -677,8 +677,8 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                                                        *GGUF_REQUANTIZE_METHODS],
                    help="gptq (Frantar et al. 2022: error feedback from calibration "
                         "activations) or rtn (round-to-nearest, no calibration; also the "
-                        "experts of a Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint; gptq also "
-                        "Mixtral's and Qwen3-MoE's): an AutoGPTQ "
+                        "experts of a Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint, as gptq "
+                        "quantizes them too): an AutoGPTQ "
                         "checkpoint dir; awq (Lin et al. 2023: activation-aware scales and "
                         "clipping): an AutoAWQ checkpoint dir; q8_0, q6_k, q5_0, q4_k, q4_0, "
                         "q4_1: the GGUF file rewritten in that block type, q4_k_m: in "

@@ -121,12 +121,10 @@ def test_gguf_requantization_quantizes_the_experts(method, qtype, case, tmp_path
     assert_same_greedy(packed, LLM(str(dst), dtype="float32", num_blocks=64))
 
 
-@pytest.mark.parametrize("method, case, arch", [("gptq", "qwen2-moe", "Qwen2MoeForCausalLM"),
-                                                ("awq", "mixtral", "MixtralForCausalLM")])
+@pytest.mark.parametrize("method, case, arch", [("awq", "mixtral", "MixtralForCausalLM")])
 def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_path, capsys):
-    """GPTQ's calibration forward has Mixtral's and Qwen3-MoE's blocks but not
-    Qwen2-MoE's (attention biases, shared expert); AWQ has no MoE block: each refuses
-    by method and architecture, writing nothing."""
+    """AWQ's calibration has no MoE block: it refuses by method and architecture,
+    writing nothing."""
     from tandem.quantize.autogptq import quantize_model
     from tandem.quantize.awq import awq_quantize
 
@@ -146,20 +144,23 @@ def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_p
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe"])
 def test_gptq_quantizes_experts_from_their_routed_tokens(case, tmp_path):
-    """GPTQ on a tiny Mixtral and Qwen3-MoE (Q/K norms, a dense layer 0; groups of
+    """GPTQ on a tiny Mixtral, Qwen2-MoE (q/k/v biases, a shared expert behind its
+    sigmoid gate) and Qwen3-MoE (Q/K norms, a dense layer 0; groups of
     32): every expert projection packed, each
     from the Hessian of the calibration tokens routed to it (an expert none reached
-    rounded to nearest); the checkpoint serves its experts as INT4 blocks with the
+    rounded to nearest; the shared expert from every token); the checkpoint serves its experts as INT4 blocks with the
     greedy ids of the same checkpoint dequantized; and on the
     calibration tokens its logits are closer to the float model's than those of
     round-to-nearest, which GPTQ's error feedback is for. The calibration forward's
-    logits are transformers' (routing, Q/K norms)."""
+    logits are transformers' (routing, biases, shared expert, Q/K norms)."""
     from tandem.quantize.autogptq import quantize_model
     from tandem.quantize.dense import calibration_segments, load_dense, model_logits
 
     config_class, overrides, _ = CASES[case]
+    if case == "qwen2-moe":          # a shared expert of whole groups of 32 (not 48 wide)
+        overrides = overrides | {"shared_expert_intermediate_size": 64}
     hf_model = save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
     # Text in the tiny tokenizer's words (w3 .. w511): any other text is all <unk>.
     rng = random.Random(0)
@@ -170,8 +171,10 @@ def test_gptq_quantizes_experts_from_their_routed_tokens(case, tmp_path):
                for m in ("gptq", "rtn")}
     gptq = results["gptq"]
     dense = load_dense(str(tmp_path / "hf"), moe=True)
-    experts = [n.removesuffix(".weight") for n in dense.weights if ".experts." in n]
+    experts = [n.removesuffix(".weight") for n in dense.weights
+               if ".experts." in n or ".shared_expert." in n]
     assert experts and set(experts) <= set(gptq.quantized)
+    assert any(".shared_expert." in n for n in experts) == (case == "qwen2-moe")
     assert set(gptq.losses) | set(gptq.rtn_experts) >= set(experts)
     assert not gptq.rtn_experts                 # 1,024 varied tokens reach every expert
     assert gptq.quantization_config["meta"]["method"] == "gptq"
