@@ -40,14 +40,17 @@ void repack_kv(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len
 // Alg. 1): per 16-token tile the scores come from vdpbf16ps on the pair layout, an
 // online softmax rescales the float32 accumulators, and P (rounded to bf16) times V
 // is again vdpbf16ps. `q[r]` points at the D elements of row r; rows whose pos is
-// negative are padding and are not stored.
+// negative are padding and are not stored. CT: head_dim / 16 fixed at compile time
+// (0: the runtime d / 16); fixed, the loops unroll and the accumulators are
+// registers and not a stack array (the same operations in the same order).
+template <int CT = 0>
 void prefill_rows(const bf16* const* q, const int64_t* pos, bf16* const* out, const uint32_t* kt,
-                  const uint32_t* vt, int64_t d, float scale) {
-    const int64_t half = d / 2, chunks = d / 16;
+                  const uint32_t* vt, int64_t d_rt, float scale) {
+    const int64_t d = CT ? 16 * CT : d_rt, half = d / 2, chunks = d / 16;
     int64_t last = 0;
     for (int r = 0; r < kRows; ++r) last = pos[r] > last ? pos[r] : last;
     float m[kRows], l[kRows];
-    __m512 acc[kRows][kMaxChunks];
+    __m512 acc[kRows][CT ? CT : kMaxChunks];
     for (int r = 0; r < kRows; ++r) {
         m[r] = -1e30f;
         l[r] = 0.0f;
@@ -163,7 +166,12 @@ void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_s
                     orow[r] = i0 + r < end ? out + (q0 + i) * out_stride + h * d : nullptr;
                     pos[r] = ctx + i;
                 }
-                prefill_rows(qr, pos, orow, kt, vt, d, scale);
+                if (d == 64)
+                    prefill_rows<4>(qr, pos, orow, kt, vt, d, scale);
+                else if (d == 128)
+                    prefill_rows<8>(qr, pos, orow, kt, vt, d, scale);
+                else
+                    prefill_rows(qr, pos, orow, kt, vt, d, scale);
             }
         }
     }
