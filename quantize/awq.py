@@ -49,6 +49,16 @@ rounded to float16 (the checkpoint's dtype, so the search sees exactly what is
 served), ``zero = round(-min / step)``, ``q = clamp(round(w / step) + zero, 0,
 2^bits - 1)``, ``w' = (q - zero) * step``.
 
+**Mixture of experts** (Mixtral, Qwen2-MoE, Qwen3-MoE; AutoAWQ's Mixtral recipe): the
+MoE block's input gets one scale, searched over every expert's gate and up (and a
+shared expert's) against the block's output with the tokens routed as the float
+router routes them, its ``1 / s`` folded into ``post_attention_layernorm`` and its
+``s`` into the router's and ``shared_expert_gate``'s columns too, which stay float:
+the routing is exactly unchanged. Each expert reached by a calibration token gets
+its own ``down`` scale from its tokens' ``silu(gate) * up``, folded into its ``up``
+rows; clipping runs per expert on its own inputs. Attention is searched as above,
+with Qwen2-MoE's q/k/v biases and Qwen3's Q/K norms in the block.
+
 The result is written in AutoAWQ's "gemm" checkpoint layout
 (:mod:`tandem.engine.quantization.awq_linear`), which ``LLM(model=dir,
 quantization="awq")`` serves.
@@ -69,7 +79,7 @@ from tandem.engine.quantization.awq_linear import PACK_FACTOR, pack_int4
 from tandem.kernels.reference import rope_cos_sin_cache
 from tandem.quantize.dense import (LayerActivations, attention_block, check_output,
                                    decoder_layer, layer_weights, load_dense, mlp_block,
-                                   quantized_state, write_checkpoint)
+                                   moe_block, quantized_state, write_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +282,11 @@ def fold_layer_scales(lw: dict[str, torch.Tensor], scales: dict[str, torch.Tenso
             input channels, or None (not scaled). The scaled linears' columns are
             multiplied by ``s``; ``1 / s`` goes into ``input_layernorm.weight``
             (qkv), the rows of ``v_proj`` (o), ``post_attention_layernorm.weight``
-            (gate_up) or the rows of ``up_proj`` (down).
+            (gate_up) or the rows of ``up_proj`` (down). In a mixture-of-experts
+            layer (``router`` in ``lw``) ``gate_up`` scales every expert's gate and
+            up, and the router's and ``shared_expert_gate``'s columns (float, so
+            the routing is unchanged), and ``experts_down`` maps each expert
+            (``experts.{e}``, ``shared_expert``) to its ``down`` scales or None.
 
     Raises:
         ValueError: an ``o`` scale whose size is not ``v_proj``'s output width
@@ -293,19 +307,39 @@ def fold_layer_scales(lw: dict[str, torch.Tensor], scales: dict[str, torch.Tenso
     s = scales.get("gate_up")
     if s is not None:
         lw["ln2"].div_(s)
-        lw["gate"].mul_(s)
-        lw["up"].mul_(s)
+        if "router" in lw:
+            for k, w in lw.items():
+                if k in ("router", "shared_expert_gate") or (
+                        k.startswith(("experts.", "shared_expert.")) and k.endswith((".gate", ".up"))):
+                    w.mul_(s)
+        else:
+            lw["gate"].mul_(s)
+            lw["up"].mul_(s)
+    for e, s_e in (scales.get("experts_down") or {}).items():
+        if s_e is not None:
+            lw[f"{e}.up"].div_(s_e[:, None])
+            lw[f"{e}.down"].mul_(s_e)
     s = scales.get("down")
     if s is not None:
         lw["up"].div_(s[:, None])
         lw["down"].mul_(s)
 
 
+def layer_scales(found: dict) -> dict:
+    """The scales of one :func:`awq_layer` result, as :func:`fold_layer_scales` takes them."""
+    out = {g: (None if found.get(g) is None else found[g].scales)
+           for g in ("qkv", "o", "gate_up", "down")}
+    if "experts_down" in found:
+        out["experts_down"] = {e: None if r is None else r.scales
+                               for e, r in found["experts_down"].items()}
+    return out
+
+
 def fold_scales(weights: dict[str, torch.Tensor], cfg: ModelConfig,
                 scales: list[dict[str, torch.Tensor | None]]) -> None:
     """:func:`fold_layer_scales` for every layer (``scales[i]`` of layer ``i``), in place."""
     for i in range(cfg.num_layers):
-        fold_layer_scales(layer_weights(weights, i), scales[i])
+        fold_layer_scales(layer_weights(weights, i, cfg), scales[i])
 
 
 def awq_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivations,
@@ -323,16 +357,18 @@ def awq_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivati
         "clip": {linear: mean shrink ratio}}``.
     """
     fq, fk, fv, fo = lw["q"].clone(), lw["k"].clone(), lw["v"].clone(), lw["o"].clone()
-    fg, fu, fd = lw["gate"].clone(), lw["up"].clone(), lw["down"].clone()
     found: dict = {}
     found["qkv"] = search_scales(
         acts.attn_in, [fq, fk, fv],
-        lambda w: attention_block(cfg, acts.attn_in, w[0], w[1], w[2], fo, cos_sin)[1],
+        lambda w: attention_block(cfg, acts.attn_in, w[0], w[1], w[2], fo, cos_sin, lw)[1],
         acts.attn_out, bits, group_size, grid)
     found["o"] = None
     if fv.shape[0] == fo.shape[1]:          # num_heads == num_kv_heads
         found["o"] = search_scales(acts.o_in, [fo], lambda w: acts.o_in @ w[0].t(),
                                    acts.attn_out, bits, group_size, grid)
+    if "router" in lw:
+        return _awq_moe(cfg, lw, acts, found, bits, group_size, grid, clip, clip_grid)
+    fg, fu, fd = lw["gate"].clone(), lw["up"].clone(), lw["down"].clone()
     found["gate_up"] = search_scales(
         acts.mlp_in, [fg, fu], lambda w: mlp_block(acts.mlp_in, w[0], w[1], fd)[1],
         acts.mlp_out, bits, group_size, grid)
@@ -348,6 +384,72 @@ def awq_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivati
                   "down": scaled(acts.down_in, "down")}
         for name in CLIPPED:
             bound = search_clip(lw[name], inputs[name], bits, group_size, clip_grid)
+            m = _groups(lw[name], group_size).abs().amax(dim=-1)
+            ratios[name] = float((bound / m.clamp(min=1e-12)).mean())
+            apply_clip(lw[name], bound, group_size)
+    found["clip"] = ratios
+    return found
+
+
+def _awq_moe(cfg: ModelConfig, lw: dict[str, torch.Tensor], acts: LayerActivations,
+             found: dict, bits: int, group_size: int, grid: int, clip: bool,
+             clip_grid: int) -> dict:
+    """:func:`awq_layer` for a mixture-of-experts layer, after its attention searches
+    (``found``: ``qkv``, ``o``), following AutoAWQ's Mixtral recipe:
+
+    - ``gate_up``: one scale for the MoE block's input, searched over every expert's
+      gate and up (and a shared expert's) together against the block's output (the
+      tokens routed as the float router routes them); ``1 / s`` folds into
+      ``post_attention_layernorm``, and ``s`` into the router's and the shared
+      expert gate's columns too (they read the same input and stay float), so the
+      routing is unchanged.
+    - ``experts_down``: per expert (and shared expert), a scale for ``down`` from the
+      ``silu(gate) * up`` of the tokens routed to it, folded into the rows of its
+      ``up``; None for an expert no calibration token reached.
+    - clipping of ``v``, ``o`` and each reached expert's gate, up and down on its own
+      (scaled) inputs.
+
+    Returns:
+        ``{"qkv", "o", "gate_up": ScaleSearch, "down": None, "experts_down": {expert:
+        ScaleSearch or None}, "clip": {linear: mean shrink ratio}}``.
+    """
+    experts = [f"experts.{e}" for e in range(cfg.moe.num_experts)]
+    if "shared_expert.gate" in lw:
+        experts.append("shared_expert")
+    inputs: dict[str, torch.Tensor] = {}
+    moe_block(cfg, lw, acts.mlp_in, lambda name, x: inputs.__setitem__(name, x))
+    gate_up = [f"{e}.{p}" for e in experts for p in ("gate", "up")]
+    floats = [lw[k].clone() for k in gate_up]
+
+    def block(ws: list[torch.Tensor]) -> torch.Tensor:
+        return moe_block(cfg, {**lw, **dict(zip(gate_up, ws))}, acts.mlp_in)
+
+    found["gate_up"] = search_scales(acts.mlp_in, floats, block, acts.mlp_out, bits,
+                                     group_size, grid)
+    found["down"] = None
+    found["experts_down"] = {}
+    for e in experts:
+        x = inputs[f"{e}.down"]
+        if x.shape[0] == 0:
+            found["experts_down"][e] = None
+            continue
+        fd = lw[f"{e}.down"].clone()
+        found["experts_down"][e] = search_scales(x, [fd], lambda w, x=x: x @ w[0].t(),
+                                                 x @ fd.t(), bits, group_size, grid)
+    fold_layer_scales(lw, layer_scales(found))
+    ratios = {}
+    if clip:
+        def scaled(x: torch.Tensor, r: ScaleSearch | None) -> torch.Tensor:
+            return x if r is None else x / r.scales
+        todo = {"v": scaled(acts.attn_in, found["qkv"]), "o": scaled(acts.o_in, found["o"])}
+        for e in experts:
+            if inputs[f"{e}.gate_up"].shape[0] == 0:
+                continue
+            x = scaled(inputs[f"{e}.gate_up"], found["gate_up"])
+            todo |= {f"{e}.gate": x, f"{e}.up": x,
+                     f"{e}.down": scaled(inputs[f"{e}.down"], found["experts_down"][e])}
+        for name, x in todo.items():
+            bound = search_clip(lw[name], x, bits, group_size, clip_grid)
             m = _groups(lw[name], group_size).abs().amax(dim=-1)
             ratios[name] = float((bound / m.clamp(min=1e-12)).mean())
             apply_clip(lw[name], bound, group_size)
@@ -383,7 +485,7 @@ def awq_transform(cfg: ModelConfig, weights: dict[str, torch.Tensor], input_ids:
         h = weights["model.embed_tokens.weight"][input_ids].float()
         results = []
         for i in range(cfg.num_layers):
-            lw = layer_weights(weights, i)
+            lw = layer_weights(weights, i, cfg)
             acts = decoder_layer(cfg, lw, h, cos_sin)
             h = acts.out
             results.append(awq_layer(cfg, lw, acts, cos_sin, bits, group_size, grid, clip,
@@ -394,6 +496,10 @@ def awq_transform(cfg: ModelConfig, weights: dict[str, torch.Tensor], input_ids:
 
 
 # -- the whole model -------------------------------------------------------------------------
+def _search_stats(r: ScaleSearch | None) -> dict | None:
+    return None if r is None else {"alpha": r.alpha, "mse_rtn": r.mse_rtn, "mse_awq": r.mse_awq}
+
+
 def calibration_ids(tokenizer, text: str, num_tokens: int, seq_len: int = 512) -> torch.Tensor:
     """The calibration batch: ``text``'s tokens cut into sequences.
 
@@ -426,7 +532,8 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
                  bits: int = 4, group_size: int = 128, num_calibration_tokens: int = 4096,
                  calibration_seq_len: int = 512, grid: int = 20, clip: bool = True,
                  clip_grid: int = 20, tokenizer=None) -> dict:
-    """Quantize a dense Llama model with AWQ and write an AutoAWQ "gemm" checkpoint.
+    """Quantize a Llama-layout model (dense, or Mixtral / Qwen2-MoE / Qwen3-MoE with
+    every expert) with AWQ and write an AutoAWQ "gemm" checkpoint.
 
     Args:
         model_path: None (the default model's GGUF file), a .gguf file, or a dense
@@ -469,15 +576,18 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
     if bits != 4:
         raise ValueError(f"bits: the AWQ gemm layout packs 4-bit codes, got {bits}")
     check_output(output_dir, "output_dir")
-    dense = load_dense(model_path, who="tandem quantize --method awq")
+    dense = load_dense(model_path, who="tandem quantize --method awq", moe=True)
     cfg, weights = dense.cfg, dense.weights
-    widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size}
+    ffn = {cfg.intermediate_size} if cfg.moe is None else {
+        w for w in (cfg.intermediate_size, cfg.moe.moe_intermediate_size,
+                    cfg.moe.shared_expert_intermediate_size) if w}
+    widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, *ffn}
     bad = sorted(k for k in widths if k % group_size)
     if group_size < 1 or bad:
         raise ValueError(f"group_size: {group_size} does not divide the input width(s) "
                          f"{bad} of this model's linears")
     outs = {cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size,
-            cfg.intermediate_size}
+            *ffn}
     if any(n % PACK_FACTOR for n in outs):
         raise ValueError(f"model: output widths {sorted(outs)} must be multiples of 8")
     tokenizer = tokenizer or Tokenizer(dense.files)
@@ -503,9 +613,9 @@ def awq_quantize(model_path: str | None, output_dir: str, calibration_text: str,
         "clip_grid": clip_grid,
         "calibration_tokens": ids.numel(), "calibration_sequences": ids.shape[0],
         "skipped": skipped, "output_dir": output_dir,
-        "layers": [{**{g: (None if r[g] is None else {"alpha": r[g].alpha, "mse_rtn": r[g].mse_rtn,
-                                                      "mse_awq": r[g].mse_awq}) for g in groups},
-                    "clip": r["clip"]} for r in results],
-        "scales": [{g: (None if r[g] is None else r[g].scales) for g in groups} for r in results],
+        "layers": [{**{g: _search_stats(r[g]) for g in groups}, "clip": r["clip"],
+                    **({"experts_down": {e: _search_stats(x) for e, x in r["experts_down"].items()}}
+                       if "experts_down" in r else {})} for r in results],
+        "scales": [layer_scales(r) for r in results],
         "seconds": time.perf_counter() - start,
     }

@@ -26,13 +26,13 @@ transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` are sp
 into those per-expert names at load, as the engine's loader reads them; Qwen2-MoE's
 shared expert is quantized like a dense MLP). The routers (``gate``,
 ``shared_expert_gate``) stay dense. A calibrated method that runs the forward through MoE
-layers (GPTQ, ``moe=True``) accepts Mixtral, Qwen2-MoE and Qwen3-MoE
+layers (GPTQ and AWQ, ``moe=True``) accepts Mixtral, Qwen2-MoE and Qwen3-MoE
 (:data:`FORWARD_MOE`: Llama attention, with Qwen2-MoE's q/k/v biases and Qwen3's
 per-head Q/K RMSNorm before RoPE): :func:`run_layer` then routes each token as the
 engine does (float32 softmax over the router logits, top-k, renormalised where the
 model does) and calls the hook once per expert, with the tokens routed to it, then
-for Qwen2-MoE's shared expert with every token (:func:`expert_groups`). AWQ refuses a
-mixture-of-experts model by name.
+for Qwen2-MoE's shared expert with every token (:func:`expert_groups`); AWQ runs the
+block itself with trial weights (:func:`moe_block`).
 
 A decoder layer's tensors go by short names (:data:`LINEAR_NAMES`,
 :data:`NORM_NAMES`: ``q`` .. ``down``, ``ln1``, ``ln2``) in every quantizer.
@@ -396,7 +396,8 @@ def _attend(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tenso
 
 
 def attention_block(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                    wv: torch.Tensor, wo: torch.Tensor, cos_sin: torch.Tensor
+                    wv: torch.Tensor, wo: torch.Tensor, cos_sin: torch.Tensor,
+                    lw: dict[str, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal self-attention of ``B`` sequences, as the served model computes it.
 
@@ -404,12 +405,16 @@ def attention_block(cfg: ModelConfig, x: torch.Tensor, wq: torch.Tensor, wk: tor
         x: normalised hidden states ``[B, S, H]`` float32.
         wq, wk, wv, wo: ``[Hq D, H]``, ``[Hkv D, H]``, ``[Hkv D, H]``, ``[H, Hq D]``.
         cos_sin: ``[>= S, D]`` from :func:`~tandem.kernels.reference.rope_cos_sin_cache`.
+        lw: the layer's :func:`layer_weights`, for what else its attention has
+            (Qwen3's ``q_norm`` / ``k_norm``, Qwen2-MoE's ``q_bias`` ...); None: none.
 
     Returns:
         ``(o_in, out)``: the attention output before ``o_proj`` ``[B, S, Hq D]`` and
         the block's output ``[B, S, H]``.
     """
-    o_in = _attend(cfg, x, wq, wk, wv, cos_sin)
+    lw = lw or {}
+    o_in = _attend(cfg, x, wq, wk, wv, cos_sin, lw.get("q_norm"), lw.get("k_norm"),
+                   (lw.get("q_bias"), lw.get("k_bias"), lw.get("v_bias")))
     return o_in, o_in @ wo.t()
 
 
@@ -488,6 +493,17 @@ def run_layer(cfg: ModelConfig, lw: dict[str, torch.Tensor], hs: list[torch.Tens
         mlp_out = [a @ lw["down"].t() for a in down_in]
     return [LayerActivations(a, o, ao, mi, di, mo, m + mo) for a, o, ao, mi, di, mo, m in
             zip(attn_in, o_in, attn_out, mlp_in, down_in, mlp_out, mid)]
+
+
+def moe_block(cfg: ModelConfig, lw: dict[str, torch.Tensor], x: torch.Tensor,
+              on_group: Callable[[str, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """A layer's MoE feed-forward of ``x`` ``[..., H]`` with the weights in ``lw``
+    (:func:`layer_weights`), float32, as :func:`run_layer` computes it; ``on_group(name,
+    inputs)`` sees each expert group's inputs (``experts.{e}.gate_up``: the tokens
+    routed to ``e``, ``[T_e, H]``; ``experts.{e}.down``: their ``silu(gate) * up``;
+    ``shared_expert.*``: every token's)."""
+    hook = (lambda name, inputs: on_group(name, inputs[0])) if on_group else (lambda *_: None)
+    return _moe_block(cfg, lw, [x], hook)[0]
 
 
 def _moe_block(cfg: ModelConfig, lw: dict[str, torch.Tensor], xs: list[torch.Tensor],

@@ -680,7 +680,7 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                         "experts of a Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint, as gptq "
                         "quantizes them too): an AutoGPTQ "
                         "checkpoint dir; awq (Lin et al. 2023: activation-aware scales and "
-                        "clipping): an AutoAWQ checkpoint dir; q8_0, q6_k, q5_0, q4_k, q4_0, "
+                        "clipping; MoE experts too): an AutoAWQ checkpoint dir; q8_0, q6_k, q5_0, q4_k, q4_0, "
                         "q4_1: the GGUF file rewritten in that block type, q4_k_m: in "
                         "llama.cpp's Q4_K_M mix (--output is a .gguf path)")
     p.add_argument("--model", default=None,

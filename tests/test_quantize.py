@@ -170,14 +170,20 @@ def rtn_checkpoint(tmp_path_factory):
 def _dense_copy(quantized_dir: str, out: Path, dtype: torch.dtype) -> str:
     """A dense checkpoint of a quantized one's dequantized weights (rounded to
     ``dtype`` once, as the served model rounds them), its config without
-    ``quantization_config``, the same tokenizer files."""
+    ``quantization_config``, the same tokenizer files. GPTQ layout (``g_idx``) or
+    AutoAWQ's gemm layout."""
     from safetensors.torch import load_file, save_file
+
+    from tandem.engine.quantization.awq_linear import dequantize_awq
 
     sd = load_file(os.path.join(quantized_dir, "model.safetensors"))
     dense = {}
     for name, t in sd.items():
         module, _, leaf = name.rpartition(".")
-        if leaf == "qweight":
+        if leaf == "qweight" and f"{module}.g_idx" not in sd:
+            dense[f"{module}.weight"] = dequantize_awq(t, sd[f"{module}.qzeros"],
+                                                       sd[f"{module}.scales"]).to(dtype)
+        elif leaf == "qweight":
             dense[f"{module}.weight"] = dequantize_packed(
                 t, sd[f"{module}.qzeros"], sd[f"{module}.scales"], sd[f"{module}.g_idx"],
                 4).to(dtype)

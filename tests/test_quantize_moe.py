@@ -1,11 +1,11 @@
-"""``tandem quantize`` on mixture-of-experts checkpoints: round-to-nearest int4 (the
-GPTQ layout) of a Mixtral's and a Qwen3-MoE's Hugging Face checkpoint, and GGUF
+"""``tandem quantize`` on mixture-of-experts checkpoints: round-to-nearest, GPTQ and
+AWQ int4 of Mixtral's, Qwen2-MoE's and Qwen3-MoE's Hugging Face checkpoints, and GGUF
 requantization (Q4_0, Q4_K) of a Mixtral GGUF file and (Q8_0) of a Qwen3-MoE one,
 every expert included. Each
 result loads in the engine with its experts kept quantized and gives the greedy ids
 of a dense model of the same dequantized weights, with prompt log-probabilities
 within 2e-4 (the bound of the dense quantize tests: only the kernels' float32
-summation order differs). The calibrated methods refuse such a model by name."""
+summation order differs)."""
 
 from __future__ import annotations
 
@@ -121,27 +121,74 @@ def test_gguf_requantization_quantizes_the_experts(method, qtype, case, tmp_path
     assert_same_greedy(packed, LLM(str(dst), dtype="float32", num_blocks=64))
 
 
-@pytest.mark.parametrize("method, case, arch", [("awq", "mixtral", "MixtralForCausalLM")])
-def test_calibrated_methods_refuse_moe_they_cannot_run(method, case, arch, tmp_path, capsys):
-    """AWQ's calibration has no MoE block: it refuses by method and architecture,
-    writing nothing."""
-    from tandem.quantize.autogptq import quantize_model
-    from tandem.quantize.awq import awq_quantize
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe"])
+def test_awq_scales_experts_and_keeps_the_routing(case, tmp_path):
+    """AWQ on a tiny Mixtral, Qwen2-MoE (shared expert, q/k/v biases) and Qwen3-MoE
+    (Q/K norms, a dense layer 0), groups of 32: one scale for the MoE block's input
+    over every expert's gate and up, folded into the norm and, exactly, into the
+    router's and the shared expert gate's columns (the searched scales folded alone
+    leave the float model's logits unchanged: the routing did not move); a down
+    scale per expert reached; every expert projection packed in the gemm layout and
+    served as INT4 blocks with the greedy ids of the same checkpoint dequantized; and
+    on the calibration tokens its logits are closer to the float model's than plain
+    round-to-nearest's (the same quantizer with the search and clipping off). AWQ
+    was refused for mixture-of-experts models before."""
+    from safetensors.torch import load_file
 
-    config_class, overrides, _ = CASES[case]
+    from tandem.engine.text.tokenizer import Tokenizer
+    from tandem.quantize.awq import awq_quantize, fold_scales
+    from tandem.quantize.dense import calibration_segments, load_dense, model_logits
+
+    config_class, overrides, arch = CASES[case]
+    if case == "qwen2-moe":          # a shared expert of whole groups of 32 (not 48 wide)
+        overrides = overrides | {"shared_expert_intermediate_size": 64}
     save_tiny_checkpoint(tmp_path / "hf", config_class, **overrides)
-    out = tmp_path / "out"
-    want = rf"tandem quantize --method {method} cannot quantize {arch}"
-    with pytest.raises(UnsupportedModelError, match=want) as info:
-        if method == "gptq":
-            quantize_model(str(tmp_path / "hf"), str(out), "gptq")
-        else:
-            awq_quantize(str(tmp_path / "hf"), str(out), "w5 w6 w7", group_size=32)
-    assert info.value.field == "architectures"
-    assert main(["quantize", "--method", method, "--model", str(tmp_path / "hf"),
-                 "--output", str(out)]) != 0
-    assert want.replace("\\", "") in capsys.readouterr().err
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    rng = random.Random(0)         # the tiny tokenizer's words, w3 .. w511
+    text = " ".join(f"w{rng.randrange(3, 512)}" for _ in range(1024))
+    runs = {"awq": {}, "rtn": {"grid": 1, "clip": False}}
+    stats = {m: awq_quantize(str(tmp_path / "hf"), str(tmp_path / m), text, group_size=32,
+                             num_calibration_tokens=1024, calibration_seq_len=256, **kw)
+             for m, kw in runs.items()}
+    dense = load_dense(str(tmp_path / "hf"), moe=True)
+    moe = dense.cfg.moe
+    sparse = [i for i, s in enumerate(moe.sparse_layers) if s]
+    for i in sparse:
+        layer = stats["awq"]["layers"][i]
+        assert layer["gate_up"]["mse_awq"] <= layer["gate_up"]["mse_rtn"]
+        assert layer["down"] is None and len(layer["experts_down"]) == \
+            moe.num_experts + (case == "qwen2-moe")
+        assert all(v is not None for v in layer["experts_down"].values())   # all reached
+
+    tokenizer = Tokenizer(dense.files)
+    ids = calibration_segments(tokenizer, text, 256, 256)[0][None]
+    want = model_logits(dense.cfg, dense.weights, ids)
+    folded = {k: v.clone() for k, v in dense.weights.items()}
+    fold_scales(folded, dense.cfg, stats["awq"]["scales"])
+    routers = [n for n in folded if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    assert routers and not all(torch.equal(folded[n], dense.weights[n]) for n in routers)
+    torch.testing.assert_close(model_logits(dense.cfg, folded, ids), want, rtol=1e-4, atol=1e-4)
+
+    state = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    experts = [n.removesuffix(".weight") for n in dense.weights
+               if ".experts." in n or ".shared_expert." in n]
+    assert experts and all(f"{m}.qweight" in state and f"{m}.weight" not in state for m in experts)
+    assert all(state[n].dtype == torch.float16 for n in routers)
+    packed = LLM(str(tmp_path / "awq"), dtype="float32", num_blocks=64)
+    assert packed.engine.model_config.architecture == arch
+    layers = _expert_linears(packed)
+    assert layers and {m.quant_method.name for m in layers} == {"awq"}
+    assert all(m.int4_blocks is not None for m in layers)
+    assert_same_greedy(packed, LLM(_dense_copy(str(tmp_path / "awq"), tmp_path / "dense",
+                                               torch.float32), dtype="float32", num_blocks=64))
+
+    errors = {}
+    for m in runs:
+        sd = load_file(str(_dense_copy(str(tmp_path / m), tmp_path / f"{m}-dense", torch.float32))
+                       + "/model.safetensors")
+        weights = {n: sd[n].float() if n in sd else w for n, w in dense.weights.items()}
+        errors[m] = float((model_logits(dense.cfg, weights, ids) - want).pow(2).mean())
+    print(f"\nlogit mean squared error against the float model: {errors}")
+    assert errors["awq"] < errors["rtn"], errors
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe"])
