@@ -3,15 +3,16 @@
 
 Decode attention, KV-cache writes, RMSNorm, rotary embedding and SiLU-and-mul run
 in :mod:`tandem.kernels.cpu.ops` (one call per layer each, instead of a dozen
-small torch ops). Prefill attention runs there too in bfloat16 on CPUs with
-AVX-512 BF16; otherwise (float32, older CPUs) it stays on torch's fused CPU
-flash attention (see :class:`~tandem.kernels.attention_backend.TorchAttentionBackend`).
-float32 and bfloat16 only.
+small torch ops). Prefill attention runs there too, in bfloat16 on CPUs with
+AVX-512 BF16 and in float32 on CPUs with AVX-512F; otherwise (AVX2-only CPUs) it
+stays on torch's fused CPU flash attention (see
+:class:`~tandem.kernels.attention_backend.TorchAttentionBackend`). float32 and
+bfloat16 only.
 
 An fp8 (``float8_e4m3fn``) KV cache is written by the compiled fp8
 ``reshape_and_cache`` and read by the compiled fp8 decode kernel; prefill chunks
-then take the torch path, which dequantizes the gathered blocks (the bfloat16
-prefill kernel reads bfloat16 caches only).
+then take the torch path, which dequantizes the gathered blocks (the prefill
+kernel reads caches in the query's dtype only).
 
 An int4 (packed ``uint8``) KV cache: a step's new per-token rows are quantized and
 written by the compiled int4 ``reshape_and_cache`` (the bytes of
@@ -50,9 +51,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, batch_invariant: bool = False) -> None:
         from tandem.kernels.cpu.build import load_library
         self.batch_invariant = batch_invariant
-        # Whether this build has the bf16 prefill kernel: fixed per process, so
+        # The dtypes this build has the prefill kernel for: fixed per process, so
         # decided once here rather than on every layer of every step.
-        self._bf16_prefill = bool(load_library().tandem_has_prefill_attention_bf16())
+        load_library()
+        self._prefill_dtypes = {dt for dt in (torch.bfloat16, torch.float32)
+                                if ops.has_prefill_attention(dt, 64)}
 
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
@@ -79,8 +82,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                   softcap: float | None = None) -> torch.Tensor:
         """Shapes as in :meth:`AttentionBackend.attention`. Decodes read the cache in
         place; prefill chunks go through :func:`ops.paged_prefill_attention` where it
-        runs (bfloat16 cache, AVX-512 BF16), else through
-        :meth:`TorchAttentionBackend.attend`.
+        runs (a bfloat16 cache with AVX-512 BF16, a float32 one with AVX-512F), else
+        through :meth:`TorchAttentionBackend.attend`.
 
         A layer with a sliding ``window`` or a ``softcap`` is written by the compiled
         cache write; its decodes take the compiled decode kernel (which has both),
@@ -121,8 +124,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if key_cache.dtype != query.dtype:
                 raise ValueError("batch_invariant: needs kv_cache_dtype auto")
             return self.attend_per_token(query, key_cache, value_cache, meta, scale)
-        if (nd == meta.num_seqs or not self._bf16_prefill or query.dtype != torch.bfloat16
-                or key_cache.dtype != torch.bfloat16
+        if (nd == meta.num_seqs or query.dtype not in self._prefill_dtypes
+                or key_cache.dtype != query.dtype
                 or not ops.prefill_head_dim_ok(query.shape[2])):
             return self.attend(query, key, value, key_cache, value_cache, meta, scale,
                                k_scale, v_scale)

@@ -147,8 +147,9 @@ _UNSUFFIXED = {
     "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
     "float_to_fp16": ([_PTR, _PTR, _I64], None),
 }
-# Kernels that exist for bfloat16 only, and only where the CPU has AVX-512 BF16.
-_BF16_ONLY = {
+# Kernels that exist only where the CPU has them: for bfloat16 with AVX-512 BF16, for
+# float32 with AVX-512F (``tandem_has_{name}_{suffix}`` says).
+_WHERE_SUPPORTED = {
     "prefill_attention": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR,
                           _I64, _I64, _I64, _I64, _I64, _F32, _INT],
 }
@@ -175,11 +176,13 @@ def load_library() -> ctypes.CDLL:
     for name, (argtypes, restype) in _UNSUFFIXED.items():
         fn = getattr(lib, f"tandem_{name}")
         fn.argtypes, fn.restype = argtypes, restype
-    lib.tandem_has_prefill_attention_bf16.restype = ctypes.c_int
-    if lib.tandem_has_prefill_attention_bf16():
-        for name, argtypes in _BF16_ONLY.items():
-            fn = getattr(lib, f"tandem_{name}_bf16")
-            fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _WHERE_SUPPORTED.items():
+        for suffix in ("f32", "bf16"):
+            has = getattr(lib, f"tandem_has_{name}_{suffix}")
+            has.argtypes, has.restype = [], ctypes.c_int
+            if has():
+                fn = getattr(lib, f"tandem_{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
     return lib
 
 

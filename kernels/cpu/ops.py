@@ -190,29 +190,33 @@ def prefill_head_dim_ok(head_dim: int) -> bool:
 
 
 def has_prefill_attention(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether :func:`paged_prefill_attention` runs here for this dtype and head size."""
-    return (dtype == torch.bfloat16 and prefill_head_dim_ok(head_dim)
-            and bool(load_library().tandem_has_prefill_attention_bf16()))
+    """Whether :func:`paged_prefill_attention` runs here for this dtype and head size
+    (bfloat16: AVX-512 BF16; float32: AVX-512F)."""
+    if not prefill_head_dim_ok(head_dim) or dtype not in _SUFFIX:
+        return False
+    return bool(getattr(load_library(), f"tandem_has_prefill_attention_{_SUFFIX[dtype]}")())
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: list[int], seq_lens: list[int], scale: float,
                             out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed prefill chunks over paged KV, bfloat16 only.
+    """Causal attention of packed prefill chunks over paged KV, bfloat16 or float32.
 
-    FlashAttention-2 (Dao 2023, Alg. 1) on the CPU's AVX-512 BF16 dot-product
-    instruction: each sequence's context (cached prefix, earlier chunks and this
-    chunk, all read from the cache) is first repacked per KV head into 16-token
-    tiles of bf16 pairs; then groups of 8 query rows stream over the tiles with an
-    online softmax in float32. P is rounded to bfloat16 before P.V, as in torch's
-    CPU flash attention. Same contract as
+    FlashAttention-2 (Dao 2023, Alg. 1): each sequence's context (cached prefix,
+    earlier chunks and this chunk, all read from the cache) is first repacked per
+    KV head into 16-token tiles; then groups of query rows stream over the tiles
+    with an online softmax in float32. bfloat16 (AVX-512 BF16): tiles of bf16 pairs
+    for the dot-product instruction, 8 rows at a time, P rounded to bfloat16 before
+    P.V as in torch's CPU flash attention. float32 (AVX-512F): K tiles transposed
+    (each channel's 16 keys in one vector), an FMA per channel for the scores and
+    per key for P.V, 4 rows at a time. Same contract as
     :func:`tandem.kernels.reference.paged_prefill_attention_ref`.
 
     Args:
-        query: ``[T, Hq, D]`` bfloat16 (rows may be strided).
-        key_cache, value_cache: ``[NB, BS, Hkv, D]`` bfloat16, contiguous, already
-            holding this step's K/V.
+        query: ``[T, Hq, D]`` bfloat16 or float32 (rows may be strided).
+        key_cache, value_cache: ``[NB, BS, Hkv, D]`` in the query's dtype,
+            contiguous, already holding this step's K/V.
         block_tables: ``[B, max_blocks]`` int32.
         query_start_loc: ``B + 1`` ints, cumulative query lengths (rows of ``query``).
         seq_lens: ``B`` ints, context length (tokens) of each sequence after this step.
@@ -220,13 +224,17 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         out: optional ``[T, Hq, D]`` destination.
 
     Raises:
-        ValueError: not bfloat16, or :func:`has_prefill_attention` is false.
+        ValueError: :func:`has_prefill_attention` is false for the query's dtype and
+            head size, or the caches are not in the query's dtype.
     """
     t, hq, d = query.shape
     hkv, bs = key_cache.shape[2], key_cache.shape[1]
     if not has_prefill_attention(query.dtype, d):
-        raise ValueError("paged_prefill_attention: needs bfloat16, head_dim % 16 == 0 and "
-                         "a CPU with AVX-512 BF16")
+        raise ValueError("paged_prefill_attention: needs head_dim % 16 == 0 and bfloat16 "
+                         "(a CPU with AVX-512 BF16) or float32 (AVX-512F), got "
+                         f"{query.dtype}, head_dim {d}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"key_cache/value_cache: must be {query.dtype} like the query")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache/value_cache: must be contiguous")
     if out is None:
@@ -234,7 +242,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     tables = block_tables.to(torch.int32).contiguous()
     qsl = torch.tensor(query_start_loc, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    load_library().tandem_prefill_attention_bf16(
+    _fn("prefill_attention", query.dtype)(
         out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
         key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         qsl.data_ptr(), lens.data_ptr(), len(seq_lens), hq, hkv, d, bs, scale,

@@ -92,36 +92,42 @@ def test_decode_attention_strided_query_and_out(paged_kv):
     assert torch.all(out[:, 4:] == 7.0)        # nothing written outside the view
 
 
-needs_bf16_prefill = pytest.mark.skipif(
-    not ops.has_prefill_attention(torch.bfloat16, 64),
-    reason="bfloat16 prefill attention needs a CPU with AVX-512 BF16")
+PREFILL_DTYPES = [pytest.param(dt, marks=pytest.mark.skipif(
+    not ops.has_prefill_attention(dt, 64),
+    reason=f"{dt} prefill attention needs a CPU with AVX-512 (BF16 for bfloat16)"))
+    for dt in (torch.bfloat16, torch.float32)]
 
 
-@needs_bf16_prefill
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32),
-                                         (3, 1, 48, 16)])
-def test_prefill_attention(paged_kv, hq, hkv, d, bs):
+                                         (3, 1, 48, 16), (16, 2, 64, 16)])
+def test_prefill_attention(paged_kv, dtype, hq, hkv, d, bs):
     # (query length, context length): whole prompts, a chunk after earlier chunks,
     # a chunk after a cached prefix, one-token chunks, tile and block edges.
     cases = [(37, 37), (5, 21), (16, 16), (1, 33), (64, 300), (17, 17), (1, 1), (33, 80)]
     lens = [s for _, s in cases]
-    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, torch.bfloat16,
-                                              torch.device("cpu"))
+    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
     qsl = [0]
     for q_len, _ in cases:
         qsl.append(qsl[-1] + q_len)
     g = torch.Generator().manual_seed(hq + d)
-    q = torch.randn(qsl[-1], hq, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(qsl[-1], hq, d, generator=g).to(dtype)
     want = ref.paged_prefill_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
                                            qsl, lens, d ** -0.5)
     got = ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5)
-    assert_matches(got, want, torch.bfloat16)
+    assert got.dtype == dtype
+    assert_matches(got, want, dtype)
 
 
-def test_prefill_attention_rejects_float32(paged_kv):
+def test_prefill_attention_refuses_what_it_cannot_run(paged_kv):
     kc, vc, *_, tables = paged_kv([4], 1, 64, 16, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="bfloat16"):
-        ops.paged_prefill_attention(torch.zeros(4, 1, 64), kc, vc, tables, [0, 4], [4], 1.0)
+    with pytest.raises(ValueError, match="head_dim % 16"):
+        ops.paged_prefill_attention(torch.zeros(4, 1, 64, dtype=torch.float16), kc, vc, tables,
+                                    [0, 4], [4], 1.0)
+    if ops.has_prefill_attention(torch.bfloat16, 64):
+        with pytest.raises(ValueError, match="key_cache/value_cache: must be torch.bfloat16"):
+            ops.paged_prefill_attention(torch.zeros(4, 1, 64, dtype=torch.bfloat16), kc, vc,
+                                        tables, [0, 4], [4], 1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,16 +1,20 @@
-// Causal prefill attention over paged KV for bfloat16 on AVX-512 BF16 CPUs: a
-// FlashAttention-2 loop (Dao 2023, Alg. 1) on vdpbf16ps over K/V repacked per KV
-// head into bf16-pair tiles. C ABI for ../ops.py.
+// Causal prefill attention over paged KV: a FlashAttention-2 loop (Dao 2023, Alg. 1)
+// over K/V repacked per KV head into 16-token tiles; bfloat16 on AVX-512 BF16 CPUs
+// (vdpbf16ps on bf16-pair tiles), float32 on AVX-512F CPUs (FMAs on key-transposed
+// tiles). C ABI for ../ops.py.
 
 #include "common.h"
 
 namespace tandem_cpu {
 namespace {
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 constexpr int64_t kTile = 16;      // key tokens per tile (one zmm of float32 scores)
-constexpr int kRows = 8;           // query rows processed together (2, 4, 6, 8, 12, 16 measured: 8 best)
 constexpr int64_t kQueryTile = 32; // query positions per task
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int kRows = 8;           // query rows processed together (2, 4, 6, 8, 12, 16 measured: 8 best)
 
 // Repack one (sequence, KV head) context into the pair-interleaved ("VNNI") layouts
 // that vdpbf16ps consumes, tiles of 16 tokens, zero past the context:
@@ -106,13 +110,142 @@ void prefill_rows(const bf16* const* q, const int64_t* pos, bf16* const* out, co
     }
 }
 
+// The bfloat16 kernel as the driver below uses it.
+struct Bf16Prefill {
+    using T = bf16;
+    static constexpr int rows = kRows;
+    // uint32 words of one tile of K (and of V) of one KV head.
+    static int64_t tile_words(int64_t d) { return (d / 2) * kTile; }
+    static void repack(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len,
+                       int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
+        repack_kv(kc, vc, table, len, h, hkv, d, bs, kt, vt);
+    }
+    static void run(const bf16* const* q, const int64_t* pos, bf16* const* out, const uint32_t* kt,
+                    const uint32_t* vt, int64_t d, float scale) {
+        if (d == 64)
+            prefill_rows<4>(q, pos, out, kt, vt, d, scale);
+        else if (d == 128)
+            prefill_rows<8>(q, pos, out, kt, vt, d, scale);
+        else
+            prefill_rows(q, pos, out, kt, vt, d, scale);
+    }
+};
+#endif  // __AVX512BF16__
+
+#if defined(__AVX512F__)
+constexpr int kRowsF32 = 4;        // query rows processed together in float32
+
+// Repack one (sequence, KV head) context for the float32 kernel, tiles of 16 tokens,
+// zero past the context: kt[tile][c][j] = K[16 tile + j][c] (each channel's 16 keys
+// in one vector), vt[tile][j][c] = V[16 tile + j][c] (the rows, gathered).
+void repack_kv_f32(const float* kc, const float* vc, const int32_t* table, int64_t len,
+                   int64_t h, int64_t hkv, int64_t d, int64_t bs, float* kt, float* vt) {
+    const int64_t row = hkv * d;
+    const int64_t ntiles = (len + kTile - 1) / kTile;
+    std::memset(kt, 0, sizeof(float) * ntiles * d * kTile);
+    std::memset(vt, 0, sizeof(float) * ntiles * d * kTile);
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        const float* krow = kc + slot * row + h * d;
+        const int64_t tile = t / kTile, j = t % kTile;
+        float* kdst = kt + tile * d * kTile + j;
+        for (int64_t c = 0; c < d; ++c) kdst[c * kTile] = krow[c];
+        std::memcpy(vt + (tile * kTile + j) * d, vc + slot * row + h * d, sizeof(float) * d);
+    }
+}
+
+// float32 version of prefill_rows: kRowsF32 query rows of one head over
+// the repacked context; scores by an FMA per channel over 16 keys, the same online
+// softmax, then P.V by an FMA per key and 16 channels. CT: head_dim / 16 fixed at
+// compile time (0: runtime).
+template <int CT = 0>
+void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* out,
+                      const float* kt, const float* vt, int64_t d_rt, float scale) {
+    constexpr int R = kRowsF32;
+    const int64_t d = CT ? 16 * CT : d_rt, chunks = d / 16;
+    int64_t last = 0;
+    for (int r = 0; r < R; ++r) last = pos[r] > last ? pos[r] : last;
+    float m[R], l[R];
+    __m512 acc[R][CT ? CT : kMaxChunks];
+    for (int r = 0; r < R; ++r) {
+        m[r] = -1e30f;
+        l[r] = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+    alignas(64) float pp[R][kTile];
+    const int64_t ntiles = last / kTile + 1;
+    for (int64_t tile = 0; tile < ntiles; ++tile) {
+        const float* ktile = kt + tile * d * kTile;
+        __m512 s[R];
+        for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; ++c) {
+            const __m512 kv = _mm512_load_ps(ktile + c * kTile);
+            for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c]), kv, s[r]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const int64_t valid = pos[r] - tile * kTile + 1;     // keys <= pos[r] in this tile
+            const __mmask16 keep = valid >= kTile ? 0xFFFF
+                                 : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1u);
+            __m512 sr = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f),
+                                             _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+            const float m_new = std::max(m[r], _mm512_reduce_max_ps(sr));
+            const __m512 p = exp512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new)));
+            const float corr = fast_exp(m[r] - m_new);
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+            m[r] = m_new;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
+            _mm512_store_ps(pp[r], p);
+        }
+        const float* vtile = vt + tile * kTile * d;
+        for (int64_t j = 0; j < kTile; ++j) {
+            for (int64_t c = 0; c < chunks; ++c) {
+                const __m512 vv = _mm512_load_ps(vtile + j * d + 16 * c);
+                for (int r = 0; r < R; ++r)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pp[r][j]), vv, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        if (pos[r] < 0 || out[r] == nullptr) continue;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+    }
+}
+
+// The float32 kernel as the driver below uses it (float tiles, counted in 4-byte words).
+struct F32Prefill {
+    using T = float;
+    static constexpr int rows = kRowsF32;
+    static int64_t tile_words(int64_t d) { return d * kTile; }
+    static void repack(const float* kc, const float* vc, const int32_t* table, int64_t len,
+                       int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
+        repack_kv_f32(kc, vc, table, len, h, hkv, d, bs, reinterpret_cast<float*>(kt),
+                      reinterpret_cast<float*>(vt));
+    }
+    static void run(const float* const* q, const int64_t* pos, float* const* out,
+                    const uint32_t* kt, const uint32_t* vt, int64_t d, float scale) {
+        const float* k = reinterpret_cast<const float*>(kt);
+        const float* v = reinterpret_cast<const float*>(vt);
+        if (d == 64)
+            prefill_rows_f32<4>(q, pos, out, k, v, d, scale);
+        else if (d == 128)
+            prefill_rows_f32<8>(q, pos, out, k, v, d, scale);
+        else
+            prefill_rows_f32(q, pos, out, k, v, d, scale);
+    }
+};
+
 struct PrefillTask {
     int64_t seq, head, first;   // sequence, query head, first query row of the tile
 };
 
-// Causal prefill attention over paged KV for B sequences (see ops.py).
-void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_stride,
-                       const bf16* kc, const bf16* vc, const int32_t* tables,
+// Causal prefill attention over paged KV for B sequences (see ops.py), with the
+// kernel `K` (Bf16Prefill, F32Prefill).
+template <typename K, typename T = typename K::T>
+void prefill_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride,
+                       const T* kc, const T* vc, const int32_t* tables,
                        int64_t table_stride, const int32_t* query_start_loc,
                        const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d,
                        int64_t bs, float scale, int num_threads) {
@@ -121,7 +254,7 @@ void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_s
     std::vector<PrefillTask> tasks;
     for (int64_t s = 0; s < b; ++s) {
         const int64_t ntiles = (seq_lens[s] + kTile - 1) / kTile;
-        offsets[s + 1] = offsets[s] + ntiles * hkv * (d / 2) * kTile;
+        offsets[s + 1] = offsets[s] + ntiles * hkv * K::tile_words(d);
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         for (int64_t first = 0; first < q_len; first += kQueryTile)
             for (int64_t h = 0; h < hq; ++h) tasks.push_back({s, h, first});
@@ -142,7 +275,7 @@ void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_s
         for (int64_t s = 0; s < b; ++s) {
             for (int64_t h = 0; h < hkv; ++h) {
                 const int64_t per_head = (offsets[s + 1] - offsets[s]) / hkv;
-                repack_kv(kc, vc, tables + s * table_stride, seq_lens[s], h, hkv, d, bs,
+                K::repack(kc, vc, tables + s * table_stride, seq_lens[s], h, hkv, d, bs,
                           kt_all + offsets[s] + h * per_head, vt_all + offsets[s] + h * per_head);
             }
         }
@@ -156,27 +289,22 @@ void prefill_attention(bf16* out, int64_t out_stride, const bf16* q, int64_t q_s
             const uint32_t* kt = kt_all + offsets[s] + (h / g_size) * per_head;
             const uint32_t* vt = vt_all + offsets[s] + (h / g_size) * per_head;
             const int64_t end = std::min(q_len, task.first + kQueryTile);
-            for (int64_t i0 = task.first; i0 < end; i0 += kRows) {
-                const bf16* qr[kRows];
-                bf16* orow[kRows];
-                int64_t pos[kRows];
-                for (int r = 0; r < kRows; ++r) {
+            for (int64_t i0 = task.first; i0 < end; i0 += K::rows) {
+                const T* qr[K::rows];
+                T* orow[K::rows];
+                int64_t pos[K::rows];
+                for (int r = 0; r < K::rows; ++r) {
                     const int64_t i = std::min(i0 + r, end - 1);   // pad with the last row
                     qr[r] = q + (q0 + i) * q_stride + h * d;
                     orow[r] = i0 + r < end ? out + (q0 + i) * out_stride + h * d : nullptr;
                     pos[r] = ctx + i;
                 }
-                if (d == 64)
-                    prefill_rows<4>(qr, pos, orow, kt, vt, d, scale);
-                else if (d == 128)
-                    prefill_rows<8>(qr, pos, orow, kt, vt, d, scale);
-                else
-                    prefill_rows(qr, pos, orow, kt, vt, d, scale);
+                K::run(qr, pos, orow, kt, vt, d, scale);
             }
         }
     }
 }
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
 
 }  // namespace
 }  // namespace tandem_cpu
@@ -190,15 +318,30 @@ extern "C" int tandem_has_prefill_attention_bf16() {
 #endif
 }
 
-#if defined(__AVX512BF16__)
-extern "C" void tandem_prefill_attention_bf16(
-    void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc, const void* vc,
-    const int32_t* tables, int64_t table_stride, const int32_t* query_start_loc,
-    const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-    float scale, int nt) {
-    using tandem_cpu::bf16;
-    tandem_cpu::prefill_attention(static_cast<bf16*>(out), out_stride, static_cast<const bf16*>(q), q_stride,
-                      static_cast<const bf16*>(kc), static_cast<const bf16*>(vc), tables,
-                      table_stride, query_start_loc, seq_lens, b, hq, hkv, d, bs, scale, nt);
+// 1 when this build has the float32 prefill attention (AVX-512F), else 0.
+extern "C" int tandem_has_prefill_attention_f32() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
 }
+
+#define TANDEM_PREFILL_EXPORT(SUFFIX, KERNEL, T)                                                \
+    extern "C" void tandem_prefill_attention_##SUFFIX(                                          \
+        void* out, int64_t out_stride, const void* q, int64_t q_stride, const void* kc,        \
+        const void* vc, const int32_t* tables, int64_t table_stride,                            \
+        const int32_t* query_start_loc, const int32_t* seq_lens, int64_t b, int64_t hq,         \
+        int64_t hkv, int64_t d, int64_t bs, float scale, int nt) {                              \
+        tandem_cpu::prefill_attention<tandem_cpu::KERNEL>(                                      \
+            static_cast<T*>(out), out_stride, static_cast<const T*>(q), q_stride,              \
+            static_cast<const T*>(kc), static_cast<const T*>(vc), tables, table_stride,        \
+            query_start_loc, seq_lens, b, hq, hkv, d, bs, scale, nt);                           \
+    }
+
+#if defined(__AVX512BF16__)
+TANDEM_PREFILL_EXPORT(bf16, Bf16Prefill, tandem_cpu::bf16)
+#endif
+#if defined(__AVX512F__)
+TANDEM_PREFILL_EXPORT(f32, F32Prefill, float)
 #endif
