@@ -45,7 +45,16 @@ def run(tmp_path_factory):
         left = kill_session(proc.pid)
     assert proc.returncode == 0, log[-4000:]
     assert left == [], f"processes left behind: {left}"
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["log"] = log         # the server's own account of a failed request is in it
+    return result
+
+
+def _tracebacks(log: str, limit: int = 6000) -> str:
+    """The benchmark process's logged tracebacks (the router logs an unexpected error
+    of a request with its traceback), for a failure message."""
+    at = log.find("Traceback")
+    return log[max(0, at - 500):at + limit] if at >= 0 else "(no traceback logged)"
 
 
 def _phase(run, name):
@@ -100,7 +109,7 @@ def test_pools_shrink_to_their_minimum_when_load_goes(run):
 
 def test_no_request_fails_during_scaling(run):
     failed = [r for r in run["requests"] if not r["ok"]]
-    assert failed == []
+    assert failed == [], f"{failed}\n{_tracebacks(run['log'])}"
     by_phase = {p["phase"]: 0 for p in run["phases"]}
     for r in run["requests"]:
         by_phase[r["phase"]] += 1
