@@ -11,6 +11,25 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int64_t kTile = 16;      // key tokens per tile (one zmm of float32 scores)
 constexpr int64_t kQueryTile = 32; // query positions per task
+
+// One query row's online-softmax step (FlashAttention-2) over a tile of 16 raw
+// scores `s`: keys after position `pos` masked, the rest scaled; the row's running
+// max `m` and sum `l` updated. Returns the tile's probabilities (against the new
+// max) and sets `corr`, the factor the row's accumulators are rescaled by.
+inline __m512 softmax_tile(__m512 s, int64_t pos, int64_t tile, float scale, float& m, float& l,
+                           float& corr) {
+    const int64_t valid = pos - tile * kTile + 1;     // keys <= pos in this tile
+    const __mmask16 keep = valid >= kTile ? 0xFFFF
+                         : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 sr = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f),
+                                           _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+    const float m_new = std::max(m, _mm512_reduce_max_ps(sr));
+    const __m512 p = exp512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new)));
+    corr = fast_exp(m - m_new);
+    l = l * corr + _mm512_reduce_add_ps(p);
+    m = m_new;
+    return p;
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -75,16 +94,8 @@ void prefill_rows(const bf16* const* q, const int64_t* pos, bf16* const* out, co
             }
         }
         for (int r = 0; r < kRows; ++r) {
-            const int64_t valid = pos[r] - tile * kTile + 1;     // keys <= pos[r] in this tile
-            const __mmask16 keep = valid >= kTile ? 0xFFFF
-                                 : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1u);
-            __m512 sr = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f),
-                                             _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-            const float m_new = std::max(m[r], _mm512_reduce_max_ps(sr));
-            const __m512 p = exp512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new)));
-            const float corr = fast_exp(m[r] - m_new);
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-            m[r] = m_new;
+            float corr;
+            const __m512 p = softmax_tile(s[r], pos[r], tile, scale, m[r], l[r], corr);
             const __m512 cv = _mm512_set1_ps(corr);
             for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
             _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(p));
@@ -183,16 +194,8 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
             for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c]), kv, s[r]);
         }
         for (int r = 0; r < R; ++r) {
-            const int64_t valid = pos[r] - tile * kTile + 1;     // keys <= pos[r] in this tile
-            const __mmask16 keep = valid >= kTile ? 0xFFFF
-                                 : valid <= 0 ? 0 : static_cast<__mmask16>((1u << valid) - 1u);
-            __m512 sr = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-1e30f),
-                                             _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-            const float m_new = std::max(m[r], _mm512_reduce_max_ps(sr));
-            const __m512 p = exp512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new)));
-            const float corr = fast_exp(m[r] - m_new);
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-            m[r] = m_new;
+            float corr;
+            const __m512 p = softmax_tile(s[r], pos[r], tile, scale, m[r], l[r], corr);
             const __m512 cv = _mm512_set1_ps(corr);
             for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
             _mm512_store_ps(pp[r], p);
