@@ -49,11 +49,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     _int4_token_rows = staticmethod(ops.reshape_and_cache_int4_rows)
 
     def __init__(self, batch_invariant: bool = False) -> None:
-        from tandem.kernels.cpu.build import load_library
         self.batch_invariant = batch_invariant
         # The dtypes this build has the prefill kernel for: fixed per process, so
-        # decided once here rather than on every layer of every step.
-        load_library()
+        # decided once here rather than on every layer of every step (asking builds
+        # and loads the kernels, raising CpuKernelsUnavailable where they cannot be).
         self._prefill_dtypes = {dt for dt in (torch.bfloat16, torch.float32)
                                 if ops.has_prefill_attention(dt, 64)}
 
