@@ -85,16 +85,19 @@ class TransportKVConnector(KVConnector):
             every layer, before the transfer counts as failed.
         num_receive_threads: receives that run at once (others queue; their
             layers are staged meanwhile).
-        kv_scales: ``[L, 2, Hkv]`` float32 scales of an fp8 ``kv_cache`` (their
+        kv_scales: ``[L, 2, Hkv]`` float32 scales of an fp8 ``kv_cache``, all the
+            model's KV heads also in a tensor-parallel worker
+            (:func:`~tandem.engine.runtime.kv_scales.gather_model_kv_scales`): their
             checksum joins the layout, so a peer quantizing with other scales is
-            refused); None for a cache in the model dtype. The quantized bytes
-            travel as they are; the scales never do.
+            refused; None for a cache in the model dtype. The quantized bytes
+            travel as they are (a pair's heads of them between sharded workers); the
+            scales never do.
         ranks: a tensor-parallel worker's ranks (their KV heads, and the commands
             that drive ranks 1..); None for a one-rank worker.
 
     Raises:
-        ValueError: ``ranks`` of more than one rank with a quantized KV cache
-            (fp8 scales and int4 rows are per rank: not transferred sharded yet).
+        ValueError: ``ranks`` of more than one rank with an int4 KV cache (its
+            open-block K store is per rank: not transferred sharded yet).
     """
 
     def __init__(self, transport: str, kv_cache: Any, notify: Callable[[], None] | None = None,
@@ -108,9 +111,9 @@ class TransportKVConnector(KVConnector):
         self.transfer_timeout_s = transfer_timeout_s
         local = KVLayout.from_cache(kv_cache, scales_checksum(kv_scales))
         self._ranks = ranks or KVRankGroup(((0, local.num_kv_heads),))
-        if self._ranks.world_size > 1 and (kv_scales is not None or local.dtype == "uint8"):
-            raise ValueError(f"kv_cache_dtype: a {local.dtype} KV cache is not transferred "
-                             "between tensor-parallel workers yet (use the model dtype)")
+        if self._ranks.world_size > 1 and local.dtype == "uint8":
+            raise ValueError("kv_cache_dtype: an int4 KV cache is not transferred between "
+                             "tensor-parallel workers yet (use the model dtype or fp8_e4m3)")
         self._control = (RankControl(self._ranks.store_host, self._ranks.store_port)
                          if self._ranks.world_size > 1 else None)
         self._head_start = self._ranks.head_ranges[0][0]

@@ -155,12 +155,12 @@ class ServeConfig:
         if self.mode == "disaggregated":
             for pool, eng in (("decode", self.engine),
                               ("prefill", self.prefill_engine or self.engine)):
-                if eng.tensor_parallel_size > 1 and eng.cache.kv_cache_dtype != "auto":
+                if eng.tensor_parallel_size > 1 and eng.cache.kv_cache_dtype == "int4":
                     raise ValueError(
                         f"kv_cache_dtype: {pool} workers of {eng.tensor_parallel_size} ranks "
-                        f"in disaggregated mode keep the KV cache in the model dtype; a "
-                        f"{eng.cache.kv_cache_dtype} cache is not transferred between "
-                        "sharded workers yet (use kv_cache_dtype=auto or mode=colocated)")
+                        "in disaggregated mode keep the KV cache in the model dtype or fp8; "
+                        "an int4 cache is not transferred between sharded workers yet (use "
+                        "kv_cache_dtype=auto, fp8_e4m3 or mode=colocated)")
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
     """Cores per prefill and decode worker, and torch threads each (0: as many as the

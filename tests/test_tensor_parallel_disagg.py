@@ -8,7 +8,8 @@ rank 0 and 2 on rank 1. Prefill on 2 ranks and decode on 1, the reverse, and the
 greedy tokens of one unsharded engine; the handshake rides on pair (0, 0); an
 abort while a sharded consumer's ranks are receiving frees every block once all
 ranks' parts ended; a head split that does not match the pairs offered is refused
-by name.
+by name. fp8 caches travel between sharded and unsharded engines too (the scales'
+checksum over all the model's KV heads).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.llm import LLM, LLMEngine
@@ -32,6 +34,8 @@ PROMPTS = [
     "Write one sentence about the ocean.",
     "A recipe for bread needs flour, water, salt and yeast; first",
 ]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _wire(prefill: LLMEngine, prefill_id: str, decode: LLMEngine, decode_id: str) -> dict:
@@ -97,10 +101,25 @@ def test_greedy_tokens_equal_one_unsharded_engine(engines, prefill_id, decode_id
     base, sharded, single, _ = engines
     producer, consumer = {"tp2->tp1": (sharded, single), "tp1->tp2": (single, sharded),
                           "tp2->tp2": (sharded, sharded)}[direction]
+    _transfer_and_compare(base, producer, prefill_id, consumer, decode_id, direction)
+
+
+def _transfer_and_compare(base: LLM, producer: LLMEngine, prefill_id: str, consumer: LLMEngine,
+                          decode_id: str, direction: str) -> None:
+    """PROMPTS prefilled by ``producer`` and decoded by ``consumer`` give the greedy
+    ids of ``base`` (one unsharded engine)."""
     prompts = [base.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
-    first = dataclasses.replace(params, max_tokens=1)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    assert _transfer(producer, prefill_id, consumer, decode_id, direction, prompts) == want
+
+
+def _transfer(producer: LLMEngine, prefill_id: str, consumer: LLMEngine, decode_id: str,
+              direction: str, prompts: list[list[int]]) -> list[list[int]]:
+    """``prompts`` prefilled by ``producer`` and decoded by ``consumer`` (greedy, 16
+    tokens): the decode side's ids. Checks that the first token came on the channel
+    and equals the prefill's, that every prompt's whole KV was sent, and that both
+    engines' blocks are all free afterwards."""
+    first = dataclasses.replace(GREEDY, max_tokens=1)
     sent_before = producer.kv_connector.kv_transfer_bytes
     decodes, prefills = [], []
     for i, prompt in enumerate(prompts):
@@ -108,7 +127,7 @@ def test_greedy_tokens_equal_one_unsharded_engine(engines, prefill_id, decode_id
         # Both calls at once, as the router makes them: the ticket and the first token
         # travel on pair (0, 0).
         ticket = producer.kv_connector.ticket_future(decode_id, rid, 0)
-        decodes.append(consumer.add_request(prompt, params, rid,
+        decodes.append(consumer.add_request(prompt, GREEDY, rid,
                                             kv_transfer_params=KVTransferParams(prefill_id))[0])
         _step_both([consumer], lambda: ticket.done())
         prefills.append(producer.add_request(
@@ -117,17 +136,18 @@ def test_greedy_tokens_equal_one_unsharded_engine(engines, prefill_id, decode_id
     _step_both({producer, consumer}, lambda: all(r.is_finished for r in decodes + prefills))
     assert [r.status for r in prefills] == [RequestStatus.FINISHED_LENGTH] * len(prompts)
     assert all(r.first_token_from_peer for r in decodes)
-    assert [r.output_token_ids for r in decodes] == want
-    assert [r.output_token_ids for r in prefills] == [w[:1] for w in want]
+    assert [r.output_token_ids for r in prefills] == [r.output_token_ids[:1] for r in decodes]
     # Every prompt's whole KV left the producer (the whole layout's bytes, all heads).
     layout = consumer.kv_connector.layout()
-    per_block = 2 * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * 4
+    itemsize = consumer.kv_cache.tensor.element_size()
+    per_block = 2 * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * itemsize
     blocks = sum(len(r.kv_load_ticket["dst_block_ids"])
                  - r.kv_load_ticket["num_cached_tokens"] // layout["block_size"] for r in decodes)
     assert producer.kv_connector.kv_transfer_bytes - sent_before == \
         blocks * per_block * layout["num_layers"]
     for engine in {producer, consumer}:
         _idle(engine)
+    return [r.output_token_ids for r in decodes]
 
 
 def test_abort_while_the_ranks_receive_frees_blocks_after_every_part_ended(engines):
@@ -163,3 +183,58 @@ def test_a_head_split_that_does_not_match_the_pairs_is_refused(engines):
     bad = {**sharded.kv_connector.layout(), "kv_head_ranges": [[0, 2], [1, 1]]}
     with pytest.raises(KVLayoutMismatchError, match="does not hold every one of the 3 KV heads"):
         single.kv_connector.open_channel("odd-prefill", "127.0.0.1", peer_layout=bad)
+
+
+def test_an_fp8_kv_cache_travels_between_sharded_and_unsharded_workers(f32_weights):
+    """fp8 (e4m3) caches: the 2-rank worker's layout carries the checksum of all
+    three KV heads' scales (rank 1's head 2 gathered to rank 0), equal to one rank's,
+    so both directions shake hands, and a peer with other scales is refused by name.
+    The quantized bytes travel as they are (a pair's heads of them): the 2-rank
+    worker sending to itself gives exactly its own colocated ids. Between 2 ranks
+    and 1, the ids are one rank's up to where they part, and they part only at a
+    near tie of one rank's distribution: a 2-rank prefill quantizes a few values on
+    the other side of a rounding boundary (see tests/test_tensor_parallel_models.py,
+    "quantized KV caches with 2 ranks")."""
+    from tandem.engine.runtime.kv_scales import scales_checksum
+    from tests.test_tensor_parallel_models import NEAR_TIE
+
+    fp8 = LLM(dtype="float32", num_blocks=64, kv_cache_dtype="fp8_e4m3", weights_from=f32_weights)
+    sharded = LLMEngine(dataclasses.replace(fp8.config, tensor_parallel_size=2),
+                        kv_transport="gloo", transfer_timeout_s=20.0)
+    single = LLMEngine(fp8.config, weights_from=fp8.engine, kv_transport="gloo",
+                       transfer_timeout_s=20.0)
+    try:
+        assert sharded.kv_cache.tensor.dtype == torch.float8_e4m3fn
+        assert tuple(sharded.kv_cache.scales.shape) == (30, 2, 2)        # rank 0's heads
+        whole = scales_checksum(fp8.engine.kv_cache.scales)               # [30, 2, 3]
+        assert sharded.kv_connector.layout()["kv_scales_checksum"] == whole
+        assert whole != scales_checksum(sharded.kv_cache.scales)
+        other = {**single.kv_connector.layout(), "kv_scales_checksum": "0" * 16}
+        with pytest.raises(KVLayoutMismatchError, match="kv_scales_checksum prefill="):
+            sharded.kv_connector.connect("odd-decode", {"pairs": []}, other)
+        _wire(sharded, "tp2-prefill", single, "tp1-decode")
+        _wire(single, "tp1-prefill", sharded, "tp2-decode")
+        _wire(sharded, "self-prefill", sharded, "self-decode")
+        prompts = [fp8.tokenizer.encode(p) for p in PROMPTS]
+        colocated = [sharded.add_request(p, GREEDY, f"fp8-colocated-{i}")[0]
+                     for i, p in enumerate(prompts)]
+        _step_both([sharded], lambda: all(r.is_finished for r in colocated))
+        assert _transfer(sharded, "self-prefill", sharded, "self-decode", "fp8 tp2->tp2",
+                         prompts) == [r.output_token_ids for r in colocated]
+        one = fp8.generate(prompts, dataclasses.replace(GREEDY, logprobs=2))
+        for direction, ends in (("tp2->tp1", (sharded, "tp2-prefill", single, "tp1-decode")),
+                                ("tp1->tp2", (single, "tp1-prefill", sharded, "tp2-decode"))):
+            got = _transfer(*ends, f"fp8 {direction}", prompts)
+            for i, (ids, want) in enumerate(zip(got, one)):
+                want_ids = want.outputs[0].token_ids
+                if ids == want_ids:
+                    continue
+                k = next(j for j, (a, b) in enumerate(zip(ids, want_ids)) if a != b)
+                (_, best), (_, second) = want.outputs[0].logprobs[k].top[:2]
+                assert best - second < NEAR_TIE, (
+                    f"{direction}: prompt {i} parts from one rank's ids at token {k}, where "
+                    f"one rank's best two logprobs are {best:.3f} and {second:.3f}")
+    finally:
+        single.kv_connector.close()
+        sharded.kv_connector.close()
+        sharded.shutdown()

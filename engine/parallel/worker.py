@@ -107,7 +107,8 @@ def run_worker(init: WorkerInit) -> None:
     """
     from tandem.engine.model.loader import load_model
     from tandem.engine.model.model_files import resolve_model
-    from tandem.engine.runtime.kv_scales import calibrate_kv_scales, kv_cache_torch_dtype
+    from tandem.engine.runtime.kv_scales import (calibrate_kv_scales, gather_model_kv_scales,
+                                                 kv_cache_torch_dtype)
     from tandem.kernels.registry import get_attention_backend
 
     config, rank = init.config, init.rank
@@ -135,6 +136,7 @@ def run_worker(init: WorkerInit) -> None:
     if isinstance(setup, CalibrateKVScales):        # fp8: this rank's heads' scales
         scales = calibrate_kv_scales(model, cfg, setup.token_ids, config.torch_dtype, device,
                                      setup.block_size)
+        gather_model_kv_scales(scales, cfg, comm)   # rank 0's KV connector compares them
         setup = comm.broadcast_object(None, src=0)
     if isinstance(setup, Shutdown):
         return

@@ -148,6 +148,41 @@ def calibrate_kv_scales(model, cfg: ModelConfig, token_ids: list[int], dtype: to
     return scales_from_amax(amax)
 
 
+def gather_model_kv_scales(scales: torch.Tensor, cfg: ModelConfig, comm) -> torch.Tensor | None:
+    """The whole model's fp8 KV scales from every rank's own heads' (a collective:
+    every rank of the group calls it, after :func:`calibrate_kv_scales`).
+
+    What a sharded worker's KV connector compares in the transfer handshake
+    (:func:`scales_checksum` of all the model's KV heads, as a one-rank engine's
+    layout carries it), so that workers of different tensor-parallel sizes can
+    exchange an fp8 cache. A KV head that several ranks hold (fewer KV heads than
+    ranks) takes the lowest such rank's scales.
+
+    Args:
+        scales: ``[L, 2, Hkv_rank]`` float32, this rank's heads' scales.
+        cfg: the whole model's config.
+        comm: the group's :class:`~tandem.engine.parallel.communicator.Communicator`.
+
+    Returns:
+        ``[L, 2, Hkv]`` float32 on rank 0 (``Hkv`` the model's KV heads), None on
+        the other ranks.
+    """
+    from tandem.engine.parallel.partition import head_partition, max_local_kv_heads
+
+    size = max_local_kv_heads(cfg.num_heads, cfg.num_kv_heads, comm.world_size)
+    padded = scales.new_zeros(*scales.shape[:2], size)                  # same shape on every rank
+    padded[..., :scales.shape[-1]] = scales
+    parts = comm.gather(padded, dst=0, dim=-1)                          # [L, 2, world * size]
+    if parts is None:
+        return None
+    whole = scales.new_empty(*scales.shape[:2], cfg.num_kv_heads)
+    for rank in reversed(range(comm.world_size)):                       # the lowest rank last
+        heads = head_partition(cfg.num_heads, cfg.num_kv_heads, comm.world_size, rank)
+        whole[..., heads.kv_start:heads.kv_start + heads.num_kv_heads] = \
+            parts[..., rank * size:rank * size + heads.num_kv_heads]
+    return whole
+
+
 def scales_checksum(scales: torch.Tensor | None) -> str:
     """A short hex digest of the scales' float32 bytes (``""`` for None), compared
     across a KV transfer's layout handshake."""

@@ -19,7 +19,7 @@ from tandem.engine.model.loader import load_model
 from tandem.engine.model.model_files import resolve_model
 from tandem.engine.runtime.beam_search import BeamSearchManager, check_beam_request
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
-                                             kv_cache_torch_dtype)
+                                             gather_model_kv_scales, kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
 from tandem.engine.sampling.grammar import StructuredOutputManager, get_grammar_backend_class
 from tandem.engine.scheduling.request import (Request, RequestStatus, TokenLogprobs,
@@ -118,6 +118,11 @@ class LLMEngine:
                 kv_scales = calibrate_kv_scales(
                     self.model, self.model_config, self.tokenizer.encode(CALIBRATION_TEXT),
                     config.torch_dtype, self.device)
+        # All the model's KV heads' scales, what a KV transfer's handshake compares:
+        # under tensor parallelism rank 0's own and the other ranks'.
+        model_kv_scales = kv_scales
+        if kv_scales is not None and comm is not None:
+            model_kv_scales = gather_model_kv_scales(kv_scales, self.model_config, comm)
         # Under tensor parallelism every rank keeps the same blocks of its own heads:
         # rank 0's (the most heads) size them.
         kv_model_config = (self.model_config if self.parallel is None
@@ -186,7 +191,7 @@ class LLMEngine:
                 "ranks": self.parallel.kv_ranks(self.model_config)}
             self.kv_connector = get_kv_connector(kv_transport, self.kv_cache.tensor,
                                                  transfer_timeout_s=transfer_timeout_s,
-                                                 kv_scales=self.kv_cache.scales, **ranks)
+                                                 kv_scales=model_kv_scales, **ranks)
         tok, vocab_size = self.tokenizer, self.model_config.vocab_size
         self.structured_outputs = StructuredOutputManager(
             lambda: get_grammar_backend_class()(tok, vocab_size), vocab_size, tok.eos_token_id)
