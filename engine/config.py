@@ -447,8 +447,16 @@ class EngineConfig:
             column/row split, :mod:`tandem.engine.parallel`): rank 0 runs in the
             engine's process with the scheduler and the sampler, ranks 1.. are
             worker processes (Gloo on the CPU, NCCL on CUDA); 1: no sharding. Above
-            1 it needs ``kv_cache_dtype`` auto and no draft model; dense, GGUF,
-            GPTQ and AWQ weights shard; see docs/tensor_parallel.md.
+            1 dense, GGUF, GPTQ and AWQ weights shard, the KV cache may be fp8 or
+            int4, and speculative decoding runs; see docs/tensor_parallel.md.
+        moe_dispatch: how a mixture-of-experts model's experts, spread over the
+            ``tensor_parallel_size`` ranks (expert parallelism), meet the tokens:
+            ``all_reduce`` (every rank runs its experts' share of every token and
+            one all-reduce sums the ranks' outputs) or ``all_to_all`` (each rank's
+            share of the tokens is dispatched to its experts' ranks and combined
+            back by two all-to-alls, then all-gathered: bit-identical to one
+            rank's expert layer); see docs/tensor_parallel.md. Ignored for a dense
+            model or one rank.
     """
 
     model: str | None = None
@@ -462,6 +470,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     activation_quantization: str = "none"
     tensor_parallel_size: int = 1
+    moe_dispatch: str = "all_reduce"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -499,6 +508,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size: must be an integer >= 1, "
                              f"got {self.tensor_parallel_size!r}")
+        if self.moe_dispatch not in ("all_reduce", "all_to_all"):
+            raise ValueError("moe_dispatch: expected all_reduce or all_to_all, "
+                             f"got {self.moe_dispatch!r}")
         if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
             raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
                              "can complete a block, which is then quantized per channel with it)")

@@ -171,8 +171,60 @@ def _collectives(comm):
             large == list(range(INLINE_OBJECT_BYTES)))
 
 
+def _all_to_all(comm):
+    """Rows between the two ranks with uneven and zero counts: rank 0 keeps 1 row and
+    sends 2, rank 1 sends 0 and keeps 3; then nothing at all."""
+    r = comm.rank
+    rows = torch.arange(3 * 2, dtype=torch.float32).view(3, 2) + 100 * r
+    send, recv = ([1, 2], [1, 0]) if r == 0 else ([0, 3], [2, 3])
+    out = comm.all_to_all(rows, send, recv)
+    empty = comm.all_to_all(torch.empty(0, 2), [0, 0], [0, 0])
+    return out, tuple(empty.shape)
+
+
+def _moe_dispatch(comm):
+    """:func:`dispatched_experts` on 2 ranks (experts 0-3 and 4-7 of 8) against one
+    process's :func:`fused_experts` over all 8, for token counts that leave rank 1
+    no token (1), split unevenly (7) and evenly (32), in float32 and bfloat16; and
+    the experts each rank ran."""
+    from tandem.engine.model.moe import dispatched_experts, fused_experts, route
+
+    # Both ranks multiply with one thread, as rank 1 does (a GEMM's float32 rounding
+    # may depend on how its threads split it).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    e, h, i, k = 8, 16, 24, 2
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        w13 = (torch.randn(e, 2 * i, h, generator=g) / 4).to(dtype)
+        w2 = (torch.randn(e, h, i, generator=g) / 4).to(dtype)
+        router = torch.randn(e, h, generator=g).to(dtype)
+        for t in (1, 7, 32):
+            x = torch.randn(t, h, generator=g).to(dtype)
+            weights, ids = route(x @ router.t(), k, True, dtype == torch.float32)
+            ran = set()
+
+            def gate_up(expert, rows):
+                ran.add(expert)
+                return F.linear(rows, w13[expert])
+
+            act = lambda y: F.silu(y[:, :i]) * y[:, i:]          # noqa: E731
+            out = dispatched_experts(x, gate_up, lambda ex, y: F.linear(y, w2[ex]), weights,
+                                     ids, e, act, comm, [0, 4, 8])
+            want = fused_experts(x, lambda ex, y: F.linear(y, w13[ex]),
+                                 lambda ex, y: F.linear(y, w2[ex]), weights, ids, e, act)
+            results.append((dtype, t, torch.equal(out, want), sorted(ran),
+                            sorted(set(ids.flatten().tolist()) & set(range(4 * comm.rank,
+                                                                           4 * comm.rank + 4)))))
+    torch.set_num_threads(threads)
+    ran_1 = comm.gather(torch.tensor([[len(r[3]) for r in results]]), dst=0, dim=0)
+    return results, ran_1
+
+
 SCENARIOS = {f.__name__: f for f in (_mlp, _attention_projections, _embedding, _lm_head,
-                                     _fused_checkpoint, _collectives)}
+                                     _fused_checkpoint, _collectives, _all_to_all,
+                                     _moe_dispatch)}
 
 
 def _rank1(port: int) -> None:
@@ -242,6 +294,25 @@ def test_collectives(group):
     assert gathered.tolist() == [[0.0, 0.5], [1.0, 1.5]]
     assert at_root.tolist() == [[0, 1]]
     assert small == {"step": 3} and large_ok
+
+
+def test_all_to_all_moves_each_ranks_rows(group):
+    out, empty = group(_all_to_all)
+    assert out.tolist() == [[0.0, 1.0]]                # its own row 0; rank 1 sent none
+    assert empty == (0, 2)
+
+
+def test_all_to_all_expert_dispatch_is_bit_identical_to_one_rank(group):
+    """Tokens sent to their experts' ranks and back: each expert's GEMM sees the rows
+    one process gives it, and each token's sum runs in the same order, so the
+    output equals one rank's bit for bit (bfloat16 too); a rank runs only its own
+    experts, and each of them that any token chose."""
+    results, ran_1 = group(_moe_dispatch)
+    assert [(dtype, t, same) for dtype, t, same, _, _ in results] == [
+        (dtype, t, True) for dtype in (torch.float32, torch.bfloat16) for t in (1, 7, 32)]
+    for _, _, _, ran, chosen in results:
+        assert ran == chosen                           # rank 0: experts 0-3 that were chosen
+    assert ran_1.shape == (2, 6) and ran_1[1].sum() > 0   # rank 1 ran its experts too
 
 
 def test_a_shard_refuses_a_checkpoint_tensor_of_another_size():

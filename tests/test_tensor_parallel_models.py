@@ -81,18 +81,25 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("case", sorted(ARCHITECTURES) + ["mixtral:all_to_all",
+                                                          "qwen2-moe:all_to_all"])
 def test_architectures_tp2_equal_transformers(case, tmp_path):
     """Chunked prefill (32-token steps) on the first pass, the prompts' full blocks
-    from the prefix cache on the second; transformers' greedy tokens both times."""
+    from the prefix cache on the second; transformers' greedy tokens both times.
+    ``:all_to_all``: the experts meet the tokens through the all-to-all dispatch
+    (``moe_dispatch``), two all-to-alls and one all-gather per sparse layer and
+    forward pass, and no all-reduce of the routed experts."""
     from tests.models.conftest import hf_greedy, save_tiny_checkpoint
 
+    case, _, dispatch = case.partition(":")
     config_class, overrides, heads = ARCHITECTURES[case]
     hf = save_tiny_checkpoint(tmp_path, config_class, **overrides)
     want = [hf_greedy(hf, p, NUM_TOKENS) for p in _prompts()]
     llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_blocks=64,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, moe_dispatch=dispatch or "all_reduce")
     try:
+        comm = llm.engine.parallel.comm
+        before = dict(comm.calls)
         attn = llm.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == heads
         mlp = llm.engine.model.model.layers[-1].mlp
@@ -104,6 +111,20 @@ def test_architectures_tp2_equal_transformers(case, tmp_path):
             outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY)
             assert _ids(outs) == want
             assert [o.num_cached_tokens for o in outs] == ([0, 32, 64] if cached else [0, 0, 0])
+        calls = {kind: n - before.get(kind, 0) for kind, n in comm.calls.items()}
+        if dispatch:
+            # Per forward pass: the vocabulary-parallel embedding's all-reduce, one
+            # per attention block and one per shared expert; none for the routed
+            # experts.
+            layers = llm.engine.model.model.layers
+            sparse = sum(hasattr(layer.mlp, "local_experts") for layer in layers)
+            shared = sum(getattr(layer.mlp, "shared_expert", None) is not None
+                         for layer in layers)
+            forwards = calls["all_to_all"] // (2 * sparse)
+            assert forwards > 0 and calls["all_to_all"] == 2 * sparse * forwards
+            assert calls["all_reduce"] == (1 + len(layers) + shared) * forwards
+        else:
+            assert calls.get("all_to_all", 0) == 0
         kv = llm.engine.kv_cache_manager
         assert kv.num_free_blocks == kv.num_usable_blocks
     finally:

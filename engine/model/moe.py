@@ -267,6 +267,102 @@ def moe_loop_reference(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinea
     return out
 
 
+def dispatched_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                       act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                       comm: Communicator, expert_starts: Sequence[int]) -> torch.Tensor:
+    """:func:`fused_experts` with the experts spread over the ranks of ``comm`` and the
+    tokens **dispatched** to their experts' ranks and **combined** back by two
+    all-to-alls (GShard, Lepikhin et al. 2020, section 2.2; DeepSpeed-MoE's
+    expert-parallel dispatch), then all-gathered.
+
+    Every rank holds the same ``x`` and routing (tensor-parallel attention leaves
+    them so). Rank ``r`` owns the tokens ``split_evenly(T, P, r)``: it sends each of
+    its (token, expert) pairs' rows to the rank holding that expert, in
+    :func:`fused_experts`' (expert, slot, token) order; the expert's rank puts the
+    rows it receives back in that order, so each expert's GEMMs see exactly the rows
+    one process would give them, and returns the weighted outputs, which the token's
+    rank adds per token in ascending expert order, as :func:`fused_experts` does.
+    The result is therefore bit-identical to :func:`fused_experts` on one rank (the
+    all-reduce combine is not: it sums the ranks' partial sums). Since every rank
+    knows every token's routing, no counts are exchanged.
+
+    Communication per MoE layer and rank (``P`` ranks, ``k`` experts per token,
+    ``T`` tokens, ``H`` hidden): two all-to-alls of about ``k T / P`` rows of ``H``
+    each (of which ``(P - 1) / P`` leave the rank), and an all-gather of ``ceil(T /
+    P)`` rows; the all-reduce combine moves ``2 (P - 1) / P`` of ``T`` rows. The
+    all-to-all form pays where ``k`` is small beside ``P`` (many expert ranks) or
+    where tokens are not replicated in the first place.
+
+    Args:
+        x, gate_up, down, topk_weights, topk_ids, num_experts, act_and_mul: as
+            :func:`fused_experts` (``gate_up`` / ``down`` called only for this
+            rank's experts).
+        comm: the group (``world_size`` ``P``, this ``rank``).
+        expert_starts: ``[P + 1]`` expert ranges: rank ``d`` holds experts
+            ``expert_starts[d]`` to ``expert_starts[d + 1] - 1``.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype, the same on every rank.
+    """
+    from tandem.engine.parallel.partition import split_evenly
+
+    t, k = topk_ids.shape
+    world, me = comm.world_size, comm.rank
+    token_starts = [split_evenly(t, world, r)[0] for r in range(world)] + [t]
+    flat_ids = topk_ids.t().reshape(-1)                                   # [k T]
+    order = torch.argsort(flat_ids, stable=True)                          # (expert, slot, token)
+    token_ids = order % t
+    expert_ids = flat_ids[order]
+    weights = topk_weights.t().reshape(-1)[order].unsqueeze(1)            # [T k, 1]
+    token_rank = torch.bucketize(token_ids, torch.tensor(token_starts[1:-1], device=x.device),
+                                 right=True)
+    expert_rank = torch.bucketize(expert_ids, torch.tensor(list(expert_starts[1:-1]),
+                                                           device=x.device), right=True)
+    # Host-side counts (one sync): the pairs between each two ranks.
+    pair_counts = torch.bincount(token_rank * world + expert_rank,
+                                 minlength=world * world).view(world, world).tolist()
+    send_counts = pair_counts[me]                                         # mine -> rank d
+    recv_counts = [pair_counts[src][me] for src in range(world)]          # rank s -> mine
+    # Dispatch: my tokens' pairs, grouped by destination (experts ascend with ranks).
+    mine = torch.nonzero(token_rank == me).flatten()
+    received = comm.all_to_all(x.index_select(0, token_ids[mine]), send_counts, recv_counts)
+    # My experts' pairs in the global order; the received rows are those stably
+    # sorted by their token's rank.
+    theirs = torch.nonzero(expert_rank == me).flatten()
+    arrival = torch.argsort(token_rank[theirs], stable=True)
+    rows = torch.empty_like(received)
+    rows[arrival] = received
+    results = torch.empty_like(rows)
+    counts = torch.bincount(expert_ids[theirs] - expert_starts[me],
+                            minlength=expert_starts[me + 1] - expert_starts[me]).tolist()
+    start = 0
+    for i, n in enumerate(counts):
+        if n:
+            span = slice(start, start + n)
+            y = down(expert_starts[me] + i, act_and_mul(gate_up(expert_starts[me] + i, rows[span])))
+            results[span] = (y * weights[theirs[span]]).to(x.dtype)
+        start += n
+    # Combine: back to the tokens' ranks, which receive them in the global order.
+    back = comm.all_to_all(results[arrival], recv_counts, send_counts)
+    lo, hi = token_starts[me], token_starts[me + 1]
+    out = x.new_zeros(hi - lo, x.shape[1])
+    mine_experts = expert_ids[mine]
+    bounds = torch.searchsorted(mine_experts,
+                                torch.arange(num_experts + 1, device=x.device)).tolist()
+    for expert in range(num_experts):
+        a, b = bounds[expert], bounds[expert + 1]
+        if b > a:                   # one index_add per expert, as fused_experts rounds
+            out.index_add_(0, token_ids[mine[a:b]] - lo, back[a:b])
+    # Every rank needs every token's output: pad the slices to one size and gather.
+    size = token_starts[1] - token_starts[0]
+    padded = x.new_zeros(size, x.shape[1])
+    padded[:hi - lo] = out
+    parts = comm.all_gather(padded, dim=0)                                # [P size, H]
+    return torch.cat([parts[r * size:r * size + token_starts[r + 1] - token_starts[r]]
+                      for r in range(world)])
+
+
 class FusedMoE(nn.Module):
     """A sparse MoE block: router ``gate`` ``[E, H]``, the routed experts and, for
     Qwen2-MoE, a shared expert (a :class:`GatedMLP` of width
@@ -296,7 +392,12 @@ class FusedMoE(nn.Module):
         comm: expert parallelism's communicator (None: every expert here).
 
     ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
-    ``"loop"`` (:func:`moe_loop_reference`, for comparisons).
+    ``"loop"`` (:func:`moe_loop_reference`, for comparisons). ``dispatch`` picks how
+    the ranks' experts meet under expert parallelism: ``"all_reduce"`` (above, the
+    default) or ``"all_to_all"`` (:func:`dispatched_experts`: each rank's share of
+    the tokens sent to their experts' ranks and back, then all-gathered; set from
+    :attr:`~tandem.engine.config.EngineConfig.moe_dispatch` by
+    :func:`set_moe_dispatch`).
     """
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase,
@@ -311,9 +412,14 @@ class FusedMoE(nn.Module):
         self.comm = comm
         self.local_experts = range(moe.num_experts)
         """The experts this rank holds and runs (all of them without ``comm``)."""
+        self.expert_starts = [0, moe.num_experts]
+        """``[P + 1]``: rank ``d`` holds experts ``expert_starts[d]`` to
+        ``expert_starts[d + 1] - 1``."""
         if comm is not None:
             from tandem.engine.parallel.partition import split_evenly
 
+            self.expert_starts = [split_evenly(moe.num_experts, comm.world_size, r)[0]
+                                  for r in range(comm.world_size)] + [moe.num_experts]
             start, size = split_evenly(moe.num_experts, comm.world_size, comm.rank)
             self.local_experts = range(start, start + size)
         if self.quantized_experts:
@@ -333,6 +439,7 @@ class FusedMoE(nn.Module):
                                           comm=comm)
             self.shared_expert_gate = Linear(h, 1, UnquantizedLinearMethod())
         self.impl = "fused"
+        self.dispatch = "all_reduce"
         self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -374,6 +481,10 @@ class FusedMoE(nn.Module):
             # fused kernel if it has one (Triton's kernels/fused_moe.py).
             out = backend.fused_moe(h, self.experts.gate_up_proj.weight,
                                     self.experts.down_proj.weight, topk_weights, topk_ids)
+        if out is None and self.comm is not None and self.dispatch == "all_to_all":
+            gate_up, down = self._expert_linears()
+            out = dispatched_experts(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
+                                     backend.silu_and_mul, self.comm, self.expert_starts)
         if out is None:
             gate_up, down = self._expert_linears()
             run = fused_experts if self.impl == "fused" else moe_loop_reference
@@ -386,6 +497,25 @@ class FusedMoE(nn.Module):
             shared = self.shared_expert(h, backend)                       # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
         return out
+
+
+MOE_DISPATCHES = ("all_reduce", "all_to_all")
+"""How the ranks' experts meet under expert parallelism (:class:`FusedMoE`)."""
+
+
+def set_moe_dispatch(model: nn.Module, dispatch: str) -> None:
+    """Set every :class:`FusedMoE` block of ``model`` to ``dispatch`` (a no-op for a
+    dense model; every rank of a group must set the same).
+
+    Raises:
+        ValueError: ``dispatch`` not in :data:`MOE_DISPATCHES`.
+    """
+    if dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"moe_dispatch: expected one of {', '.join(MOE_DISPATCHES)}, "
+                         f"got {dispatch!r}")
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.dispatch = dispatch
 
 
 # experts.{e}.{projection}.{leaf} inside an MoE block

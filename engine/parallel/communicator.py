@@ -4,7 +4,9 @@ A tensor-parallel engine is a group of ranks, each holding a shard of every laye
 (:mod:`tandem.engine.parallel.layers`). They meet in three collectives: the
 row-parallel layers' **all-reduce** (sum), the vocabulary-parallel LM head's
 **gather** of logits to rank 0 (or **all-gather**), and rank 0's **broadcast** of
-each step's model input (:mod:`tandem.engine.parallel.worker`). A
+each step's model input (:mod:`tandem.engine.parallel.worker`). Expert
+parallelism's all-to-all dispatch adds the **all-to-all** of rows
+(:func:`~tandem.engine.model.moe.dispatched_experts`). A
 :class:`Communicator` is that interface; layers and the step loop call it and
 never ``torch.distributed`` directly, so the transport is one swappable part:
 
@@ -108,6 +110,16 @@ class Communicator(ABC):
         ``dst``; None on the other ranks."""
 
     @abstractmethod
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Rows exchanged between every pair of ranks: this rank's ``tensor`` ``[n,
+        ...]`` is cut into ``send_counts[d]`` consecutive rows for rank ``d`` (in rank
+        order, ``sum(send_counts) == n``); the result is ``[sum(recv_counts), ...]``,
+        rank ``s``'s rows for this rank in rank order. Counts may be zero; the
+        counts of a pair must agree (rank ``s``'s ``send_counts[d]`` is rank ``d``'s
+        ``recv_counts[s]``). Shapes past dim 0 and the dtype equal on every rank."""
+
+    @abstractmethod
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (``obj`` is ignored
         elsewhere; rank ``src`` gets its own object back, not a copy)."""
@@ -129,6 +141,9 @@ class SingleProcessCommunicator(Communicator):
         return tensor
 
     def gather(self, tensor, dst=0, dim=-1):
+        return tensor
+
+    def all_to_all(self, tensor, send_counts, recv_counts):
         return tensor
 
     def broadcast_object(self, obj=None, src=0):
@@ -267,6 +282,14 @@ class TorchDistributedCommunicator(Communicator):
             return torch.cat(parts, dim=dim)
         self._run(lambda: self.group.gather([], [tensor], opts))
         return None
+
+    def all_to_all(self, tensor, send_counts, recv_counts):
+        tensor = tensor.contiguous()
+        self._count("all_to_all", tensor)
+        out = tensor.new_empty(sum(recv_counts), *tensor.shape[1:])
+        self._run(lambda: self.group.alltoall_base(out, tensor, list(recv_counts),
+                                                   list(send_counts), dist.AllToAllOptions()))
+        return out
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._count("broadcast", tensor)

@@ -107,6 +107,7 @@ def run_worker(init: WorkerInit) -> None:
     """
     from tandem.engine.model.loader import load_model
     from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.model.moe import set_moe_dispatch
     from tandem.engine.runtime.kv_scales import (calibrate_kv_scales, gather_model_kv_scales,
                                                  kv_cache_torch_dtype)
     from tandem.kernels.registry import get_attention_backend
@@ -126,6 +127,7 @@ def run_worker(init: WorkerInit) -> None:
         model, cfg = load_model(resolve_model(config.model), config.torch_dtype, device,
                                 config.quantization, config.batch_invariant,
                                 config.activation_quantization, comm=comm)
+        set_moe_dispatch(model, config.moe_dispatch)
     except BaseException as exc:
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")
         raise

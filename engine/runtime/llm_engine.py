@@ -17,6 +17,7 @@ from tandem.engine.kv.kv_cache_manager import KVCacheManager, kv_sliding_window
 from tandem.engine.kv.kv_connector import KVConnector, KVTransferParams, get_kv_connector
 from tandem.engine.model.loader import load_model
 from tandem.engine.model.model_files import resolve_model
+from tandem.engine.model.moe import set_moe_dispatch
 from tandem.engine.runtime.beam_search import BeamSearchManager, check_beam_request
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
                                              gather_model_kv_scales, kv_cache_torch_dtype)
@@ -101,6 +102,7 @@ class LLMEngine:
                 self.model, self.model_config = load_model(
                     self.model_files, config.torch_dtype, self.device, config.quantization,
                     config.batch_invariant, config.activation_quantization, comm=comm)
+                set_moe_dispatch(self.model, config.moe_dispatch)
             except BaseException:
                 if self.parallel is not None:     # an architecture that does not shard
                     self.parallel.shutdown()
