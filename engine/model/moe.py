@@ -224,9 +224,13 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
         ``[T, H]`` in ``x``'s dtype: ``sum_j w_tj * expert_{id_tj}(x_t)``, each
         product in the weights' and outputs' promoted dtype, rounded to ``x``'s
         dtype, and accumulated per token in ascending expert order; bit-identical to
-        :func:`moe_loop_reference` (transformers' order throughout).
+        :func:`moe_loop_reference` (transformers' order throughout). One token (a
+        single stream's decode step) skips the sort, gather and scatter
+        (:func:`_one_token_experts`, the same values).
     """
     t, k = topk_ids.shape
+    if t == 1:
+        return _one_token_experts(x, gate_up, down, topk_weights, topk_ids, act_and_mul, experts)
     # Pairs sorted by (expert, slot, token): transformers' row order within an expert
     # group, which a GEMM's result can depend on (its row blocking).
     flat_ids = topk_ids.t().reshape(-1)                                   # [k T]
@@ -247,6 +251,26 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
             out.index_add_(0, token_ids[rows], (y * weights[rows]).to(x.dtype))
         start += n
     return out
+
+
+def _one_token_experts(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                       experts: range | None) -> torch.Tensor:
+    """:func:`fused_experts` of one token (a single stream's decode step) without the
+    sort, gather and scatter: its ``k`` experts in ascending order, each weighted
+    output rounded to ``x``'s dtype and added in that order (``0 + a`` is ``a``), so
+    the same values as the grouped path."""
+    ids = topk_ids[0].tolist()                                            # host sync: k ints
+    out = None
+    for slot in sorted(range(len(ids)), key=ids.__getitem__):
+        expert = ids[slot]
+        if experts is not None and expert not in experts:
+            continue
+        y = down(expert, act_and_mul(gate_up(expert, x)))                 # [1, H]
+        y = (y * topk_weights[:, slot:slot + 1]).to(x.dtype)
+        out = y if out is None else out + y
+    return torch.zeros_like(x) if out is None else out
 
 
 def moe_loop_reference(x: torch.Tensor, gate_up: ExpertLinear, down: ExpertLinear,
