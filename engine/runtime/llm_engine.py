@@ -107,6 +107,16 @@ class LLMEngine:
                 if self.parallel is not None:     # an architecture that does not shard
                     self.parallel.shutdown()
                 raise
+        self.backend = get_attention_backend(config.attention_backend, self.device,
+                                             config.torch_dtype, config.batch_invariant)
+        try:
+            # A model whose layers need what the backend lacks (a window, soft-capping,
+            # experts in batch-invariant mode) is refused here, not at its first step.
+            self.model.check_backend(self.backend)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown()
+            raise
         if pending_tokenizer is not None:
             tokenizer = pending_tokenizer.result()
         self.tokenizer = tokenizer or Tokenizer(self.model_files)
@@ -185,8 +195,6 @@ class LLMEngine:
                                  self.model_config.max_model_len, pool_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    bytes_per_block)
-        self.backend = get_attention_backend(config.attention_backend, self.device,
-                                             config.torch_dtype, config.batch_invariant)
         self.kv_connector: KVConnector | None = None
         if kv_transport is not None:
             ranks = {} if self.parallel is None else {

@@ -6,8 +6,10 @@ A KV pool of 7 blocks cannot hold the three requests together (5-, 40- and
 70-token prompts plus 12 tokens each need 1 + 4 + 6 blocks) but holds each alone,
 so they are preempted and resumed. The n-gram proposer looks up suffixes from one
 token on, so it finds drafts to verify (a prompt repeats a pattern; the 70-token one
-holds many of the vocabulary's ids). Windowed layers (Gemma 2 and 3, Mistral),
-soft-capped scores (Gemma 2), longrope (Phi-3) and Q/K norms (Qwen3) are on the path. Chunked prefill and the prefix
+holds many of the vocabulary's ids). Windowed layers (Gemma 2 and 3, Mistral,
+Qwen2), soft-capped scores (Gemma 2), llama3 RoPE scaling, longrope (Phi-3), Q/K
+norms (Qwen3) and mixture-of-experts blocks (Mixtral, Qwen2-MoE's shared expert,
+Qwen3-MoE) are on the path. Chunked prefill and the prefix
 cache per architecture: tests/models/test_architectures.py; served and
 disaggregated: tests/serving/test_architectures_served.py.
 """
@@ -25,7 +27,9 @@ from tests.models.test_architectures import CASES
 
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-FEATURE_CASES = ["gemma2", "gemma3", "qwen3", "phi3-longrope", "mistral-window"]
+FEATURE_CASES = ["llama3-rope", "qwen2-window", "gemma2", "gemma3", "qwen3", "phi3-longrope",
+                 "mistral-window", "mixtral", "qwen2-moe", "qwen3-moe"]
+MOE_CASES = {"mixtral", "qwen2-moe", "qwen3-moe"}
 
 
 def _prompts() -> list[list[int]]:
@@ -74,8 +78,13 @@ def test_ngram_speculation_keeps_the_tokens(checkpoint):
 
 def test_batch_invariant_mode_keeps_the_tokens(checkpoint):
     """Windowed and soft-capped layers in batch-invariant mode (every query token
-    through the decode kernel over its own window)."""
+    through the decode kernel over its own window). Mixture-of-experts models are
+    refused by name (no batch-invariant expert kernel)."""
     case, path, reference = checkpoint
+    if case in MOE_CASES:
+        with pytest.raises(ValueError, match="batch_invariant: mixture-of-experts layers"):
+            LLM(path, dtype="float32", num_blocks=64, batch_invariant=True)
+        return
     llm = LLM(path, dtype="float32", num_blocks=64, batch_invariant=True,
               max_num_batched_tokens=32)
     outs = llm.generate(_prompts(), GREEDY)

@@ -3,11 +3,13 @@ transformers wrote, served disaggregated (1 prefill + 1 decode Ray actor, the KV
 streamed between them over Gloo, gRPC over loopback), gives transformers' greedy
 tokens exactly (float32).
 
-Gemma 3 stands for the features the layers add beyond Llama's (sliding-window and
-global layers with their own RoPE bases, sandwich norms, GeGLU), Qwen3 for Q/K
-norms, Phi-3 for longrope (the long prompts start past the original context) and
-Mistral for a window shorter than the prompts, Qwen2-MoE for mixture-of-experts
-blocks (routed experts, a shared expert, Q/K/V biases). The offline engine's exactness per architecture is
+Every architecture of docs/models.md's table: Llama 3 (llama3 RoPE scaling), Qwen2
+(Q/K/V biases, a sliding layer), Qwen3 (Q/K norms), Gemma 2 (soft-capping, query
+scalar, alternating windows) and Gemma 3 (sliding and global layers with their own
+RoPE bases, sandwich norms, GeGLU), Phi-3 (fused projections, longrope: the long
+prompts start past the original context), Mistral (a window shorter than the
+prompts), and the mixture-of-experts Mixtral, Qwen2-MoE (a shared expert, Q/K/V
+biases) and Qwen3-MoE (a dense layer beside the sparse one). The offline engine's exactness per architecture is
 tests/models/test_architectures.py; this checks that the KV layout, the transfer
 and the decode worker carry it unchanged. One cluster per checkpoint.
 """
@@ -31,8 +33,9 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 40, 70)]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "phi3-longrope", "mistral-window",
-                                        "qwen2-moe"])
+@pytest.fixture(scope="module", params=["llama3-rope", "qwen2-window", "qwen3", "gemma2",
+                                        "gemma3", "phi3-longrope", "mistral-window", "mixtral",
+                                        "qwen2-moe", "qwen3-moe"])
 def served(request, ray_session, tmp_path_factory):
     from tandem.engine.config import CacheConfig, EngineConfig
     from tandem.router.launcher import ServeConfig
