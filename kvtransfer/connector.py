@@ -93,11 +93,9 @@ class TransportKVConnector(KVConnector):
             travel as they are (a pair's heads of them between sharded workers); the
             scales never do.
         ranks: a tensor-parallel worker's ranks (their KV heads, and the commands
-            that drive ranks 1..); None for a one-rank worker.
-
-    Raises:
-        ValueError: ``ranks`` of more than one rank with an int4 KV cache (its
-            open-block K store is per rank: not transferred sharded yet).
+            that drive ranks 1..); None for a one-rank worker. An int4 cache's
+            packed rows travel per head too; each decode rank rebuilds an open
+            block's K entry from its own heads' rows, as one rank does.
     """
 
     def __init__(self, transport: str, kv_cache: Any, notify: Callable[[], None] | None = None,
@@ -111,9 +109,6 @@ class TransportKVConnector(KVConnector):
         self.transfer_timeout_s = transfer_timeout_s
         local = KVLayout.from_cache(kv_cache, scales_checksum(kv_scales))
         self._ranks = ranks or KVRankGroup(((0, local.num_kv_heads),))
-        if self._ranks.world_size > 1 and local.dtype == "uint8":
-            raise ValueError("kv_cache_dtype: an int4 KV cache is not transferred between "
-                             "tensor-parallel workers yet (use the model dtype or fp8_e4m3)")
         self._control = (RankControl(self._ranks.store_host, self._ranks.store_port)
                          if self._ranks.world_size > 1 else None)
         self._head_start = self._ranks.head_ranges[0][0]

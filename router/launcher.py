@@ -152,15 +152,7 @@ class ServeConfig:
             get_tool_parser(self.tool_call_parser)        # an unknown name: ValueError
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice: needs tool_call_parser to be set")
-        if self.mode == "disaggregated":
-            for pool, eng in (("decode", self.engine),
-                              ("prefill", self.prefill_engine or self.engine)):
-                if eng.tensor_parallel_size > 1 and eng.cache.kv_cache_dtype == "int4":
-                    raise ValueError(
-                        f"kv_cache_dtype: {pool} workers of {eng.tensor_parallel_size} ranks "
-                        "in disaggregated mode keep the KV cache in the model dtype or fp8; "
-                        "an int4 cache is not transferred between sharded workers yet (use "
-                        "kv_cache_dtype=auto, fp8_e4m3 or mode=colocated)")
+
 
 def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int] | None], int]:
     """Cores per prefill and decode worker, and torch threads each (0: as many as the

@@ -207,20 +207,15 @@ def test_a_worker_s_threads_are_shared_by_its_ranks():
                                             (None, 1)]] == [4, 2, 1, 1, 1, None, None]
 
 
-def test_serve_config_refuses_an_int4_kv_cache_between_sharded_workers():
-    """fp8 caches travel between sharded workers (their scales' checksum over all
-    the model's KV heads); int4's per-rank open-block store does not yet."""
+def test_serve_config_takes_quantized_kv_caches_between_sharded_workers():
+    """fp8 and int4 caches travel between sharded disaggregated workers
+    (tests/test_tensor_parallel_disagg.py), so neither pool refuses them."""
     from tandem.engine.config import CacheConfig, EngineConfig
     from tandem.router.launcher import ServeConfig
 
-    int4, fp8 = CacheConfig(kv_cache_dtype="int4"), CacheConfig(kv_cache_dtype="fp8_e4m3")
-    with pytest.raises(ValueError, match="kv_cache_dtype: decode workers of 2 ranks in "
-                                         "disaggregated mode"):
-        ServeConfig(engine=EngineConfig(tensor_parallel_size=2, cache=int4))
-    with pytest.raises(ValueError, match="kv_cache_dtype: prefill workers of 2 ranks"):
-        ServeConfig(prefill_engine=EngineConfig(tensor_parallel_size=2, cache=int4))
-    assert ServeConfig(engine=EngineConfig(tensor_parallel_size=2)).engine.tensor_parallel_size == 2
-    assert ServeConfig(engine=EngineConfig(
-        tensor_parallel_size=2, cache=fp8)).engine.cache.kv_cache_dtype == "fp8_e4m3"
-    assert ServeConfig(mode="colocated", engine=EngineConfig(
-        tensor_parallel_size=2, cache=int4)).engine.tensor_parallel_size == 2
+    for dtype in ("fp8_e4m3", "int4"):
+        cache = CacheConfig(kv_cache_dtype=dtype)
+        config = ServeConfig(engine=EngineConfig(tensor_parallel_size=2, cache=cache),
+                             prefill_engine=EngineConfig(tensor_parallel_size=2, cache=cache))
+        assert (config.engine.cache.kv_cache_dtype,
+                config.prefill_engine.cache.kv_cache_dtype) == (dtype, dtype)
