@@ -1,6 +1,8 @@
-"""Expert parallelism on one machine: a mixture-of-experts model on 1 rank vs its
-experts spread over ``--tp`` ranks, with each of the two ways the ranks' experts meet
-the tokens (``moe_dispatch``), and what the ranks send each other.
+"""Expert parallelism on one machine: a mixture-of-experts model on 1 rank vs sharded
+over ``--tp`` ranks, each expert split over them (tensor-parallel experts, the
+default) or whole experts spread over them (``enable_expert_parallel``) with each of
+the two ways they meet the tokens (``moe_dispatch``), and what the ranks send each
+other.
 
 The model is ``moe.py``'s random-weight Mixtral (transformers writes it: hidden 512,
 4 layers, 8 experts of width 1024, top-2, 8 query / 2 KV heads, vocab 8192). Offline
@@ -14,8 +16,8 @@ Rank 0's collectives per decode step are checked against the cost of each form
 (``T`` tokens of the step, ``H`` hidden, ``k`` experts per token, ``P`` ranks, ``L``
 MoE layers; bytes as rank 0 sends them):
 
-- ``all_reduce``: ``2 L + 1`` all-reduces of ``T x H`` (attention, the experts'
-  partial sums, the embedding);
+- tensor-parallel experts and ``all_reduce``: ``2 L + 1`` all-reduces of ``T x H``
+  (attention, the experts' partial sums, the embedding);
 - ``all_to_all``: ``L + 1`` all-reduces of ``T x H``; per MoE layer two all-to-alls,
   the dispatch sending exactly ``k * ceil(T / P)`` rows of ``H`` (rank 0's tokens'
   pairs, its own experts' included) and the combine the rows of the pairs rank 0's
@@ -78,18 +80,22 @@ def main() -> None:
                "machine": platform.processor() or platform.machine(), "isa": isa_flags(),
                "runs": []}
     outputs = {}
-    for tp, dispatch in ((1, "all_reduce"), (args.tp, "all_reduce"), (args.tp, "all_to_all")):
-        llm = LLM(str(ckpt), dtype=args.dtype, tensor_parallel_size=tp, moe_dispatch=dispatch,
+    for tp, ep, dispatch in ((1, False, "all_reduce"), (args.tp, False, "all_reduce"),
+                             (args.tp, True, "all_reduce"), (args.tp, True, "all_to_all")):
+        llm = LLM(str(ckpt), dtype=args.dtype, tensor_parallel_size=tp,
+                  enable_expert_parallel=ep, moe_dispatch=dispatch,
                   num_threads=max(1, args.threads // tp), num_blocks=1024,
                   enable_prefix_caching=False)
         cfg = llm.engine.model_config
         h, k, layers = cfg.hidden_size, cfg.moe.num_experts_per_tok, cfg.num_layers
-        name = "1 rank" if tp == 1 else f"{tp} ranks, {dispatch}"
+        name = ("1 rank" if tp == 1 else f"{tp} ranks, expert parallel, {dispatch}" if ep
+                else f"{tp} ranks, tensor-parallel experts")
         try:
             _decode_steps(llm, prompt_sets[args.batch_sizes[0]], params)     # warm-up
             for b in args.batch_sizes:
                 steps = _decode_steps(llm, prompt_sets[b], params)
-                run = {"system": name, "tp": tp, "moe_dispatch": dispatch, "batch": b,
+                run = {"system": name, "tp": tp, "expert_parallel": ep, "moe_dispatch": dispatch,
+                       "batch": b,
                        "median_decode_step_ms":
                            1e3 * statistics.median(s["seconds"] for s in steps)}
                 if tp > 1:
@@ -123,7 +129,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 llm.generate(batch, one)
                 best = min(best, time.perf_counter() - t0)
-            results["runs"].append({"system": name, "tp": tp, "moe_dispatch": dispatch,
+            results["runs"].append({"system": name, "tp": tp, "expert_parallel": ep,
+                                    "moe_dispatch": dispatch,
                                     "prefill_tokens": len(long_prompts) * args.prefill_len,
                                     "prefill_ms": 1e3 * best})
         finally:

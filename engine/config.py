@@ -449,14 +449,16 @@ class EngineConfig:
             worker processes (Gloo on the CPU, NCCL on CUDA); 1: no sharding. Above
             1 dense, GGUF, GPTQ and AWQ weights shard, the KV cache may be fp8 or
             int4, and speculative decoding runs; see docs/tensor_parallel.md.
-        moe_dispatch: how a mixture-of-experts model's experts, spread over the
-            ``tensor_parallel_size`` ranks (expert parallelism), meet the tokens:
-            ``all_reduce`` (every rank runs its experts' share of every token and
-            one all-reduce sums the ranks' outputs) or ``all_to_all`` (each rank's
-            share of the tokens is dispatched to its experts' ranks and combined
-            back by two all-to-alls, then all-gathered: bit-identical to one
-            rank's expert layer); see docs/tensor_parallel.md. Ignored for a dense
-            model or one rank.
+        enable_expert_parallel: a mixture-of-experts model on ``tensor_parallel_size``
+            ranks: False (vLLM's default) splits every expert's FFN width over the
+            ranks, True spreads whole experts over them (expert parallelism). Ignored
+            for a dense model or one rank.
+        moe_dispatch: with ``enable_expert_parallel``, how the experts meet the
+            tokens: ``all_reduce`` (every rank runs its experts' share of every
+            token and one all-reduce sums the ranks' outputs) or ``all_to_all``
+            (each rank's share of the tokens is dispatched to its experts' ranks and
+            combined back by two all-to-alls, then all-gathered: bit-identical to
+            one rank's expert layer); see docs/tensor_parallel.md.
     """
 
     model: str | None = None
@@ -470,6 +472,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     activation_quantization: str = "none"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     moe_dispatch: str = "all_reduce"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -511,6 +514,9 @@ class EngineConfig:
         if self.moe_dispatch not in ("all_reduce", "all_to_all"):
             raise ValueError("moe_dispatch: expected all_reduce or all_to_all, "
                              f"got {self.moe_dispatch!r}")
+        if self.moe_dispatch == "all_to_all" and not self.enable_expert_parallel:
+            raise ValueError("moe_dispatch: all_to_all dispatches tokens to whole experts "
+                             "spread over the ranks; it needs enable_expert_parallel")
         if self.cache.kv_cache_dtype == "int4" and self.speculative is not None:
             raise ValueError("speculative: not with kv_cache_dtype int4 (a rejected draft token "
                              "can complete a block, which is then quantized per channel with it)")

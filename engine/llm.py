@@ -57,8 +57,10 @@ class LLM:
         tensor_parallel_size: ranks the model is sharded over (``EngineConfig``):
             rank 0 runs here with the scheduler, the others as worker processes that
             :meth:`shutdown` stops (or this process's exit).
-        moe_dispatch: ``all_reduce`` or ``all_to_all``, how a mixture-of-experts
-            model's experts spread over the ranks meet the tokens (``EngineConfig``).
+        enable_expert_parallel: a mixture-of-experts model's experts spread whole
+            over the ``tensor_parallel_size`` ranks instead of each split over them.
+        moe_dispatch: ``all_reduce`` or ``all_to_all``, how experts spread over the
+            ranks meet the tokens (``EngineConfig``).
 
     Raises:
         ValueError: a bad configuration field (named in the message).
@@ -76,7 +78,7 @@ class LLM:
                  quantization: str = "none", kv_cache_dtype: str = "auto",
                  activation_quantization: str = "none",
                  weights_from: "LLM | None" = None, tensor_parallel_size: int = 1,
-                 moe_dispatch: str = "all_reduce"):
+                 enable_expert_parallel: bool = False, moe_dispatch: str = "all_reduce"):
         if isinstance(speculative_config, dict):
             unknown = set(speculative_config) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
             if unknown:
@@ -94,7 +96,8 @@ class LLM:
             quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             activation_quantization=activation_quantization,
             batch_invariant=batch_invariant, speculative=speculative_config,
-            tensor_parallel_size=tensor_parallel_size, moe_dispatch=moe_dispatch,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel, moe_dispatch=moe_dispatch,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,

@@ -30,11 +30,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks each engine's model is sharded over (Megatron-style; rank 0 in "
-                        "the worker's process, the others its subprocesses; a mixture of "
-                        "experts spreads its experts over them; see docs/tensor_parallel.md)")
+                        "the worker's process, the others its subprocesses; see "
+                        "docs/tensor_parallel.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts over several ranks: spread whole experts over "
+                        "them (default: split every expert over them, as vLLM does)")
     p.add_argument("--moe-dispatch", default="all_reduce", choices=["all_reduce", "all_to_all"],
-                   help="with experts spread over several ranks: all_reduce (every rank runs "
-                        "its experts on every token, one all-reduce sums them) or all_to_all "
+                   help="with --enable-expert-parallel: all_reduce (every rank runs its "
+                        "experts on every token, one all-reduce sums them) or all_to_all "
                         "(tokens dispatched to their experts' ranks and combined back)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int4"],
                    help="KV cache element type: auto (the model dtype), fp8_e4m3 (1 byte "
@@ -113,7 +116,8 @@ def _engine_config(args):
         speculative = SpeculativeConfig(method=args.speculative_method, **given)
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size, moe_dispatch=args.moe_dispatch,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, moe_dispatch=args.moe_dispatch,
         attention_backend=args.attention_backend, quantization=args.quantization,
         activation_quantization=args.activation_quantization,
         batch_invariant=args.batch_invariant, speculative=speculative,

@@ -69,8 +69,8 @@ ARCHITECTURES = {
     # with an original context of 32 (the 40- and 70-token prompts read the long factors,
     # which every rank decides from the broadcast prompt lengths)
     "phi3-longrope": (*CASES["phi3-longrope"][:2], (2, 1)),
-    # mixture of experts: the 8 experts spread over the ranks (4 each: expert
-    # parallelism, one all-reduce combines); Mixtral renormalises top-2 in float32
+    # mixture of experts: every expert split over the ranks (its FFN width; ":ep"
+    # below spreads the 8 experts, 4 each); Mixtral renormalises top-2 in float32
     "mixtral": (*CASES["mixtral"][:2], (2, 1)),
     # Qwen2-MoE: no renormalisation, a shared expert (tensor-parallel) with its
     # sigmoid gate, Q/K/V biases
@@ -81,32 +81,41 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURES) + ["mixtral:all_to_all",
-                                                          "qwen2-moe:all_to_all"])
+@pytest.mark.parametrize("case", sorted(ARCHITECTURES) + [
+    "mixtral:ep", "qwen3-moe:ep", "mixtral:ep:all_to_all", "qwen2-moe:ep:all_to_all"])
 def test_architectures_tp2_equal_transformers(case, tmp_path):
     """Chunked prefill (32-token steps) on the first pass, the prompts' full blocks
     from the prefix cache on the second; transformers' greedy tokens both times.
-    ``:all_to_all``: the experts meet the tokens through the all-to-all dispatch
-    (``moe_dispatch``), two all-to-alls and one all-gather per sparse layer and
-    forward pass, and no all-reduce of the routed experts."""
+    MoE: by default every expert splits its FFN width over the ranks; ``:ep``
+    spreads whole experts (``enable_expert_parallel``), and ``:all_to_all`` then
+    meets the tokens through the all-to-all dispatch (``moe_dispatch``), two
+    all-to-alls and one all-gather per sparse layer and forward pass, and no
+    all-reduce of the routed experts."""
     from tests.models.conftest import hf_greedy, save_tiny_checkpoint
 
-    case, _, dispatch = case.partition(":")
+    case, *modes = case.split(":")
+    dispatch = "all_to_all" if "all_to_all" in modes else ""
     config_class, overrides, heads = ARCHITECTURES[case]
     hf = save_tiny_checkpoint(tmp_path, config_class, **overrides)
     want = [hf_greedy(hf, p, NUM_TOKENS) for p in _prompts()]
     llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_blocks=64,
-              max_num_batched_tokens=32, moe_dispatch=dispatch or "all_reduce")
+              max_num_batched_tokens=32, enable_expert_parallel="ep" in modes,
+              moe_dispatch=dispatch or "all_reduce")
     try:
         comm = llm.engine.parallel.comm
         before = dict(comm.calls)
         attn = llm.engine.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == heads
         mlp = llm.engine.model.model.layers[-1].mlp
-        if hasattr(mlp, "local_experts"):           # rank 0 holds experts 0-3 of 8
+        if hasattr(mlp, "local_experts"):
             held = (len(mlp._packed[0]) if mlp._packed is not None
                     else mlp.experts.gate_up_proj.weight.shape[0])
-            assert (mlp.local_experts, held) == (range(0, 4), 4)
+            if "ep" in modes:                       # rank 0 holds experts 0-3 of 8
+                assert (mlp.local_experts, held, mlp.partition) == (range(0, 4), 4, None)
+            else:                                   # every expert's features 0..I/2-1
+                i = llm.engine.model_config.moe.moe_intermediate_size
+                assert (mlp.local_experts, held, mlp.partition) == (range(0, 8), 8,
+                                                                    (0, i // 2))
         for cached in (False, True):
             outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY)
             assert _ids(outs) == want
@@ -580,12 +589,15 @@ def test_int4_kv_cache_tp2_equals_tp1(f32_weights):
 
 # -- quantized experts spread over the ranks (expert parallelism) ---------------------------------
 
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "tp-experts"])
 @pytest.mark.parametrize("case", ["mixtral-gptq", "mixtral-awq", "mixtral-gguf-q4_0"])
-def test_quantized_experts_tp2_equal_tp1(case, tmp_path):
+def test_quantized_experts_tp2_equal_tp1(case, expert_parallel, tmp_path):
     """A tiny Mixtral whose experts stay quantized (GPTQ / AWQ INT4_ZP blocks in groups
-    of 32, a GGUF file's Q4_0 blocks): rank 0 holds experts 0-3 of 8, each exactly one
-    rank's layer of that expert (the others' places empty), and the greedy tokens are
-    one rank's, prompt logprobs within float32 summation order."""
+    of 32, a GGUF file's Q4_0 blocks). Expert parallel: rank 0 holds experts 0-3 of
+    8, each exactly one rank's layer of that expert (the others' places empty).
+    Tensor-parallel experts: rank 0 holds features 0-63 of every expert's 128, in
+    whole groups / blocks. Either way the greedy tokens are one rank's, prompt
+    logprobs within float32 summation order."""
     from tandem.kernels.cpu.gguf_linear import gguf_kernels_available
     from tests.models.test_quantized_experts import (GGUF_CASES, _int4_checkpoints,
                                                       quantize_gguf)
@@ -604,9 +616,14 @@ def test_quantized_experts_tp2_equal_tp1(case, tmp_path):
     else:
         path, _, _ = _int4_checkpoints(tmp_path, "mixtral", case.split("-")[1])
         kw, leaf = {}, "int4_blocks"
-    tp1, tp2 = _tp2_equals_tp1(path, **kw)
+    tp1, tp2 = _tp2_equals_tp1(path, enable_expert_parallel=expert_parallel, **kw)
     try:
         moe1, moe2 = (llm.engine.model.model.layers[-1].mlp for llm in (tp1, tp2))
+        if not expert_parallel:
+            assert moe2.quantized_experts and moe2.partition == (0, 64)
+            assert moe2.local_experts == range(0, 8)
+            assert all(moe2.experts[e].down_proj.partition == (0, 64) for e in range(8))
+            return
         assert moe2.quantized_experts and moe2.local_experts == range(0, 4)
         for e in range(4):
             for proj in ("gate_up_proj", "down_proj"):

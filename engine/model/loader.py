@@ -115,7 +115,8 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                batch_invariant: bool = False, activation_quantization: str = "none",
-               comm: "Communicator | None" = None) -> tuple[nn.Module, ModelConfig]:
+               comm: "Communicator | None" = None,
+               enable_expert_parallel: bool = False) -> tuple[nn.Module, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The class is the registered one of the checkpoint's architecture
@@ -137,6 +138,9 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         comm: tensor parallelism: build this rank's shard of the model (each layer
             takes its slice of the full checkpoint tensors as they stream by, so a
             rank holds only its shard); None: the whole model.
+        enable_expert_parallel: with ``comm``, a mixture-of-experts model's experts
+            spread whole over the ranks instead of each split
+            (``EngineConfig.enable_expert_parallel``); ignored for dense models.
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
@@ -164,7 +168,10 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
     linear_method = linear_method_for(files, quantization)
     cls = MODEL_REGISTRY.model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg, linear_method) if comm is None else cls(cfg, linear_method, comm=comm)
+        kwargs = {} if comm is None else {"comm": comm}
+        if comm is not None and cfg.moe is not None:
+            kwargs["enable_expert_parallel"] = enable_expert_parallel
+        model = cls(cfg, linear_method, **kwargs)
     _materialize(model, device, dtype)
     for module in model.modules():
         # Packed layers hold no float parameter for .to(dtype) to convert: tell them

@@ -92,16 +92,27 @@ class StackedExpertWeight(nn.Module):
 
     With ``experts`` (expert parallelism: this rank's contiguous range of the
     ``num_experts``) ``weight`` holds only those, ``[len(experts), N, K]``; the
-    other experts' tensors are taken and dropped.
+    other experts' tensors are taken and dropped. With ``partition`` (tensor-parallel
+    experts: ``(start, size)`` of the expert FFN width) each sub-matrix keeps only
+    rows ``start .. start + size - 1`` (``split="rows"``: gate and up,
+    column-parallel, ``[E, len(output_sizes) * size, K]``) or those input columns
+    (``split="columns"``: down, row-parallel, ``[E, N, size]``).
     """
 
     def __init__(self, num_experts: int, in_features: int, output_sizes: Sequence[int],
-                 experts: range | None = None):
+                 experts: range | None = None, partition: tuple[int, int] | None = None,
+                 split: str = "rows"):
         super().__init__()
         self.output_sizes = list(output_sizes)
         self.num_experts = num_experts
         self.experts = experts if experts is not None else range(num_experts)
-        weight = torch.empty(len(self.experts), sum(output_sizes), in_features)
+        self.partition, self.split = partition, split
+        rows, cols = sum(output_sizes), in_features
+        if partition is not None and split == "rows":
+            rows = partition[1] * len(output_sizes)
+        elif partition is not None:
+            cols = partition[1]
+        weight = torch.empty(len(self.experts), rows, cols)
         if not weight.is_meta:
             nn.init.normal_(weight, std=in_features ** -0.5)
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -111,6 +122,13 @@ class StackedExpertWeight(nn.Module):
         """Every (expert, sub-matrix) shard; all are needed unless loaded whole (a
         rank holding some experts takes every shard and keeps its own)."""
         return tuple(range(self.num_experts * len(self.output_sizes)))
+
+    def _local(self, sub: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one sub-matrix ``[..., out_j, K]``."""
+        if self.partition is None:
+            return sub
+        start, size = self.partition
+        return sub.narrow(-2 if self.split == "rows" else -1, start, size)
 
     def load_weight(self, leaf: str, loaded: torch.Tensor, shard_id: int | None) -> None:
         """Called by :func:`~tandem.engine.model.weights.load_weights`.
@@ -123,13 +141,20 @@ class StackedExpertWeight(nn.Module):
             raise WeightLoadError(f"expert weights are dense; no {leaf!r}")
         lo, hi = self.experts.start, self.experts.stop
         if shard_id is None:
-            copy_checked(self.weight.data, loaded[lo:hi])
+            if loaded.dim() != 3 or loaded.shape[1] != sum(self.output_sizes):
+                raise WeightLoadError(f"stacked expert tensor {tuple(loaded.shape)}: expected "
+                                      f"[{self.num_experts}, {sum(self.output_sizes)}, ...]")
+            subs = loaded[lo:hi].split(self.output_sizes, dim=1)
+            copy_checked(self.weight.data, torch.cat([self._local(t) for t in subs], dim=1))
             return
         expert, j = divmod(shard_id, len(self.output_sizes))
         if expert not in self.experts:
             return                              # another rank's expert (expert parallelism)
-        copy_checked(self.weight.data[expert - lo].narrow(0, sum(self.output_sizes[:j]),
-                                                          self.output_sizes[j]), loaded)
+        rows = (self.partition[1] if self.partition is not None and self.split == "rows"
+                else self.output_sizes[j])
+        first = j * rows if self.partition is not None and self.split == "rows" \
+            else sum(self.output_sizes[:j])
+        copy_checked(self.weight.data[expert - lo].narrow(0, first, rows), self._local(loaded))
 
 
 class QuantizedExpert(nn.Module):
@@ -141,6 +166,9 @@ class QuantizedExpert(nn.Module):
     Args:
         hidden_size: ``H``; intermediate_size: ``I``.
         linear_method: the quantized :class:`~tandem.engine.model.linear.LinearMethodBase`.
+        comm, partition: tensor-parallel experts: this rank's ``(start, size)`` of
+            ``I`` (whole quantization units), gate-up column-parallel and down
+            row-parallel without its all-reduce; None: the whole expert.
 
     Raises:
         WeightLoadError: widths the method cannot pack (GPTQ / AWQ: not multiples
@@ -148,11 +176,22 @@ class QuantizedExpert(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 linear_method: LinearMethodBase):
+                 linear_method: LinearMethodBase, comm: Communicator | None = None,
+                 partition: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size],
-                                   linear_method)
-        self.down_proj = Linear(intermediate_size, hidden_size, linear_method)
+        if partition is None:
+            self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size],
+                                       linear_method)
+            self.down_proj = Linear(intermediate_size, hidden_size, linear_method)
+            return
+        from tandem.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        # Tensor-parallel experts: this rank's features of the expert; the down
+        # projection's partial sum is reduced once for all experts (FusedMoE).
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                 [partition, partition], linear_method)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, partition, comm,
+                                           linear_method, reduce=False)
 
 
 class _AbsentLinear(nn.Module):
@@ -397,8 +436,14 @@ class FusedMoE(nn.Module):
     method, else one :class:`QuantizedExpert` per expert (``experts.{e}.gate_up_proj``,
     ``experts.{e}.down_proj``) of the quantized method (:attr:`quantized_experts`).
 
-    **Expert parallelism** (``comm``; the group's ranks hold the same activations,
-    as tensor parallelism leaves them): rank ``r`` holds a contiguous share of the
+    **Tensor-parallel experts** (``comm``, ``expert_parallel`` false; vLLM's default):
+    every rank holds every expert's share of the FFN width (whole units of the
+    format, as a dense MLP splits: gate-up column-parallel, down row-parallel), runs
+    every routed pair on its share, and one all-reduce sums the ranks' partial
+    outputs; every rank works on every token, whatever the routing.
+
+    **Expert parallelism** (``comm``, ``expert_parallel``; the group's ranks hold the
+    same activations, as tensor parallelism leaves them): rank ``r`` holds a contiguous share of the
     experts (:attr:`local_experts`, :func:`~tandem.engine.parallel.partition.split_evenly`),
     every rank routes every token with the whole router (the same float32 numerics),
     runs only its experts' pairs, and one all-reduce sums the ranks' partial outputs:
@@ -413,7 +458,10 @@ class FusedMoE(nn.Module):
         cfg: the model config (``cfg.moe`` set; ``hidden_act`` SiLU).
         linear_method: the routed and shared experts' linear method (None: dense);
             the router and ``shared_expert_gate`` are dense in every format.
-        comm: expert parallelism's communicator (None: every expert here).
+        comm: the tensor-parallel group's communicator (None: every expert whole
+            here).
+        expert_parallel: with ``comm``, spread whole experts over the ranks
+            (``EngineConfig.enable_expert_parallel``) instead of splitting each.
 
     ``impl`` picks the dispatch: ``"fused"`` (:func:`fused_experts`, the default) or
     ``"loop"`` (:func:`moe_loop_reference`, for comparisons). ``dispatch`` picks how
@@ -425,7 +473,7 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase,
-                 comm: Communicator | None = None):
+                 comm: Communicator | None = None, expert_parallel: bool = False):
         super().__init__()
         moe: MoEConfig = cfg.moe
         h, i = cfg.hidden_size, moe.moe_intermediate_size
@@ -439,24 +487,34 @@ class FusedMoE(nn.Module):
         self.expert_starts = [0, moe.num_experts]
         """``[P + 1]``: rank ``d`` holds experts ``expert_starts[d]`` to
         ``expert_starts[d + 1] - 1``."""
-        if comm is not None:
+        self.expert_parallel = comm is not None and expert_parallel
+        self.partition: tuple[int, int] | None = None
+        """Tensor-parallel experts: this rank's ``(start, size)`` of the FFN width."""
+        if self.expert_parallel:
             from tandem.engine.parallel.partition import split_evenly
 
             self.expert_starts = [split_evenly(moe.num_experts, comm.world_size, r)[0]
                                   for r in range(comm.world_size)] + [moe.num_experts]
             start, size = split_evenly(moe.num_experts, comm.world_size, comm.rank)
             self.local_experts = range(start, start + size)
+        elif comm is not None:
+            from tandem.engine.parallel.partition import split_in_units
+
+            self.partition = split_in_units(i, (linear_method or UnquantizedLinearMethod())
+                                            .shard_units, comm.world_size, comm.rank)
         if self.quantized_experts:
-            experts = [QuantizedExpert(h, i, linear_method) for _ in range(moe.num_experts)]
+            experts = [QuantizedExpert(h, i, linear_method, comm, self.partition)
+                       for _ in range(moe.num_experts)]
             self.experts = nn.ModuleList(
                 x if e in self.local_experts else _absent_expert(x)
                 for e, x in enumerate(experts))
         else:
             self.experts = nn.Module()
             self.experts.gate_up_proj = StackedExpertWeight(moe.num_experts, h, [i, i],
-                                                            self.local_experts)
+                                                            self.local_experts, self.partition)
             self.experts.down_proj = StackedExpertWeight(moe.num_experts, i, [h],
-                                                         self.local_experts)
+                                                         self.local_experts, self.partition,
+                                                         split="columns")
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg, linear_method, moe.shared_expert_intermediate_size,
@@ -505,18 +563,18 @@ class FusedMoE(nn.Module):
             # fused kernel if it has one (Triton's kernels/fused_moe.py).
             out = backend.fused_moe(h, self.experts.gate_up_proj.weight,
                                     self.experts.down_proj.weight, topk_weights, topk_ids)
-        if out is None and self.comm is not None and self.dispatch == "all_to_all":
+        if out is None and self.expert_parallel and self.dispatch == "all_to_all":
             gate_up, down = self._expert_linears()
             out = dispatched_experts(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
                                      backend.silu_and_mul, self.comm, self.expert_starts)
         if out is None:
             gate_up, down = self._expert_linears()
             run = fused_experts if self.impl == "fused" else moe_loop_reference
-            experts = self.local_experts if self.comm is not None else None
+            experts = self.local_experts if self.expert_parallel else None
             out = run(h, gate_up, down, topk_weights, topk_ids, self.num_experts,
                       backend.silu_and_mul, experts)
             if self.comm is not None:
-                out = self.comm.all_reduce(out)         # the other ranks' experts
+                out = self.comm.all_reduce(out)         # the other ranks' experts or shares
         if self.shared_expert is not None:
             shared = self.shared_expert(h, backend)                       # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * shared
@@ -565,20 +623,25 @@ class MoEForCausalLM(DecoderForCausalLM):
     """The checkpoint's name of the MoE block (Mixtral: ``block_sparse_moe``)."""
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethodBase | None = None,
-                 **kwargs):
+                 enable_expert_parallel: bool = False, **kwargs):
+        # Read by make_mlp while the base class builds the layers.
+        self.enable_expert_parallel = enable_expert_parallel
         super().__init__(cfg, linear_method, **kwargs)
         # Experts as per-expert linear layers of a quantized method (see FusedMoE).
         self.quantized_experts = linear_method is not None and linear_method.name != "none"
 
     supports_tensor_parallel = True
-    """Attention splits by heads as the dense models'; the experts spread over the
-    ranks (expert parallelism, :class:`FusedMoE`)."""
+    """Attention splits by heads as the dense models'; each expert splits over the
+    ranks, or with ``enable_expert_parallel`` the experts spread over them
+    (:class:`FusedMoE`)."""
 
     def make_mlp(self, cfg: ModelConfig, linear_method: LinearMethodBase,
                  layer_idx: int, comm: Communicator | None = None) -> nn.Module | None:
         """:class:`FusedMoE` for a sparse layer (its experts in ``linear_method``'s
         format; with ``comm`` this rank's share of them)."""
-        return FusedMoE(cfg, linear_method, comm) if cfg.moe.sparse_layers[layer_idx] else None
+        if not cfg.moe.sparse_layers[layer_idx]:
+            return None
+        return FusedMoE(cfg, linear_method, comm, self.enable_expert_parallel)
 
     def weight_mapping(self, name: str) -> tuple[str, int | None]:
         """Besides :meth:`DecoderForCausalLM.weight_mapping`:

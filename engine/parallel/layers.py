@@ -129,8 +129,12 @@ class RowParallelLinear(Linear):
             checkpoint tensor to the rank's columns (whole quantization groups or
             blocks: a partition that cuts one raises :class:`WeightLoadError` at load).
         params_dtype, bias: as :class:`Linear`.
+        reduce: False: return this rank's partial product, unsummed (a caller that
+            sums several layers' partials with one all-reduce: tensor-parallel MoE
+            experts); no bias then.
 
-    Shapes: ``x_r`` ``[T, K_r]`` -> ``[T, N]``, the same on every rank.
+    Shapes: ``x_r`` ``[T, K_r]`` -> ``[T, N]``, the same on every rank (with
+    ``reduce``).
 
     Raises:
         NotImplementedError: a ``quant_method`` whose format does not shard.
@@ -138,15 +142,19 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, output_size: int, partition: tuple[int, int],
                  comm: Communicator, quant_method: LinearMethodBase | None = None,
-                 params_dtype: torch.dtype | None = None, bias: bool = False):
+                 params_dtype: torch.dtype | None = None, bias: bool = False,
+                 reduce: bool = True):
         start, size = partition
         if start < 0 or size < 0 or start + size > in_features:
             raise ValueError(f"partition: {partition} outside {in_features} input columns")
+        if bias and not reduce:
+            raise ValueError("bias: a row-parallel layer that does not reduce adds none")
         _check_shardable(quant_method)
         super().__init__(size, output_size, quant_method, params_dtype, bias)
         self.full_in_features = in_features
         self.partition = (start, size)
         self.comm = comm
+        self.reduce = reduce
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None) -> None:
         """Copy this rank's columns of the full weight (the bias whole).
@@ -160,11 +168,15 @@ class RowParallelLinear(Linear):
         super().load_weight(param_name, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(self.quant_method.apply(self, x))
+        y = self.quant_method.apply(self, x)
+        if not self.reduce:
+            return y
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", partition={self.partition}, all-reduce"
+        return (super().extra_repr() + f", partition={self.partition}"
+                + (", all-reduce" if self.reduce else ", partial"))
 
 
 def _padded_rows(loaded: torch.Tensor, vocab_size: int, start: int, size: int,

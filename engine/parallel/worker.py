@@ -126,7 +126,8 @@ def run_worker(init: WorkerInit) -> None:
     try:
         model, cfg = load_model(resolve_model(config.model), config.torch_dtype, device,
                                 config.quantization, config.batch_invariant,
-                                config.activation_quantization, comm=comm)
+                                config.activation_quantization, comm=comm,
+                                enable_expert_parallel=config.enable_expert_parallel)
         set_moe_dispatch(model, config.moe_dispatch)
     except BaseException as exc:
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")

@@ -101,7 +101,8 @@ class LLMEngine:
             try:
                 self.model, self.model_config = load_model(
                     self.model_files, config.torch_dtype, self.device, config.quantization,
-                    config.batch_invariant, config.activation_quantization, comm=comm)
+                    config.batch_invariant, config.activation_quantization, comm=comm,
+                    enable_expert_parallel=config.enable_expert_parallel)
                 set_moe_dispatch(self.model, config.moe_dispatch)
             except BaseException:
                 if self.parallel is not None:     # an architecture that does not shard
