@@ -331,6 +331,39 @@ def test_config_refusals_name_tensor_parallel_size():
             EngineConfig(tensor_parallel_size=bad)
 
 
+def test_moe_config_refusals_name_their_field():
+    with pytest.raises(ValueError, match="moe_dispatch: all_to_all .* needs "
+                                         "enable_expert_parallel"):
+        EngineConfig(tensor_parallel_size=2, moe_dispatch="all_to_all")
+    with pytest.raises(ValueError, match="moe_dispatch: expected all_reduce or all_to_all"):
+        EngineConfig(moe_dispatch="scatter")
+    assert EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True,
+                        moe_dispatch="all_to_all").moe_dispatch == "all_to_all"
+
+
+@pytest.mark.parametrize("split", ["rows", "columns"])
+def test_split_experts_keep_their_share_of_every_expert(split):
+    """Tensor-parallel experts: a stacked projection keeps features 8..19 of each
+    sub-matrix (gate and up rows, or down's input columns) of every expert, whether
+    the checkpoint holds the experts stacked whole or one sub-matrix at a time."""
+    from tandem.engine.model.moe import StackedExpertWeight
+
+    e, h, i = 4, 6, 24
+    sizes, k = ([i, i], h) if split == "rows" else ([h], i)
+    full = torch.randn(e, sum(sizes), k)
+    whole = StackedExpertWeight(e, k, sizes, partition=(8, 12), split=split)
+    whole.load_weight("weight", full, None)
+    apart = StackedExpertWeight(e, k, sizes, partition=(8, 12), split=split)
+    for x in range(e):
+        for j, sub in enumerate(full[x].split(sizes, dim=0)):
+            apart.load_weight("weight", sub, x * len(sizes) + j)
+    if split == "rows":
+        want = torch.cat([full[:, 8:20], full[:, i + 8:i + 20]], dim=1)     # [E, 24, H]
+    else:
+        want = full[:, :, 8:20]                                              # [E, H, 12]
+    assert torch.equal(whole.weight, want) and torch.equal(apart.weight, want)
+
+
 def test_a_class_that_does_not_shard_is_refused_by_name(f32_weights):
     """Every registered architecture shards now; a class that says it does not
     (``supports_tensor_parallel`` False) is refused before any layer is built."""
