@@ -97,26 +97,26 @@ class LLMEngine:
                                  "batch_invariant and activation_quantization must match")
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
-        else:
-            try:
+        try:
+            if weights_from is None:
                 self.model, self.model_config = load_model(
                     self.model_files, config.torch_dtype, self.device, config.quantization,
                     config.batch_invariant, config.activation_quantization, comm=comm,
                     enable_expert_parallel=config.enable_expert_parallel)
                 set_moe_dispatch(self.model, config.moe_dispatch)
-            except BaseException:
-                if self.parallel is not None:     # an architecture that does not shard
-                    self.parallel.shutdown()
-                raise
-        self.backend = get_attention_backend(config.attention_backend, self.device,
-                                             config.torch_dtype, config.batch_invariant)
-        try:
+            self.backend = get_attention_backend(config.attention_backend, self.device,
+                                                 config.torch_dtype, config.batch_invariant)
             # A model whose layers need what the backend lacks (a window, soft-capping,
             # experts in batch-invariant mode) is refused here, not at its first step.
             self.model.check_backend(self.backend)
         except BaseException:
-            if self.parallel is not None:
+            if self.parallel is not None:     # e.g. an architecture that does not shard
                 self.parallel.shutdown()
+            if pending_tokenizer is not None:
+                # Let the tokenizer's import of transformers finish before the caller
+                # can retry: a second engine importing it meanwhile sees a half
+                # initialised module (ImportError).
+                concurrent.futures.wait([pending_tokenizer])
             raise
         if pending_tokenizer is not None:
             tokenizer = pending_tokenizer.result()

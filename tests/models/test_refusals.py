@@ -142,6 +142,42 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     assert err.field == "model_type" and "'olmoe'" in str(err)
 
 
+RETRY_AFTER_A_REFUSAL = """
+import sys
+from tandem.engine.llm import LLM
+from tandem.engine.model.registry import UnsupportedModelError
+try:
+    LLM(sys.argv[1], dtype="float32", num_blocks=8)
+except UnsupportedModelError:
+    pass
+else:
+    sys.exit("not refused")
+# The refused engine's tokenizer load (transformers' import) is over, not still
+# running beside the retry, which would see a half-initialised module.
+spec = sys.modules["transformers"].__spec__
+print("initializing", getattr(spec, "_initializing", False))
+LLM(sys.argv[2], dtype="float32", num_blocks=8)
+print("loaded")
+"""
+
+
+def test_a_refusal_leaves_nothing_running_and_a_retry_loads(tmp_path):
+    """In a fresh interpreter (transformers not imported yet): a refused checkpoint,
+    then at once a good one, as a user fixing a config in a notebook would. The
+    tokenizer loads in a thread beside the model; the refusal waits for it, so the
+    retry does not import transformers beside it (which raised ImportError)."""
+    import subprocess
+    import sys
+
+    bad, good = tmp_path / "olmoe", tmp_path / "llama"
+    save_tiny_checkpoint(bad, "OlmoeConfig", num_experts=4, num_experts_per_tok=2)
+    save_tiny_checkpoint(good, "LlamaConfig")
+    out = subprocess.run([sys.executable, "-c", RETRY_AFTER_A_REFUSAL, str(bad), str(good)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["initializing", "False", "loaded"]
+
+
 MIXTRAL = BASE | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                   "num_local_experts": 4, "num_experts_per_tok": 2}
 QWEN2_MOE = BASE | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
