@@ -569,9 +569,9 @@ def pack_chunks(chunks, block_size: int, device: torch.device
         seq_lens.append(end)
         qsl.append(qsl[-1] + len(ids))
     width = max(len(c[2]) for c in chunks)
-    table = torch.zeros(len(chunks), width, dtype=torch.int32)
-    for i, c in enumerate(chunks):
-        table[i, :len(c[2])] = torch.tensor(c[2], dtype=torch.int32)
+    # One tensor from padded rows: a row-by-row copy costs a torch call per sequence.
+    table = torch.tensor([list(c[2]) + [0] * (width - len(c[2])) for c in chunks],
+                         dtype=torch.int32)
     num_decodes = 0
     while num_decodes < len(chunks) and len(chunks[num_decodes][0]) == 1:
         num_decodes += 1
