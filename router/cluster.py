@@ -1,8 +1,9 @@
 """The router's view of the cluster: the worker registry, the routing policy, the
 reservations, the output pumps and the per-request queues they feed.
 
-One pump task per worker long-polls its step outputs (as subscriber
-``router_id``: with several routers each gets its own requests' deltas):
+One pump task per worker reads its step outputs (as subscriber ``router_id``:
+with several routers each gets its own requests' deltas), pushed on the
+worker's output stream or, without one, long-polled:
 stats go to the registry, KV cache events to the routing policy (which blocks
 each worker caches, for prefix-aware routing) unless they come from Redis
 streams (:meth:`Cluster.feed_kv_events`), and a decode (or colocated) worker's
@@ -21,6 +22,7 @@ from typing import Callable, Sequence
 
 from tandem.control.reservations import InProcessReservations, Reservations
 
+from tandem.engine.runtime.output_stream import OutputStream, OutputStreamError
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.router.registry import WorkerHandle, WorkerRegistry
 from tandem.router.routing import RoutingPolicy
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 RESERVATION_TTL_S = 60.0
 """Seconds a decode reservation lives unless refreshed (a dead router's expire)."""
+STREAM_SILENCE_S = 10.0
+"""Seconds without a frame (the worker sends a heartbeat every second) after which
+the router asks the worker whether it is there (a Ray call that fails if it died)."""
 
 
 @dataclass(frozen=True)
@@ -275,36 +280,92 @@ class Cluster:
                     logger.warning("refreshing reservations failed: %s", exc)
 
     async def _pump(self, w: WorkerHandle) -> None:
+        """Feed worker ``w``'s step outputs to its requests' queues until it is dead,
+        replaced or removed. Outputs come pushed on the worker's output stream
+        (:mod:`~tandem.engine.runtime.output_stream`) where it has one, else by
+        ``poll`` calls. When the stream ends, one ``poll`` call says why (it raises
+        for a dead or failed worker; then the worker is marked dead) before the
+        stream is opened again."""
         routes_deltas = w.role != "prefill"     # a prefill worker's results return by call
-        while True:
-            try:
-                steps = await w.client.poll(1.0, self.router_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.mark_dead(w, exc)
-                return
-            current = self._is_current(w)   # not a replaced (or removed) incarnation
-            if steps:
-                w.last_output_at = time.monotonic()
-                w.last_step_s = max((s.step_time_s for s in steps if s.step_time_s),
-                                    default=w.last_step_s)
-            for step in steps:
-                if not current:
-                    break
-                self.registry.update_stats(w.worker_id, step.stats)
-                if step.kv_events and self.kv_events_from_steps:
-                    self.policy.on_kv_events(w.worker_id, step.kv_events)
-                if self.on_step is not None:
-                    self.on_step(w, step)
-                if not routes_deltas:
-                    continue
-                for d in step.deltas:
-                    q = self._queues.get(d.request_id)
-                    if q is not None and self._owner.get(d.request_id) == w.worker_id:
-                        q.put_nowait(d)
-            if not current or not w.alive:
-                return
+        stream: OutputStream | None = None
+        use_stream = True
+        try:
+            while True:
+                steps = None
+                if stream is None and use_stream:
+                    stream, use_stream = await self._open_stream(w)
+                if stream is not None:
+                    try:
+                        steps = await stream.read(STREAM_SILENCE_S)
+                    except OutputStreamError as exc:
+                        logger.debug("%s: %s", w.worker_id, exc)
+                        stream.close()
+                        stream = None
+                    if steps is None and stream is not None:
+                        # Not even a heartbeat: is the worker there at all?
+                        try:
+                            await w.client.info()
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception as exc:
+                            self.mark_dead(w, exc)
+                            return
+                        continue
+                if steps is None:
+                    try:
+                        steps = await w.client.poll(1.0, self.router_id)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        self.mark_dead(w, exc)
+                        return
+                if not self._take_steps(w, steps, routes_deltas):
+                    return
+        finally:
+            if stream is not None:
+                stream.close()
+
+    async def _open_stream(self, w: WorkerHandle) -> tuple[OutputStream | None, bool]:
+        """``(stream, whether to try again later)``: ``w``'s output stream, or None
+        (then this round polls) if it has none or it cannot be opened now."""
+        try:
+            rendezvous = await w.client.open_output_stream(self.router_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # An older or in-process worker without one polls (so does a dead one,
+            # whose poll then fails).
+            logger.debug("%s: no output stream (%s); polling", w.worker_id, exc)
+            return None, False
+        try:
+            return await OutputStream.connect(rendezvous), True
+        except OutputStreamError as exc:
+            logger.warning("%s: %s; polling this round", w.worker_id, exc)
+            return None, True
+
+    def _take_steps(self, w: WorkerHandle, steps: list[StepOutput], routes_deltas: bool) -> bool:
+        """Apply a batch of ``w``'s step outputs; False once ``w`` is no longer the
+        current, live incarnation (its pump then ends)."""
+        current = self._is_current(w)   # not a replaced (or removed) incarnation
+        if steps:
+            w.last_output_at = time.monotonic()
+            w.last_step_s = max((s.step_time_s for s in steps if s.step_time_s),
+                                default=w.last_step_s)
+        for step in steps:
+            if not current:
+                break
+            self.registry.update_stats(w.worker_id, step.stats)
+            if step.kv_events and self.kv_events_from_steps:
+                self.policy.on_kv_events(w.worker_id, step.kv_events)
+            if self.on_step is not None:
+                self.on_step(w, step)
+            if not routes_deltas:
+                continue
+            for d in step.deltas:
+                q = self._queues.get(d.request_id)
+                if q is not None and self._owner.get(d.request_id) == w.worker_id:
+                    q.put_nowait(d)
+        return current and w.alive
 
     def _is_current(self, w: WorkerHandle) -> bool:
         try:

@@ -129,6 +129,12 @@ class WorkerClient:
         """Step outputs for ``subscriber`` (a router id), waiting up to ``timeout_s``."""
         return await self._call("poll", timeout_s, subscriber)
 
+    async def open_output_stream(self, subscriber: str) -> dict:
+        """A one-time rendezvous (``host``, ``port``, ``token``) for a connection on
+        which the worker pushes ``subscriber``'s step outputs
+        (:mod:`~tandem.engine.runtime.output_stream`)."""
+        return await self._call("open_output_stream", subscriber)
+
     async def stats(self) -> WorkerStats:
         return await self._call("stats")
 

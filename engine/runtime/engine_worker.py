@@ -3,7 +3,7 @@ Ray actor's async methods.
 
 :class:`EngineWorker` pins the process, builds the engine on its loop's thread
 (:meth:`EngineLoop.build`), and answers the methods every worker has the same way:
-``info``, ``fence`` / ``unfence``, ``poll``, ``stats``, ``abort``,
+``info``, ``fence`` / ``unfence``, ``poll`` / ``open_output_stream``, ``stats``, ``abort``,
 ``check_invariants``, ``shutdown``. The role adapters
 (:class:`~tandem.decode_worker.worker.DecodeWorker`,
 :class:`~tandem.prefill_worker.worker.PrefillWorker`) add their own methods and
@@ -32,6 +32,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.parallel.communicator import RankDiedError
 from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
+from tandem.engine.runtime.output_stream import OutputStreamServer
 from tandem.engine.runtime.outputs import StepOutput, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
 from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
@@ -75,6 +76,7 @@ class EngineWorker:
         self.engine = self.loop.engine
         self._fence = Fence(worker_id)
         self.control: Any = None
+        self._output_stream: OutputStreamServer | None = None
 
     def _rank_lost(self, exc: RankDiedError) -> None:
         """A rank of this worker's tensor-parallel group died: end the whole worker.
@@ -122,10 +124,13 @@ class EngineWorker:
         """Model and cache facts (model_name, max_model_len, block_size, dtype, ...)
         plus this worker's KV layout (None without a KV connector), node address,
         pid, cores, ``tensor_parallel_size`` and ``rank_pids`` (the process ids of
-        its ranks 1..; empty with one rank), and generation (its incarnation in
-        the cluster state; 0 without one)."""
+        its ranks 1..; empty with one rank), generation (its incarnation in
+        the cluster state; 0 without one) and ``output_streams`` (routers that
+        read its outputs on an output stream now)."""
+        streams = self._output_stream
         return {**self._static_info(),
-                "generation": self.control.generation if self.control is not None else 0}
+                "generation": self.control.generation if self.control is not None else 0,
+                "output_streams": streams.num_streams if streams is not None else 0}
 
     def _static_info(self) -> dict:
         connector = self.engine.kv_connector
@@ -168,6 +173,15 @@ class EngineWorker:
         subscriber timeout has its requests aborted (see :meth:`EngineLoop.poll`)."""
         return await asyncio.to_thread(self.loop.poll, timeout_s, subscriber)
 
+    async def open_output_stream(self, subscriber: str) -> dict:
+        """A one-time rendezvous (``host``, ``port``, ``token``) for a connection on
+        which this worker pushes ``subscriber``'s step outputs as :meth:`poll` would
+        return them (:mod:`~tandem.engine.runtime.output_stream`; the listener starts
+        on the first call)."""
+        if self._output_stream is None:
+            self._output_stream = OutputStreamServer(self.loop.poll, node_ip_address())
+        return self._output_stream.open(subscriber)
+
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, self.role)
 
@@ -185,6 +199,8 @@ class EngineWorker:
         tensor-parallel ranks 1.. (if any)."""
         if self.control is not None:
             self.control.close()
+        if self._output_stream is not None:
+            self._output_stream.close()
         self.loop.shutdown()
         if self.engine.kv_connector is not None:
             self.engine.kv_connector.close()

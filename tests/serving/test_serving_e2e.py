@@ -85,6 +85,10 @@ def test_sixteen_concurrent_streams(disagg, tokenizer):
         assert len(token_ids_of(resp)) == 16
         assert resp[-1].finish_reason == pb.FINISH_REASON_LENGTH
     disagg.wait_idle()
+    # The tokens came pushed on each worker's output stream (one per router), not
+    # by poll calls (engine/runtime/output_stream.py).
+    infos = [disagg.server.run(w.actor.info.remote()) for w in disagg.workers()]
+    assert [i["output_streams"] for i in infos] == [1] * len(infos)
 
 
 def test_modes_agree_on_chat_text(disagg, coloc):
