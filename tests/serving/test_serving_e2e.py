@@ -91,6 +91,58 @@ def test_sixteen_concurrent_streams(disagg, tokenizer):
     assert [i["output_streams"] for i in infos] == [1] * len(infos)
 
 
+def _histogram(text: str, name: str, **labels) -> tuple[float, float]:
+    """``(sum, count)`` of a histogram in a ``/metrics`` scrape (labels: a subset)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if all(smp.labels.get(k) == v for k, v in labels.items()):
+                if smp.name == name + "_sum":
+                    total += smp.value
+                elif smp.name == name + "_count":
+                    count += smp.value
+    return total, count
+
+
+def test_the_serving_path_adds_little_to_a_decode_step(disagg, tokenizer):
+    """Coarse, and both sides from the same run: at a steady batch of 4 streams the
+    p50 gap between a stream's tokens as this client receives them is between 0.5x
+    and 1.5x the decode worker's mean step (``engine_step_seconds``: not slower, and
+    not delivered in bursts), and a step's outputs reach the router
+    (``step_delivery_seconds``) within half a step on average. The close bound
+    (1.15x of an offline step) is measured in benchmarks/serving_overhead.py."""
+    before = disagg.metrics_text()
+    prompts = [tokenizer.encode(f"Write a long story about the number {i}.") for i in range(4)]
+
+    def arrivals(ids):
+        times = []
+        for r in disagg.stub.Generate(greedy_req(ids=ids, max_tokens=48), timeout=120):
+            times += [time.perf_counter()] * len(r.token_ids)
+        return times
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = list(pool.map(arrivals, prompts))
+    assert [len(t) for t in streams] == [48] * 4
+    after = disagg.metrics_text()
+    # Gaps while all 4 decode: from the last stream's first token to the first one's end.
+    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
+    gaps = sorted(b - a for t in streams for a, b in zip(t, t[1:]) if a >= start and b <= end)
+    assert len(gaps) > 40
+    mean = {}
+    for name in ("tandem:engine_step_seconds", "tandem:step_delivery_seconds"):
+        (s0, c0), (s1, c1) = (_histogram(x, name, worker="decode-0") for x in (before, after))
+        assert c1 > c0, name
+        mean[name] = (s1 - s0) / (c1 - c0)
+    step, p50 = mean["tandem:engine_step_seconds"], gaps[len(gaps) // 2]
+    msg = (f"p50 gap {p50 * 1e3:.1f} ms, step {step * 1e3:.1f} ms, delivery "
+           f"{mean['tandem:step_delivery_seconds'] * 1e3:.1f} ms")
+    assert 0.5 * step < p50 < 1.5 * step, msg
+    assert mean["tandem:step_delivery_seconds"] < 0.5 * step, msg
+    disagg.wait_idle()
+
+
 def test_modes_agree_on_chat_text(disagg, coloc):
     req = greedy_req(chat="Name three planets.", max_tokens=20)
     a, b = disagg.generate(req), coloc.generate(req)
