@@ -34,6 +34,9 @@ RESERVATION_TTL_S = 60.0
 STREAM_SILENCE_S = 10.0
 """Seconds without a frame (the worker sends a heartbeat every second) after which
 the router asks the worker whether it is there (a Ray call that fails if it died)."""
+STREAM_RETRY_S = 60.0
+"""Seconds a router polls a worker whose output stream it could not reach before it
+tries the stream again."""
 
 
 @dataclass(frozen=True)
@@ -281,27 +284,52 @@ class Cluster:
 
     async def _pump(self, w: WorkerHandle) -> None:
         """Feed worker ``w``'s step outputs to its requests' queues until it is dead,
-        replaced or removed. Outputs come pushed on the worker's output stream
-        (:mod:`~tandem.engine.runtime.output_stream`) where it has one, else by
-        ``poll`` calls. When the stream ends, one ``poll`` call says why (it raises
-        for a dead or failed worker; then the worker is marked dead) before the
-        stream is opened again."""
+        replaced or removed.
+
+        Outputs come pushed on the worker's output stream
+        (:mod:`~tandem.engine.runtime.output_stream`); a worker without one, or whose
+        first stream cannot be opened, is polled (and its stream tried again after
+        :data:`STREAM_RETRY_S`). When a stream ends, a new one is opened at once; the
+        worker is marked dead (its requests resume elsewhere) if that fails (it died,
+        its engine failed, or it cannot be reached) or if outputs were lost with the
+        old connection. No ``poll`` runs while an old stream's thread may still hold
+        outputs, so every delta arrives once and in order."""
         routes_deltas = w.role != "prefill"     # a prefill worker's results return by call
         stream: OutputStream | None = None
-        use_stream = True
+        next_try = 0.0                           # monotonic time to try a stream again
+        frames: int | None = None                # frames with outputs read on w's streams
         try:
             while True:
-                steps = None
-                if stream is None and use_stream:
-                    stream, use_stream = await self._open_stream(w)
+                if stream is None and time.monotonic() >= next_try:
+                    try:
+                        stream = await self._open_stream(w)
+                    except asyncio.CancelledError:
+                        raise
+                    except AttributeError:        # a worker object without a stream
+                        next_try = float("inf")
+                    except Exception as exc:
+                        if frames is not None:    # it had one: gone or unreachable
+                            self.mark_dead(w, exc)
+                            return
+                        logger.warning("%s: no output stream (%s); polling for %.0f s",
+                                       w.worker_id, exc, STREAM_RETRY_S)
+                        next_try = time.monotonic() + STREAM_RETRY_S
+                    if stream is not None:
+                        if frames is not None and stream.frames_before != frames:
+                            self.mark_dead(w, OutputStreamError(
+                                f"{stream.frames_before - frames} batch(es) of step outputs "
+                                "lost with a broken output stream"))
+                            return
+                        frames = stream.frames_before
                 if stream is not None:
                     try:
                         steps = await stream.read(STREAM_SILENCE_S)
                     except OutputStreamError as exc:
-                        logger.debug("%s: %s", w.worker_id, exc)
+                        logger.info("%s: %s; reconnecting", w.worker_id, exc)
                         stream.close()
-                        stream = None
-                    if steps is None and stream is not None:
+                        stream, next_try = None, 0.0
+                        continue
+                    if steps is None:
                         # Not even a heartbeat: is the worker there at all?
                         try:
                             await w.client.info()
@@ -311,7 +339,9 @@ class Cluster:
                             self.mark_dead(w, exc)
                             return
                         continue
-                if steps is None:
+                    if steps:
+                        frames += 1
+                else:
                     try:
                         steps = await w.client.poll(1.0, self.router_id)
                     except asyncio.CancelledError:
@@ -325,23 +355,17 @@ class Cluster:
             if stream is not None:
                 stream.close()
 
-    async def _open_stream(self, w: WorkerHandle) -> tuple[OutputStream | None, bool]:
-        """``(stream, whether to try again later)``: ``w``'s output stream, or None
-        (then this round polls) if it has none or it cannot be opened now."""
-        try:
-            rendezvous = await w.client.open_output_stream(self.router_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            # An older or in-process worker without one polls (so does a dead one,
-            # whose poll then fails).
-            logger.debug("%s: no output stream (%s); polling", w.worker_id, exc)
-            return None, False
-        try:
-            return await OutputStream.connect(rendezvous), True
-        except OutputStreamError as exc:
-            logger.warning("%s: %s; polling this round", w.worker_id, exc)
-            return None, True
+    async def _open_stream(self, w: WorkerHandle) -> OutputStream:
+        """``w``'s output stream for this router.
+
+        Raises:
+            AttributeError: ``w`` has none (an in-process worker object without it).
+            WorkerDiedError, WorkerError: the call failed (``w`` is gone, or its engine
+                failed).
+            OutputStreamError: it could not be reached.
+        """
+        rendezvous = await w.client.open_output_stream(self.router_id)
+        return await OutputStream.connect(rendezvous)
 
     def _take_steps(self, w: WorkerHandle, steps: list[StepOutput], routes_deltas: bool) -> bool:
         """Apply a batch of ``w``'s step outputs; False once ``w`` is no longer the

@@ -240,6 +240,11 @@ class EngineLoop:
             raise RuntimeError(f"{self.worker_id} engine failed: {self.error}")
         return self.subscribers.poll(subscriber, timeout_s)
 
+    def unread(self, subscriber: str, steps: list[StepOutput]) -> None:
+        """Give back what :meth:`poll` returned to ``subscriber`` and could not be
+        delivered: its next poll returns it first."""
+        self.subscribers.unread(subscriber, steps)
+
     def assign(self, request_id: str, subscriber: str) -> None:
         """``request_id`` (and its samples, for ``n > 1``) belongs to ``subscriber``:
         its deltas go only there, and it is aborted if that subscriber stops polling.

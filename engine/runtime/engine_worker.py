@@ -177,9 +177,16 @@ class EngineWorker:
         """A one-time rendezvous (``host``, ``port``, ``token``) for a connection on
         which this worker pushes ``subscriber``'s step outputs as :meth:`poll` would
         return them (:mod:`~tandem.engine.runtime.output_stream`; the listener starts
-        on the first call)."""
+        on the first call).
+
+        Raises:
+            RuntimeError: the engine loop failed (as :meth:`poll` does).
+        """
+        if self.loop.error is not None:
+            raise RuntimeError(f"{self.worker_id} engine failed: {self.loop.error}")
         if self._output_stream is None:
-            self._output_stream = OutputStreamServer(self.loop.poll, node_ip_address())
+            self._output_stream = OutputStreamServer(self.loop.poll, node_ip_address(),
+                                                     unread=self.loop.unread)
         return self._output_stream.open(subscriber)
 
     async def stats(self) -> WorkerStats:

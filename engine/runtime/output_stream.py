@@ -17,17 +17,25 @@ each side knows the other had the token (nothing else reaches the worker from
 the connection, and the router reads nothing before that proof). The token works
 once.
 
-Wire format after the handshake, worker to router only: frames of an 8-byte
-little-endian length and a pickle (protocol 5) of ``list[StepOutput]``, the list
-that :meth:`EngineLoop.poll <tandem.engine.runtime.engine_loop.EngineLoop.poll>`
+The worker's answer is the proof followed by an 8-byte little-endian count: the
+frames with outputs it had sent (handed to the kernel) to this subscriber on its
+earlier streams. Then frames, worker to router only: an 8-byte little-endian length and
+a pickle (protocol 5) of ``list[StepOutput]``, the list that
+:meth:`EngineLoop.poll <tandem.engine.runtime.engine_loop.EngineLoop.poll>`
 returned; an empty list every :data:`HEARTBEAT_S` seconds while nothing is
-published (the router's sign that the worker is alive).
+published (the router's sign that the worker is alive; not counted).
 
-Failures: the worker closes the connection when its engine loop failed (the
-router then calls ``poll`` once, which raises that error) or when it shuts down.
-Outputs taken from the outbox are lost only if the router closes its end, which
-it does only when it stops reading from that worker (as a cancelled ``poll``
-call's outputs were).
+Failures: the worker closes the connection when its engine loop failed or when
+it shuts down; the router then opens a new stream at once, and that call fails
+for a worker that died or whose engine failed (the worker is then lost to it).
+A batch whose send fails goes back to the front of the outbox (the router's
+next stream or poll reads it). A connection that breaks while the worker lives
+(a reset, a router that closed its end) may still take outputs with it: a batch
+handed to the kernel that the router never read. A router that reconnects
+compares the worker's count with the frames it read (the worker first ends the old stream and
+waits for its thread, so the count is final); if they differ, outputs are lost
+and the router treats the worker as lost (its requests resume elsewhere from
+their journaled tokens, as for a dead worker), never streaming with a gap.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ HEARTBEAT_S = 1.0
 TOKEN_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 10.0
 """Seconds a connection has to present its token (worker) or the proof (router)."""
+CONNECT_TIMEOUT_S = 2.0
+"""Seconds the router waits for the worker to accept its connection."""
 
 _LABEL = b"tandem-output-stream"
 _LEN = 8
@@ -75,15 +85,20 @@ class OutputStreamServer:
             waits up to ``timeout_s`` seconds for the first output; raises once the
             loop failed).
         host: the address to listen on (the worker's node address).
+        unread: ``unread(subscriber, steps)`` puts back what a send failed to deliver
+            (the engine loop's), so the subscriber's next stream or poll has it.
     """
 
-    def __init__(self, poll: Callable[[float, str], list[StepOutput]], host: str):
-        self._poll = poll
+    def __init__(self, poll: Callable[[float, str], list[StepOutput]], host: str,
+                 unread: Callable[[str, list[StepOutput]], None] | None = None):
+        self._poll, self._unread = poll, unread
         self._sock = socket.create_server((host, 0))
         self.host, self.port = host, self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._tokens: dict[bytes, str] = {}    # unused token -> subscriber
-        self._conns: set[socket.socket] = set()
+        # subscriber -> (its stream's connection, set when that stream's thread ended)
+        self._active: dict[str, tuple[socket.socket, threading.Event]] = {}
+        self._frames: dict[str, int] = {}      # subscriber -> frames with outputs taken
         self._closed = False
         threading.Thread(target=self._accept, name="output-stream", daemon=True).start()
 
@@ -99,19 +114,16 @@ class OutputStreamServer:
     def num_streams(self) -> int:
         """Connections pushing outputs now (one per router that reads this worker)."""
         with self._lock:
-            return len(self._conns)
+            return len(self._active)
 
     def close(self) -> None:
         """Stop listening and end every stream (their routers see the connection close)."""
         with self._lock:
             self._closed = True
-            conns, self._conns = list(self._conns), set()
+            conns = [conn for conn, _ in self._active.values()]
         for s in [self._sock, *conns]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            _shut(s)
+        self._sock.close()
 
     def _accept(self) -> None:
         while True:
@@ -123,6 +135,8 @@ class OutputStreamServer:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        done = threading.Event()
+        subscriber = None
         with conn:
             try:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -131,24 +145,56 @@ class OutputStreamServer:
                     subscriber = self._tokens.pop(token, None)
                     if subscriber is None or self._closed:
                         return                # an unknown (or used) token: say nothing
-                    self._conns.add(conn)
+                    previous = self._active.get(subscriber)
+                if previous is not None:
+                    # The router reconnects: its old stream is dead to it. End that one
+                    # and let its thread finish, so the count below is final.
+                    _shut(previous[0])
+                    if not previous[1].wait(HANDSHAKE_TIMEOUT_S):
+                        return
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._active[subscriber] = (conn, done)
+                    taken = self._frames.get(subscriber, 0)
                 conn.settimeout(None)         # a slow router blocks its own stream only
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.sendall(_proof(token))
+                conn.sendall(_proof(token) + taken.to_bytes(_LEN, "little"))
                 self._push(conn, subscriber)
             except OSError:
                 pass                          # the router went away or we shut down
-            except Exception as exc:          # the loop failed: the router's poll says why
+            except Exception as exc:          # the loop failed: the router's reopen says why
                 logger.warning("output stream ends: %s", exc)
             finally:
                 with self._lock:
-                    self._conns.discard(conn)
+                    if subscriber is not None and self._active.get(subscriber, (None,))[0] is conn:
+                        del self._active[subscriber]
+                done.set()
 
     def _push(self, conn: socket.socket, subscriber: str) -> None:
         while not self._closed:
             steps = self._poll(HEARTBEAT_S, subscriber)
             payload = pickle.dumps(steps, protocol=5)
-            conn.sendall(len(payload).to_bytes(_LEN, "little") + payload)
+            try:
+                conn.sendall(len(payload).to_bytes(_LEN, "little") + payload)
+            except OSError:
+                if steps and self._unread is not None:
+                    self._unread(subscriber, steps)   # not sent: the next reader has them
+                    steps = []
+                raise
+            finally:
+                if steps:
+                    # Counted once handed to the kernel (or lost without an unread): a
+                    # frame the router then never read is one it finds missing.
+                    with self._lock:
+                        self._frames[subscriber] = self._frames.get(subscriber, 0) + 1
+
+
+def _shut(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
@@ -166,6 +212,10 @@ class OutputStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
+        self.frames_before = 0
+        """Frames with outputs the worker had sent to this subscriber on all its
+        earlier streams when this one started (a reconnecting router compares it with
+        what it read: a difference is outputs lost with a broken connection)."""
 
     @classmethod
     async def connect(cls, rendezvous: dict) -> "OutputStream":
@@ -179,7 +229,7 @@ class OutputStream:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(rendezvous["host"], rendezvous["port"]),
-                HANDSHAKE_TIMEOUT_S)
+                CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as exc:
             raise OutputStreamError(f"cannot connect to the worker's output stream: "
                                     f"{exc!r}") from exc
@@ -197,6 +247,12 @@ class OutputStream:
         if not hmac.compare_digest(proof, _proof(token)):
             stream.close()
             raise OutputStreamError("output stream handshake failed: wrong proof")
+        try:
+            stream.frames_before = int.from_bytes(
+                await asyncio.wait_for(reader.readexactly(_LEN), HANDSHAKE_TIMEOUT_S), "little")
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            stream.close()
+            raise OutputStreamError(f"output stream handshake failed: {exc!r}") from exc
         return stream
 
     async def read(self, timeout_s: float) -> list[StepOutput] | None:

@@ -92,6 +92,20 @@ class Subscribers:
                 box.num_polling -= 1
                 box.last_seen = self._clock()
 
+    def unread(self, name: str, steps: list[StepOutput]) -> None:
+        """Put ``steps`` (what a :meth:`poll` of ``name`` returned and could not
+        deliver) back at the front of its outbox, in order, for its next poll. No-op
+        once ``name`` was dropped."""
+        with self._lock:
+            box = self._outboxes.get(name)
+        if box is None or not steps:
+            return
+        q = box.steps
+        with q.mutex:
+            q.queue.extendleft(reversed(steps))
+            q.unfinished_tasks += len(steps)
+            q.not_empty.notify()
+
     # -- loop thread -----------------------------------------------------------------------
     def assign(self, request_ids: list[str], name: str) -> None:
         """``request_ids`` belong to subscriber ``name`` (made one if new)."""
