@@ -28,7 +28,8 @@ def subs():
 
 @pytest.fixture
 def server(subs):
-    srv = OutputStreamServer(lambda timeout_s, name: subs.poll(name, timeout_s), "127.0.0.1")
+    srv = OutputStreamServer(lambda timeout_s, name: subs.poll(name, timeout_s), "127.0.0.1",
+                             unread=subs.unread)
     yield srv
     srv.close()
 
@@ -103,7 +104,7 @@ def test_a_failed_loop_ends_the_stream():
         time.sleep(0.01)
         return [_step(1)]
 
-    srv = OutputStreamServer(poll, "127.0.0.1")
+    srv = OutputStreamServer(poll, "127.0.0.1", unread=lambda name, steps: None)
     try:
         async def run():
             stream = await OutputStream.connect(srv.open("router-a"))

@@ -90,7 +90,7 @@ class OutputStreamServer:
     """
 
     def __init__(self, poll: Callable[[float, str], list[StepOutput]], host: str,
-                 unread: Callable[[str, list[StepOutput]], None] | None = None):
+                 unread: Callable[[str, list[StepOutput]], None]):
         self._poll, self._unread = poll, unread
         self._sock = socket.create_server((host, 0))
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -178,16 +178,13 @@ class OutputStreamServer:
             try:
                 conn.sendall(len(payload).to_bytes(_LEN, "little") + payload)
             except OSError:
-                if steps and self._unread is not None:
-                    self._unread(subscriber, steps)   # not sent: the next reader has them
-                    steps = []
+                self._unread(subscriber, steps)       # not sent: the next reader has them
                 raise
-            finally:
-                if steps:
-                    # Counted once handed to the kernel (or lost without an unread): a
-                    # frame the router then never read is one it finds missing.
-                    with self._lock:
-                        self._frames[subscriber] = self._frames.get(subscriber, 0) + 1
+            if steps:
+                # Counted once handed to the kernel: a frame the router then never read
+                # is one it finds missing when it reconnects.
+                with self._lock:
+                    self._frames[subscriber] = self._frames.get(subscriber, 0) + 1
 
 
 def _shut(s: socket.socket) -> None:
@@ -239,20 +236,16 @@ class OutputStream:
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             writer.write(token)
-            proof = await asyncio.wait_for(reader.readexactly(len(_proof(token))),
-                                           HANDSHAKE_TIMEOUT_S)
+            proof = _proof(token)
+            answer = await asyncio.wait_for(reader.readexactly(len(proof) + _LEN),
+                                            HANDSHAKE_TIMEOUT_S)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             stream.close()
             raise OutputStreamError(f"output stream handshake failed: {exc!r}") from exc
-        if not hmac.compare_digest(proof, _proof(token)):
+        if not hmac.compare_digest(answer[:len(proof)], proof):
             stream.close()
             raise OutputStreamError("output stream handshake failed: wrong proof")
-        try:
-            stream.frames_before = int.from_bytes(
-                await asyncio.wait_for(reader.readexactly(_LEN), HANDSHAKE_TIMEOUT_S), "little")
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
-            stream.close()
-            raise OutputStreamError(f"output stream handshake failed: {exc!r}") from exc
+        stream.frames_before = int.from_bytes(answer[len(proof):], "little")
         return stream
 
     async def read(self, timeout_s: float) -> list[StepOutput] | None:

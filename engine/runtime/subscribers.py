@@ -103,7 +103,6 @@ class Subscribers:
         q = box.steps
         with q.mutex:
             q.queue.extendleft(reversed(steps))
-            q.unfinished_tasks += len(steps)
             q.not_empty.notify()
 
     # -- loop thread -----------------------------------------------------------------------
