@@ -450,6 +450,10 @@ class Orchestrator:
             trace.dispatched = time.monotonic()
         ticket = item.kv_transfer_ticket
         t0 = time.perf_counter()
+        # The decode worker's own first delta, if it came while the prompt was
+        # prefilled: streamed right after the first token, before anything the queue
+        # received after it (putting it back in the queue would reorder the two).
+        early: RequestDelta | None = None
         try:
             # The decode worker may die while the prompt is prefilled for it; the prefill
             # worker may die or stall (its KV is useless once the decode side's load
@@ -463,9 +467,8 @@ class Orchestrator:
                 if not lost.done():
                     lost.cancel()
             if lost.done() and not lost.cancelled():
-                item = lost.result()
-                _raise_if_lost(item)
-                queue.put_nowait(item)    # the decode worker's own delta: handled below
+                early = lost.result()
+                _raise_if_lost(early)
             if not call.done():
                 self._spawn(self._try(prefill.client.abort(rid)))
                 raise WorkerError(prefill.worker_id, "prefill",
@@ -485,6 +488,9 @@ class Orchestrator:
             # channel before its reply was lost: then the decode worker returns it.
             first = await self._call_decode(att, att.decode.client.start_decode(rid, None))
             if first is None:
+                for ev in (self._consume(None, rid, samples, early, trace)
+                           if early is not None else ()):
+                    yield ev
                 return
         else:
             if self.metrics and trace is not None:
@@ -497,6 +503,9 @@ class Orchestrator:
             yield ev
         if samples[0].finished:      # the first token ended it (EOS, stop string, max_tokens 1)
             await self._call_decode(att, att.decode.client.abort(rid))
+        elif early is not None:
+            for ev in self._consume(None, rid, samples, early, trace):
+                yield ev
 
     async def _wait_prefill(self, call: asyncio.Future, lost: asyncio.Future,
                             prefill_down: asyncio.Future, prefill: WorkerHandle,
