@@ -5,7 +5,11 @@
 once, as ``openai_bench.py`` starts it, and ``vllm bench serve`` runs against it
 at every concurrency, the same seed (the same prompts) for every system;
 ``max(--num-prompts, 2 x concurrency)`` prompts at each, as many warm-ups as the
-concurrency. Writes one JSON (every run's record as ``openai_bench.py`` keeps it,
+concurrency. With ``--interleave`` every server is started first and the systems
+take turns at each concurrency (the first system of the turn rotating), so a
+machine whose speed drifts over minutes slows every system's point alike rather
+than whichever system ran during the slow minutes; the idle servers' background
+threads then run beside each measured one. Writes one JSON (every run's record as ``openai_bench.py`` keeps it,
 plus the machine's CPU and ISA flags) and a PNG beside it: output tokens/s, mean
 TPOT and mean TTFT against concurrency, one line per system.
 
@@ -16,6 +20,7 @@ TPOT and mean TTFT against concurrency, one line per system.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -30,12 +35,31 @@ import openai_bench as ob  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every server first, then take turns at each concurrency")
     args, rest = p.parse_known_args(argv)
     bench = ob.parse_args(rest)
+    bench.interleave = args.interleave
     bench.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if "--out" not in rest:
         bench.out = str(ob.REPO / "benchmarks" / "results" / f"openai_sweep_{bench.dtype}.json")
     return bench
+
+
+def run_point(system: str, server, c: int, args, workdir: Path) -> dict:
+    """``vllm bench serve`` at concurrency ``c`` against ``system``'s running server:
+    its record (``error`` instead of a summary when the client failed)."""
+    a = copy.copy(args)
+    a.max_concurrency, a.num_warmups = c, c
+    a.num_prompts = max(args.num_prompts, 2 * c)
+    run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts,
+           "startup_s": server.startup_s, "server_cmd": server.cmd}
+    try:
+        run.update(slim(ob.run_client(system, server, a, workdir, f"_c{c}")))
+    except Exception as exc:        # recorded; the next point still runs
+        run["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
+    return run
 
 
 def sweep_system(system: str, args, workdir: Path) -> list[dict]:
@@ -46,22 +70,42 @@ def sweep_system(system: str, args, workdir: Path) -> list[dict]:
     try:
         with server:
             print(f"==== {system}: serving after {server.startup_s:.0f} s", flush=True)
-            for c in args.concurrency:
-                a = copy.copy(args)
-                a.max_concurrency, a.num_warmups = c, c
-                a.num_prompts = max(args.num_prompts, 2 * c)
-                run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts,
-                       "startup_s": server.startup_s, "server_cmd": server.cmd}
-                try:
-                    run.update(slim(ob.run_client(system, server, a, workdir, f"_c{c}")))
-                except Exception as exc:        # recorded; the next concurrency still runs
-                    run["error"] = f"{type(exc).__name__}: {exc}"
-                    print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
-                runs.append(run)
+            runs = [run_point(system, server, c, args, workdir) for c in args.concurrency]
     except Exception as exc:
         runs.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
         print(f"==== {system}: FAILED {exc}", flush=True)
     return runs
+
+
+def turns(systems: list[str], concurrency: list[int]) -> list[tuple[int, str]]:
+    """The interleaved order: at the i-th concurrency every system once, starting
+    with system ``i mod len(systems)``, so none is always first (after an idle
+    wait) or always last."""
+    return [(c, systems[(i + j) % len(systems)])
+            for i, c in enumerate(concurrency) for j in range(len(systems))]
+
+
+def sweep_interleaved(args, workdir: Path) -> list[dict]:
+    """Every server started, one after the other, then every (concurrency, system)
+    point in :func:`turns` order; the records in ``--systems`` order."""
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for system in args.systems:
+            server = ob.make_server(system, args, workdir / f"{system}.log")
+            print(f"\n==== {system}: starting {' '.join(server.cmd)}", flush=True)
+            try:
+                servers[system] = stack.enter_context(server)
+            except Exception as exc:
+                runs.append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+                print(f"==== {system}: FAILED {exc}", flush=True)
+                continue
+            print(f"==== {system}: serving after {server.startup_s:.0f} s", flush=True)
+        for c, system in turns([s for s in args.systems if s in servers], args.concurrency):
+            print(f"==== c={c}: {system}", flush=True)
+            runs.append(run_point(system, servers[system], c, args, workdir))
+    order = {s: i for i, s in enumerate(args.systems)}
+    return sorted(runs, key=lambda r: (order[r["system"]], r.get("concurrency", 0)))
 
 
 KEPT_PER_REQUEST = ("ttfts", "latencies", "output_lens", "errors")
@@ -131,14 +175,18 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="openai_sweep_"))
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    runs = [r for s in args.systems for r in sweep_system(s, args, workdir)]
+    if args.interleave:
+        runs = sweep_interleaved(args, workdir)
+    else:
+        runs = [r for s in args.systems for r in sweep_system(s, args, workdir)]
     report = {"command": [Path(sys.executable).name, *sys.argv],
               "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
               "wall_s": time.time() - t0, "workdir": str(workdir), "machine": ob.versions(args),
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                            "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
                            "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
-                           "temperature": 0, "seed": args.seed},
+                           "temperature": 0, "seed": args.seed,
+                           "order": "interleaved" if args.interleave else "one system after the other"},
               "dtype": args.dtype, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
