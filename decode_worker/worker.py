@@ -23,6 +23,7 @@ import logging
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
+from tandem.engine.runtime.core_lending import CoreLendingConfig
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
@@ -52,16 +53,20 @@ class DecodeWorker(EngineWorker):
         engine_nice: added to the nice value of the engine's threads (its loop and
             OpenMP threads), below this process's RPC threads; see
             :meth:`~tandem.engine.runtime.engine_loop.EngineLoop.build`.
+        core_lending: this worker's slot on its machine's core board: it steps on
+            its idle peers' cores too (:mod:`~tandem.engine.runtime.core_lending`);
+            None: on its own.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, role: str = "decode",
                  cpus: list[int] | None = None, kv_transport: str | None = "gloo",
                  transfer_timeout_s: float = 60.0, control: ControlConfig | None = None,
-                 weights_from: LLMEngine | None = None, engine_nice: int = 0):
+                 weights_from: LLMEngine | None = None, engine_nice: int = 0,
+                 core_lending: CoreLendingConfig | None = None):
         super().__init__(worker_id, role, config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport if role == "decode" else None,
             transfer_timeout_s=transfer_timeout_s, enable_kv_events=True,
-            weights_from=weights_from), engine_nice)
+            weights_from=weights_from), engine_nice, core_lending=core_lending)
         self.control = start_worker_control(control, worker_id, role, self._static_info(),
                                             self._fence, self.loop)
 

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
+from tandem.engine.runtime.core_lending import CoreLendingConfig
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
@@ -55,19 +56,23 @@ class PrefillWorker(EngineWorker):
         ticket_timeout_s: seconds a request that came without a ticket waits for its
             decode worker's (which reserves blocks in queue order, so a busy decode
             pool makes it wait); past that it fails like a failed transfer.
+        core_lending: this worker's slot on its machine's core board: it steps on
+            its idle peers' cores too (:mod:`~tandem.engine.runtime.core_lending`);
+            None: on its own.
     """
 
     def __init__(self, worker_id: str, config: EngineConfig, cpus: list[int] | None = None,
                  kv_transport: str = "gloo", transfer_timeout_s: float = 60.0,
                  control: ControlConfig | None = None, weights_from: LLMEngine | None = None,
-                 engine_nice: int = 0, ticket_timeout_s: float = 600.0):
+                 engine_nice: int = 0, ticket_timeout_s: float = 600.0,
+                 core_lending: CoreLendingConfig | None = None):
         self.ticket_timeout_s = ticket_timeout_s
         # request id -> (decode worker id, future of its ticket), while it waits
         self._ticket_waits: dict[str, tuple[str, Future]] = {}
         super().__init__(worker_id, "prefill", config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s,
             enable_kv_events=True, weights_from=weights_from), engine_nice,
-            publish_deltas=False)
+            publish_deltas=False, core_lending=core_lending)
         self.control = start_worker_control(control, worker_id, "prefill", self._static_info(),
                                             self._fence, self.loop)
 

@@ -203,6 +203,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to disjoint cores (torch threads to match)")
+    p.add_argument("--lend-idle-cores", action="store_true",
+                   help="disaggregated on one machine: each worker steps on its share of the "
+                        "cores plus the shares of the workers idle at that moment (not pinned)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (0 = any free port)")
     _add_http_arg(p, 8000)
@@ -394,7 +397,8 @@ def _serve_config(args):
     return ServeConfig(mode=args.mode, host=args.host, port=args.port,
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,
-                       cpu_affinity=args.cpu_affinity, metrics_port=args.metrics_port,
+                       cpu_affinity=args.cpu_affinity, lend_idle_cores=args.lend_idle_cores,
+                       metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
                        autoscale=_planner_config(args, prefill_tp, decode_tp),

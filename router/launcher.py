@@ -54,6 +54,11 @@ class ServeConfig:
             A worker of ``tensor_parallel_size`` N ranks (``engine``) is one group:
             its ranks 1.. are subprocesses of its actor and share its cores, each
             rank running 1/N of the worker's torch threads.
+        lend_idle_cores: disaggregated on one machine (an embedded Ray), the
+            initial workers are not pinned: each steps on its share of the cores
+            (as ``cpu_affinity`` would size it) plus the shares of the workers
+            that are idle at that moment
+            (:mod:`~tandem.engine.runtime.core_lending`). Workers of one rank only.
         metrics_port: HTTP port for ``/metrics`` and ``/health`` (None = off, 0 = any).
         http_port: the OpenAI-compatible HTTP API's port (None = off, 0 = any free
             port); it also serves ``/metrics`` and ``/health``.
@@ -100,6 +105,7 @@ class ServeConfig:
     prefill_engine: EngineConfig | None = None
     kv_transport: str = "gloo"
     cpu_affinity: bool = False
+    lend_idle_cores: bool = False
     metrics_port: int | None = None
     http_port: int | None = None
     ray_address: str | None = None
@@ -141,6 +147,20 @@ class ServeConfig:
                 if not lo <= n <= hi:
                     raise ValueError(f"num_{pool}: {n} is outside the planner's bounds "
                                      f"[{lo}, {hi}]")
+        if self.lend_idle_cores:
+            if self.mode != "disaggregated":
+                raise ValueError("lend_idle_cores: lends cores between prefill and decode "
+                                 "workers; it needs mode=disaggregated")
+            if self.ray_address is not None:
+                raise ValueError("lend_idle_cores: its workers share one machine's cores; "
+                                 "it needs the embedded Ray (no ray_address)")
+            if self.cpu_affinity:
+                raise ValueError("lend_idle_cores: the workers are not pinned while they "
+                                 "lend cores; drop cpu_affinity")
+            for engine in (self.engine, self.prefill_engine or self.engine):
+                if engine.tensor_parallel_size != 1:
+                    raise ValueError("lend_idle_cores: needs tensor_parallel_size 1 "
+                                     f"(got {engine.tensor_parallel_size})")
         if not 0 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice: must be in [0, 19], got {self.engine_nice}")
         for name in ("drain_timeout_s", "worker_wait_timeout_s"):
@@ -159,7 +179,7 @@ def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int]
     worker's cores); a worker's ranks share them (:func:`_rank_threads`)."""
     cores = sorted(os.sched_getaffinity(0))
     n_workers = cfg.num_decode + (cfg.num_prefill if cfg.mode == "disaggregated" else 0)
-    if not cfg.cpu_affinity or cfg.mode == "colocated" or len(cores) < 2:
+    if not (cfg.cpu_affinity or cfg.lend_idle_cores) or cfg.mode == "colocated" or len(cores) < 2:
         threads = max(1, len(cores) // n_workers)
         return [None] * cfg.num_prefill, [None] * cfg.num_decode, threads
     # Prefill workers on the first half of the cores, decode workers on the second half.
@@ -170,6 +190,16 @@ def _plan_cpus(cfg: ServeConfig) -> tuple[list[list[int] | None], list[list[int]
         per = max(1, len(pool) // n)
         return [pool[(i * per) % len(pool):(i * per) % len(pool) + per] for i in range(n)]
     return split(pre, cfg.num_prefill), split(dec, cfg.num_decode), 0
+
+
+def _lending_slots(cfg: ServeConfig) -> dict[str, int]:
+    """``lend_idle_cores``: each initial worker's share of the cores (threads),
+    by worker id, in board slot order (decode workers, then prefill workers): the
+    cores :func:`_plan_cpus` would pin it to."""
+    pre, dec, _ = _plan_cpus(cfg)
+    shares = {f"decode-{i}": len(c or [0]) for i, c in enumerate(dec)}
+    shares.update({f"prefill-{i}": len(c or [0]) for i, c in enumerate(pre)})
+    return shares
 
 
 def _rank_threads(worker_threads: int | None, tensor_parallel_size: int) -> int | None:
@@ -530,6 +560,7 @@ class TandemServer(RouterServer):
         self.planner = None            # the planner candidate (autoscale), if any
         self.pool_controller = None
         self._spawned = 0
+        self.core_board: str | None = None     # lend_idle_cores: the board's file
         self._announcer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         from tandem.kvtransfer.staging import CLUSTER_SECRET_ENV
@@ -553,6 +584,16 @@ class TandemServer(RouterServer):
         planned = pre_cpus if role == "prefill" else dec_cpus
         # A worker added by the planner beyond the initial pools is not pinned.
         cpus = planned[int(index)] if int(index) < len(planned) else None
+        lending = None
+        if self.core_board is not None:
+            # Not pinned: its share of threads, more while its peers are idle.
+            slots = _lending_slots(cfg)
+            if worker_id in slots:
+                from tandem.engine.runtime.core_lending import CoreLendingConfig
+
+                lending = CoreLendingConfig(self.core_board, list(slots).index(worker_id),
+                                            tuple(slots.values()))
+                threads, cpus = slots[worker_id], None
         engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
         if role == "prefill":       # only decode steps speculate: no draft model to load there
             engine = dataclasses.replace(engine, speculative=None)
@@ -571,10 +612,10 @@ class TandemServer(RouterServer):
         if role == "prefill":
             return ray.remote(PrefillWorker).options(**opts).remote(
                 worker_id, engine, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control,
-                engine_nice=cfg.engine_nice)
+                engine_nice=cfg.engine_nice, core_lending=lending)
         return ray.remote(DecodeWorker).options(**opts).remote(
             worker_id, engine, role, cpus, cfg.kv_transport, cfg.transfer_timeout_s, control,
-            engine_nice=cfg.engine_nice)
+            engine_nice=cfg.engine_nice, core_lending=lending)
     def _worker_ids(self) -> list[str]:
         cfg = self.config
         if cfg.mode == "colocated":
@@ -659,6 +700,10 @@ class TandemServer(RouterServer):
                 self._redis_restarted, rec))
         self.state_url = url
         self._connect_state(url)
+        if self.config.lend_idle_cores:
+            from tandem.engine.runtime.core_lending import create_board
+
+            self.core_board = create_board(len(_lending_slots(self.config)))
         try:
             handles = await asyncio.gather(*(self._start_worker(w) for w in self._worker_ids()))
             prefill = [h for h in handles if h.role == "prefill"]
@@ -670,6 +715,7 @@ class TandemServer(RouterServer):
         except BaseException:
             await self._kill_actors()
             self._stop_redis()
+            self._remove_core_board()
             raise
         import ray
 
@@ -894,11 +940,19 @@ class TandemServer(RouterServer):
         await super().stop(grace_s)
         await self._kill_actors()
         self._stop_redis()
+        self._remove_core_board()
 
     def _stop_redis(self) -> None:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+    def _remove_core_board(self) -> None:
+        if self.core_board is not None:
+            from tandem.engine.runtime.core_lending import remove_board
+
+            remove_board(self.core_board)
+            self.core_board = None
 
     async def _kill_actors(self, timeout_s: float = 5.0) -> None:
         """Ask every worker to shut down, all at once and for at most ``timeout_s``

@@ -92,6 +92,19 @@ def test_a_flag_combination_the_engine_refuses_is_a_usage_error():
     assert_one_error_line(err, out, "error: batch_invariant: float32 or bfloat16, not 'float16'")
 
 
+@pytest.mark.parametrize("flags,expected", [
+    (["--mode", "colocated"], "lend_idle_cores: lends cores between prefill and decode "
+                              "workers; it needs mode=disaggregated"),
+    (["--cpu-affinity"], "lend_idle_cores: the workers are not pinned while they lend cores; "
+                         "drop cpu_affinity"),
+    (["--tensor-parallel-size", "2"], "lend_idle_cores: needs tensor_parallel_size 1 (got 2)")])
+def test_lending_idle_cores_is_refused_where_it_cannot_work(flags, expected):
+    code, out, err, took = run("serve", "--lend-idle-cores", *flags)
+    assert code == 2, err
+    assert_one_error_line(err, out, f"error: {expected}")
+    assert took < 30
+
+
 def test_a_client_of_a_running_server_does_not_check_a_model_it_never_loads():
     # --endpoint: the server's model counts; nothing answers on port 1, so the call
     # itself fails (exit 1), after the arguments were accepted.

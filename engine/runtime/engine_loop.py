@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from tandem.engine.parallel.communicator import RankDiedError
+from tandem.engine.runtime.core_lending import CoreLending, CoreLendingConfig
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import RequestDelta, StepOutput
 from tandem.engine.runtime.subscribers import DEFAULT, Subscribers
@@ -54,12 +55,20 @@ class EngineLoop:
             requests resume on another (the router migrates them). None, or a
             callback that returns: the requests end with ``error`` as after any
             other failure.
+        core_lending: this worker's slot on its machine's core board
+            (:mod:`~tandem.engine.runtime.core_lending`): before each step the loop
+            sizes torch's thread pool to its share of the cores plus its idle
+            peers'. Build the loop on the thread that will run it
+            (:meth:`build`): the thread count is that thread's. None: the pool
+            keeps its size.
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,
                  publish_deltas: bool = True, subscriber_timeout_s: float = 15.0,
-                 on_rank_lost: Callable[[RankDiedError], None] | None = None):
+                 on_rank_lost: Callable[[RankDiedError], None] | None = None,
+                 core_lending: CoreLendingConfig | None = None):
         self.engine = engine
+        self.core_lending = CoreLending(core_lending) if core_lending is not None else None
         self.worker_id, self.role = worker_id, role
         self.idle_wait_s = idle_wait_s
         self.subscribers = Subscribers(subscriber_timeout_s)
@@ -163,16 +172,31 @@ class EngineLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
+        lending = self.core_lending
         try:
             while not self._stop.is_set():
                 self._drain_commands()
                 self._drop_silent_subscribers()
                 if self.engine.has_unfinished_requests():
+                    if lending is not None:
+                        # Busy only with something to compute: a decode worker that
+                        # waits for its prompts' KV (or only reserves blocks for it)
+                        # lends its cores to their prefill.
+                        sch = self.engine.scheduler
+                        if (sch.running or sch.swapped
+                                or any(not r.needs_remote_kv for r in sch.waiting)):
+                            lending.busy()
+                        else:
+                            lending.idle()
                     if not self.step():
                         # Only remote KV loads pending: wait for one to end (or a command).
+                        if lending is not None:
+                            lending.idle()
                         self._wake.wait(self.idle_wait_s)
                         self._wake.clear()
                 else:
+                    if lending is not None:
+                        lending.idle()
                     if self.engine.parallel is not None:
                         # No step finds a dead rank while idle: look (raises RankDiedError).
                         self.engine.parallel.check_workers()
@@ -189,6 +213,9 @@ class EngineLoop:
                 logger.exception("engine loop %s failed", self.worker_id)
             self.error = exc
             self._fail_all(exc)
+        finally:
+            if lending is not None:         # a loop that ended lends its cores
+                lending.close()
 
     def _drain_commands(self) -> None:
         while True:

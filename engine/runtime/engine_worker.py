@@ -37,6 +37,7 @@ from tandem.engine.runtime.outputs import StepOutput, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
 from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
                                                   node_ip_address, pin_cpus)
+from tandem.engine.runtime.core_lending import CoreLendingConfig
 from tandem.engine.sampling.sampling_params import SamplingParams
 from tandem.engine.scheduling.request import sample_request_id
 
@@ -56,6 +57,8 @@ class EngineWorker:
             :meth:`EngineLoop.build`).
         publish_deltas: whether the loop publishes token deltas to pollers (a
             prefill worker returns its one token by call instead).
+        core_lending: this worker's slot on its machine's core board (see
+            :mod:`~tandem.engine.runtime.core_lending`); None: a fixed thread pool.
 
     Attributes:
         control: the control-plane client the subclass starts (an object with
@@ -65,13 +68,15 @@ class EngineWorker:
 
     def __init__(self, worker_id: str, role: str, config: EngineConfig,
                  cpus: list[int] | None, make_engine: Callable[[], LLMEngine],
-                 engine_nice: int = 0, publish_deltas: bool = True):
+                 engine_nice: int = 0, publish_deltas: bool = True,
+                 core_lending: CoreLendingConfig | None = None):
         self.worker_id, self.role, self.config = worker_id, role, config
         self.cpus = pin_cpus(cpus)
         apply_thread_settings(config)     # this actor is its process's entry point
         # Built on the loop's thread: see EngineLoop.build.
         self.loop = EngineLoop.build(make_engine, worker_id, role,
                                      publish_deltas=publish_deltas, nice=engine_nice,
+                                     core_lending=core_lending,
                                      on_rank_lost=self._rank_lost)
         self.engine = self.loop.engine
         self._fence = Fence(worker_id)

@@ -410,3 +410,41 @@ def test_beam_search_over_grpc_equals_offline(disagg, f32_weights):
         disagg.generate(pb.GenerateRequest(prompt="hi", stream=True, sampling=pb.SamplingParams(
             n=4, use_beam_search=True)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream" in e.value.details()
+
+
+def test_disaggregated_workers_lending_idle_cores_serve_the_same_tokens(ray_session, parity):
+    """``lend_idle_cores``: the workers are not pinned, each marks its slot on the
+    core board while it computes; tokens equal the reference under concurrency,
+    every slot is idle once the requests are done, and the board's file goes with
+    the server."""
+    import os
+
+    from .conftest import Client, serve_config, start_server
+
+    server = start_server(serve_config("disaggregated", lend_idle_cores=True))
+    client = Client(server)
+    try:
+        board = server.server.core_board
+        with open(board, "rb") as f:
+            assert f.read() == b"\x00\x00"         # decode-0, prefill-0
+        cores = sorted(os.sched_getaffinity(0))
+        for w in client.workers():
+            assert w.info["cpus"] == cores           # not pinned
+        prompts, reference = parity
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda p: client.generate(greedy_req(ids=p)), prompts))
+        for i, (resp, ref) in enumerate(zip(outs, reference)):
+            assert token_ids_of(resp) == ref, f"prompt {i}"
+        counts = client.wait_idle()
+        assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+        deadline = time.monotonic() + 10
+        while True:                 # each loop marks itself idle before it waits
+            with open(board, "rb") as f:
+                if f.read() == b"\x00\x00":
+                    break
+            assert time.monotonic() < deadline, "a worker stayed marked busy"
+            time.sleep(0.05)
+    finally:
+        client.close()
+        server.stop()
+    assert not os.path.exists(board)

@@ -1,0 +1,185 @@
+"""Cores lent between the workers of one machine (``tandem serve --lend-idle-cores``).
+
+The board's arithmetic first (real files, real mappings, a recorder in place of
+torch's thread setter), then a disaggregated pair of engine loops on the real model
+in one process, their KV connectors joined by a real Gloo pair: the decode loop that
+only waits for its prompt's KV never claims its cores, the prefill step runs on both
+workers' shares, the decode steps that follow too, and the tokens equal one engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tandem.engine.runtime.core_lending import (CoreLending, CoreLendingConfig, create_board,
+                                                remove_board)
+
+
+class Recorder:
+    """Stands in for ``torch.set_num_threads``: what it was asked, in order."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+
+@pytest.fixture
+def board(tmp_path):
+    path = create_board(3, directory=str(tmp_path))
+    yield path
+    remove_board(path)
+
+
+def _slot(path: str, slot: int, rec: Recorder, shares=(1, 1, 2)) -> CoreLending:
+    return CoreLending(CoreLendingConfig(path, slot, shares), set_threads=rec)
+
+
+def test_a_busy_worker_steps_on_its_share_plus_the_idle_workers_shares(board):
+    ra, rb, rc = Recorder(), Recorder(), Recorder()
+    a, b, c = _slot(board, 0, ra), _slot(board, 1, rb), _slot(board, 2, rc)
+    assert a.busy() == 4                 # 1 + the idle 1 + the idle 2
+    assert b.busy() == 3                 # a is busy now: 1 + c's 2
+    assert c.busy() == 2                 # everyone busy: its own share
+    assert a.busy() == 1
+    b.idle()
+    assert a.busy() == 2 and c.busy() == 3
+    assert a.busy() == 2                 # unchanged: torch is not asked again
+    assert ra.calls == [4, 1, 2] and rb.calls == [3] and rc.calls == [2, 3]
+    c.close()                            # a worker that ends lends its cores
+    assert a.busy() == 4 and a.lendable() == 4
+    a.close()
+    b.close()
+    with open(board, "rb") as f:
+        assert f.read() == bytes(3)      # every slot idle, the file still 3 bytes
+
+
+def test_a_new_worker_starts_idle_in_its_slot(board):
+    with open(board, "r+b") as f:        # a predecessor died while busy in slot 1
+        f.seek(1)
+        f.write(b"\x01")
+    a = _slot(board, 0, Recorder())
+    assert a.lendable() == 1 + 2         # slot 1 counts as busy
+    b = _slot(board, 1, Recorder())      # its replacement
+    assert a.lendable() == 4
+    a.close()
+    b.close()
+
+
+def test_bad_board_configs_are_refused_by_field(board, tmp_path):
+    with pytest.raises(ValueError, match="slot: 3 is not one of the board's 3 slots"):
+        CoreLendingConfig(board, 3, (1, 1, 2))
+    with pytest.raises(ValueError, match="shares: each slot needs at least one core"):
+        CoreLendingConfig(board, 0, (1, 0))
+    with pytest.raises(ValueError, match="num_slots: must be at least 1"):
+        create_board(0, directory=str(tmp_path))
+    with pytest.raises(ValueError, match="a board of 3 slots, expected 4"):
+        CoreLending(CoreLendingConfig(board, 0, (1, 1, 1, 1)), set_threads=Recorder())
+    remove_board(board)
+    remove_board(board)                  # twice: nothing to remove, no error
+    assert not os.path.exists(board)
+    with pytest.raises(FileNotFoundError):
+        CoreLending(CoreLendingConfig(board, 0, (1, 1, 2)), set_threads=Recorder())
+
+
+def test_the_thread_count_is_the_calling_threads(board):
+    """torch's OpenMP thread count is per thread: a loop sizing its own leaves the
+    process's other threads (RPC, tokenizer) as they were."""
+    import torch
+
+    before = torch.get_num_threads()
+    seen = {}
+
+    def loop_thread():
+        lending = CoreLending(CoreLendingConfig(board, 0, (1, 1, 2)))
+        lending.busy()
+        seen["n"] = torch.get_num_threads()
+        lending.close()
+
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    t.join()
+    assert seen["n"] == 4
+    assert torch.get_num_threads() == before
+
+
+# -- a disaggregated pair of engine loops on the real model -----------------------------------
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a "
+          "goldsmith in Mainz combined a screw press with movable metal type, and")
+
+
+@pytest.mark.slow
+def test_a_disaggregated_pair_lends_each_other_their_cores(f32_weights, tmp_path):
+    import dataclasses
+
+    import torch
+
+    from tandem.engine.kv.kv_connector import KVTransferParams
+    from tandem.engine.llm import LLM, LLMEngine
+    from tandem.engine.runtime.engine_loop import EngineLoop
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    base = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+    prompt = base.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = base.generate([prompt], params)[0].outputs[0].token_ids
+    path = create_board(2, directory=str(tmp_path))
+
+    def make(role):
+        return lambda: LLMEngine(base.config, weights_from=base.engine, kv_transport="gloo",
+                                 transfer_timeout_s=10.0)
+
+    decode = EngineLoop.build(make("decode"), "decode-0", "decode", idle_wait_s=0.02,
+                              core_lending=CoreLendingConfig(path, 0, (1, 1)))
+    prefill = EngineLoop.build(make("prefill"), "prefill-0", "prefill", idle_wait_s=0.02,
+                               publish_deltas=False,
+                               core_lending=CoreLendingConfig(path, 1, (1, 1)))
+    try:
+        rdv = decode.call(decode.engine.kv_connector.open_channel, "prefill-0",
+                          "127.0.0.1").result(30)
+        prefill.call(prefill.engine.kv_connector.connect, "decode-0", rdv,
+                     decode.engine.kv_connector.layout()).result(30)
+        # The prefill side takes the decode side's ticket from their channel.
+        ticket = prefill.engine.kv_connector.ticket_future("decode-0", "r1", 0)
+        req = decode.call(lambda: decode.engine.add_request(
+            prompt, params, "r1", kv_transfer_params=KVTransferParams("prefill-0"))).result(30)[0]
+        ticket = ticket.result(timeout=30)
+        time.sleep(0.1)          # several idle wake-ups while it waits for the KV
+        # Reserving blocks and waiting for the KV computed nothing: never busy.
+        assert decode.core_lending.threads == 0
+        with open(path, "rb") as f:
+            assert f.read() == b"\x00\x00"
+        first = dataclasses.replace(params, max_tokens=1)
+
+        def add_prefill():
+            done = prefill.track("r1")
+            prefill.engine.add_request(prompt, first, "r1",
+                                       kv_transfer_params=KVTransferParams("decode-0", ticket))
+            return done
+        prefill.call(add_prefill).result(30).result(30)
+        # The prompt was prefilled on both workers' shares: the decode side was idle.
+        assert prefill.core_lending.threads == 2
+        assert prefill.call(torch.get_num_threads).result(30) == 2
+        deadline = time.monotonic() + 60
+        while not req.is_finished:
+            assert time.monotonic() < deadline, "decode did not finish"
+            time.sleep(0.01)
+        assert list(req.output_token_ids) == list(want)
+        # It decoded on both shares too: the prefill side was idle by then.
+        assert decode.core_lending.threads == 2
+        assert decode.call(torch.get_num_threads).result(30) == 2
+        time.sleep(0.1)
+        with open(path, "rb") as f:
+            assert f.read() == b"\x00\x00"       # both idle again
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+        decode.engine.kv_connector.close()
+        prefill.engine.kv_connector.close()
+        remove_board(path)
