@@ -37,9 +37,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated")
     p.add_argument("--interleave", action="store_true",
                    help="start every server first, then take turns at each concurrency")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --interleave: every point this many times (turns rotating each "
+                        "round), its requests pooled into one summary")
     args, rest = p.parse_known_args(argv)
     bench = ob.parse_args(rest)
-    bench.interleave = args.interleave
+    bench.interleave, bench.rounds = args.interleave, args.rounds
+    if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
+        p.error("--rounds: at least 1, and more than 1 only with --interleave")
     bench.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if "--out" not in rest:
         bench.out = str(ob.REPO / "benchmarks" / "results" / f"openai_sweep_{bench.dtype}.json")
@@ -85,9 +90,45 @@ def turns(systems: list[str], concurrency: list[int]) -> list[tuple[int, str]]:
             for i, c in enumerate(concurrency) for j in range(len(systems))]
 
 
+def pooled(rounds: list[dict]) -> dict:
+    """One point's summary from its ``rounds`` (records of :func:`run_point` for the
+    same system and concurrency): output tokens/s over the rounds' summed duration,
+    and the TTFT and TPOT statistics over every completed request of every round,
+    each request's TPOT as ``vllm bench serve`` computes it ((latency - TTFT) /
+    (output tokens - 1))."""
+    import statistics
+
+    ttfts, tpots = [], []
+    duration = out_tokens = completed = failed = 0
+    for r in rounds:
+        b = r["vllm_bench_result"]
+        duration += b["duration"]
+        out_tokens += b["total_output_tokens"]
+        completed += b["completed"]
+        failed += b["failed"]
+        for ttft, latency, n, err in zip(b["ttfts"], b["latencies"], b["output_lens"], b["errors"]):
+            if err or not n:
+                continue
+            ttfts.append(ttft * 1000)
+            if n > 1:
+                tpots.append((latency - ttft) * 1000 / (n - 1))
+
+    def p99(xs: list[float]) -> float:
+        return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
+    return {"completed": completed, "failed": failed, "duration": duration,
+            "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+            "mean_ttft_ms": statistics.fmean(ttfts), "median_ttft_ms": statistics.median(ttfts),
+            "p99_ttft_ms": p99(ttfts), "mean_tpot_ms": statistics.fmean(tpots),
+            "median_tpot_ms": statistics.median(tpots), "p99_tpot_ms": p99(tpots),
+            "rounds": len(rounds)}
+
+
 def sweep_interleaved(args, workdir: Path) -> list[dict]:
     """Every server started, one after the other, then every (concurrency, system)
-    point in :func:`turns` order; the records in ``--systems`` order."""
+    point in :func:`turns` order, ``args.rounds`` times (each round's turns rotated
+    by one more); the records in ``--systems`` order. With several rounds a point's
+    record holds each round's record under ``rounds`` and :func:`pooled` as its
+    summary."""
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
         servers = {}
@@ -101,9 +142,25 @@ def sweep_interleaved(args, workdir: Path) -> list[dict]:
                 print(f"==== {system}: FAILED {exc}", flush=True)
                 continue
             print(f"==== {system}: serving after {server.startup_s:.0f} s", flush=True)
-        for c, system in turns([s for s in args.systems if s in servers], args.concurrency):
-            print(f"==== c={c}: {system}", flush=True)
-            runs.append(run_point(system, servers[system], c, args, workdir))
+        live = [s for s in args.systems if s in servers]
+        points: dict[tuple[str, int], list[dict]] = {}
+        for r in range(args.rounds):
+            for c, system in turns(live[r % len(live):] + live[:r % len(live)], args.concurrency):
+                print(f"==== round {r + 1}/{args.rounds}, c={c}: {system}", flush=True)
+                points.setdefault((system, c), []).append(
+                    run_point(system, servers[system], c, args, workdir))
+        for (system, c), rounds in points.items():
+            if len(rounds) == 1:
+                runs.append(rounds[0])
+                continue
+            ok = [r for r in rounds if "summary" in r]
+            record = {"system": system, "concurrency": c, "num_prompts": rounds[0]["num_prompts"],
+                      "server_cmd": rounds[0]["server_cmd"], "rounds": rounds}
+            if ok:
+                record["summary"] = pooled(ok)
+            if len(ok) < len(rounds):
+                record["error"] = f"{len(rounds) - len(ok)} of {len(rounds)} rounds failed"
+            runs.append(record)
     order = {s: i for i, s in enumerate(args.systems)}
     return sorted(runs, key=lambda r: (order[r["system"]], r.get("concurrency", 0)))
 
@@ -186,7 +243,8 @@ def main(argv=None) -> int:
                            "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
                            "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
                            "temperature": 0, "seed": args.seed,
-                           "order": "interleaved" if args.interleave else "one system after the other"},
+                           "order": "interleaved" if args.interleave else "one system after the other",
+                           "rounds": args.rounds},
               "dtype": args.dtype, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -592,7 +592,8 @@ class TandemServer(RouterServer):
                 from tandem.engine.runtime.core_lending import CoreLendingConfig
 
                 lending = CoreLendingConfig(self.core_board, list(slots).index(worker_id),
-                                            tuple(slots.values()))
+                                            tuple(slots.values()),
+                                            max_threads=len(os.sched_getaffinity(0)))
                 threads, cpus = slots[worker_id], None
         engine = (cfg.prefill_engine or cfg.engine) if role == "prefill" else cfg.engine
         if role == "prefill":       # only decode steps speculate: no draft model to load there

@@ -59,6 +59,21 @@ def test_a_busy_worker_steps_on_its_share_plus_the_idle_workers_shares(board):
         assert f.read() == bytes(3)      # every slot idle, the file still 3 bytes
 
 
+def test_more_workers_than_cores_take_at_most_the_cores(board):
+    """1 prefill + 2 decode workers on 2 cores: shares 1, 1, 1 (two share a core);
+    all peers idle, a worker takes the machine's 2, not 3."""
+    rec = Recorder()
+    a = CoreLending(CoreLendingConfig(board, 0, (1, 1, 1), max_threads=2), set_threads=rec)
+    assert a.busy() == 2
+    b = CoreLending(CoreLendingConfig(board, 1, (1, 1, 1), max_threads=2), set_threads=Recorder())
+    b.busy()
+    assert a.busy() == 2                 # 1 + c's idle 1
+    CoreLending(CoreLendingConfig(board, 2, (1, 1, 1), max_threads=2), set_threads=Recorder()).busy()
+    assert a.busy() == 1 and rec.calls == [2, 1]
+    with pytest.raises(ValueError, match="max_threads: 1 is below this slot's share 2"):
+        CoreLendingConfig(board, 2, (1, 1, 2), max_threads=1)
+
+
 def test_a_new_worker_starts_idle_in_its_slot(board):
     with open(board, "r+b") as f:        # a predecessor died while busy in slot 1
         f.seek(1)

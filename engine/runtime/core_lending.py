@@ -41,15 +41,22 @@ class CoreLendingConfig:
         path: the board's file (:func:`create_board`).
         slot: this worker's byte on the board (0 .. ``len(shares) - 1``).
         shares: every slot's own share of the cores (threads), this one's included.
+        max_threads: the most threads a worker takes however many peers are idle
+            (the machine's cores, where more workers than cores share them);
+            None: the sum of the shares.
     """
 
     path: str
     slot: int
     shares: tuple[int, ...]
+    max_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.shares or any(s < 1 for s in self.shares):
             raise ValueError(f"shares: each slot needs at least one core, got {self.shares}")
+        if self.max_threads is not None and self.max_threads < self.shares[self.slot]:
+            raise ValueError(f"max_threads: {self.max_threads} is below this slot's share "
+                             f"{self.shares[self.slot]}")
         if not 0 <= self.slot < len(self.shares):
             raise ValueError(f"slot: {self.slot} is not one of the board's "
                              f"{len(self.shares)} slots")
@@ -112,9 +119,11 @@ class CoreLending:
         self._board[config.slot] = 0
 
     def lendable(self) -> int:
-        """Cores this worker may step on now: its share plus every idle peer's."""
+        """Cores this worker may step on now: its share plus every idle peer's, at
+        most ``config.max_threads``."""
         board, shares, me = self._board, self.config.shares, self.config.slot
-        return shares[me] + sum(s for i, s in enumerate(shares) if i != me and board[i] == 0)
+        n = shares[me] + sum(s for i, s in enumerate(shares) if i != me and board[i] == 0)
+        return n if self.config.max_threads is None else min(n, self.config.max_threads)
 
     def busy(self) -> int:
         """Mark this worker busy and size the thread pool to :meth:`lendable`
