@@ -61,6 +61,9 @@ from bench_peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SYSTEMS = ("tandem-disaggregated", "tandem-colocated", "vllm")
+EXTRA_SYSTEMS = ("tandem-disaggregated-pinned",)
+"""Accepted by ``--systems``, not run by default: Tandem disaggregated on pinned halves
+of the cores whatever ``--disaggregated-cores`` says (to compare it with lending)."""
 VLLM_CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
 
 
@@ -241,8 +244,12 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
 
 
 def make_server(system: str, args, log_path: Path) -> Server:
-    return vllm_server(args, log_path) if system == "vllm" else \
-        tandem_server(system.removeprefix("tandem-"), args, log_path)
+    if system == "vllm":
+        return vllm_server(args, log_path)
+    if system == "tandem-disaggregated-pinned":
+        return tandem_server("disaggregated", argparse.Namespace(
+            **{**vars(args), "disaggregated_cores": "pinned", "cpu_affinity": True}), log_path)
+    return tandem_server(system.removeprefix("tandem-"), args, log_path)
 
 
 def run_client(system: str, server: Server, args, workdir: Path, tag: str = "") -> dict:
@@ -365,7 +372,7 @@ def versions(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both servers' dtype")
     p.add_argument("--input-len", type=int, default=256)
@@ -396,7 +403,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in args.systems:
-        if s not in SYSTEMS:
+        if s not in SYSTEMS + EXTRA_SYSTEMS:
             p.error(f"--systems: unknown {s!r}")
     if args.num_warmups is None:
         args.num_warmups = args.max_concurrency

@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start every server first, then take turns at each concurrency")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --interleave: every point this many times (turns rotating each "
-                        "round), its requests pooled into one summary")
+                        "round, round r's prompts from seed + r), its requests pooled into one "
+                        "summary")
     args, rest = p.parse_known_args(argv)
     bench = ob.parse_args(rest)
     bench.interleave, bench.rounds = args.interleave, args.rounds
@@ -51,16 +52,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return bench
 
 
-def run_point(system: str, server, c: int, args, workdir: Path) -> dict:
+def run_point(system: str, server, c: int, args, workdir: Path, suffix: str = "") -> dict:
     """``vllm bench serve`` at concurrency ``c`` against ``system``'s running server:
     its record (``error`` instead of a summary when the client failed)."""
     a = copy.copy(args)
     a.max_concurrency, a.num_warmups = c, c
     a.num_prompts = max(args.num_prompts, 2 * c)
-    run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts,
+    run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts, "seed": a.seed,
            "startup_s": server.startup_s, "server_cmd": server.cmd}
     try:
-        run.update(slim(ob.run_client(system, server, a, workdir, f"_c{c}")))
+        run.update(slim(ob.run_client(system, server, a, workdir, f"_c{c}{suffix}")))
     except Exception as exc:        # recorded; the next point still runs
         run["error"] = f"{type(exc).__name__}: {exc}"
         print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
@@ -147,8 +148,12 @@ def sweep_interleaved(args, workdir: Path) -> list[dict]:
         for r in range(args.rounds):
             for c, system in turns(live[r % len(live):] + live[:r % len(live)], args.concurrency):
                 print(f"==== round {r + 1}/{args.rounds}, c={c}: {system}", flush=True)
-                points.setdefault((system, c), []).append(
-                    run_point(system, servers[system], c, args, workdir))
+                # Each round its own prompts (seed + round): a repeat of the same
+                # prompts would be served from the prefix caches.
+                points.setdefault((system, c), []).append(run_point(
+                    system, servers[system], c, copy.copy(args) if r == 0 else
+                    argparse.Namespace(**{**vars(args), "seed": args.seed + r}), workdir,
+                    suffix=f"_r{r}" if args.rounds > 1 else ""))
         for (system, c), rounds in points.items():
             if len(rounds) == 1:
                 runs.append(rounds[0])
@@ -242,7 +247,7 @@ def main(argv=None) -> int:
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                            "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
                            "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
-                           "temperature": 0, "seed": args.seed,
+                           "temperature": 0, "seed": args.seed if args.rounds == 1 else f"{args.seed} + round",
                            "order": "interleaved" if args.interleave else "one system after the other",
                            "rounds": args.rounds},
               "dtype": args.dtype, "runs": runs}

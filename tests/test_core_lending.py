@@ -36,51 +36,84 @@ def board(tmp_path):
     remove_board(path)
 
 
-def _slot(path: str, slot: int, rec: Recorder, shares=(1, 1, 2)) -> CoreLending:
-    return CoreLending(CoreLendingConfig(path, slot, shares), set_threads=rec)
+def _slot(path: str, slot: int, rec: Recorder, shares=(1, 1, 2), **kw) -> CoreLending:
+    return CoreLending(CoreLendingConfig(path, slot, shares, kw.pop("max_threads", None)),
+                       set_threads=rec, **kw)
 
 
-def test_a_busy_worker_steps_on_its_share_plus_the_idle_workers_shares(board):
+def _read(path: str) -> list[int]:
+    with open(path, "rb") as f:
+        return list(f.read())
+
+
+def _busy_in_thread(lending: CoreLending):
+    """``lending.busy()`` on a thread of its own (it may wait for a peer): the thread
+    and a dict that gets its result as ``n``."""
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.setdefault("n", lending.busy()))
+    t.start()
+    return t, got
+
+
+def test_claims_never_exceed_the_cores_and_a_lender_waits_for_the_borrowers_step(board):
+    """Shares 1, 1, 2 (4 cores): a claims everything while alone; b, whose core a
+    steps on, marks its share and waits until a's next step gives it back; the same
+    for c; with everyone busy each has its share; a worker that ends lends its cores."""
     ra, rb, rc = Recorder(), Recorder(), Recorder()
     a, b, c = _slot(board, 0, ra), _slot(board, 1, rb), _slot(board, 2, rc)
-    assert a.busy() == 4                 # 1 + the idle 1 + the idle 2
-    assert b.busy() == 3                 # a is busy now: 1 + c's 2
-    assert c.busy() == 2                 # everyone busy: its own share
+    assert a.busy() == 4 and _read(board) == [4, 0, 0]
+    t, got = _busy_in_thread(b)
+    time.sleep(0.1)
+    assert t.is_alive() and _read(board) == [4, 1, 0]     # waiting, its share marked
+    assert a.busy() == 3                                   # b's core back; c still idle
+    t.join(5)
+    assert got["n"] == 1 and _read(board) == [3, 1, 0]
+    t, got = _busy_in_thread(c)
+    time.sleep(0.1)
+    assert t.is_alive() and _read(board) == [3, 1, 2]
     assert a.busy() == 1
+    t.join(5)
+    assert got["n"] == 2 and _read(board) == [1, 1, 2]    # all busy: 4 threads, 4 cores
+    assert a.busy() == 1                                   # unchanged: torch not asked again
+    assert ra.calls == [4, 3, 1] and rb.calls == [1] and rc.calls == [2]
+    assert b.waited_s > 0.05 and c.waited_s > 0.05 and a.waited_s == 0
+    c.close()                                              # ended: its cores are lent
+    assert a.busy() == 3 and a.lendable() == 3
     b.idle()
-    assert a.busy() == 2 and c.busy() == 3
-    assert a.busy() == 2                 # unchanged: torch is not asked again
-    assert ra.calls == [4, 1, 2] and rb.calls == [3] and rc.calls == [2, 3]
-    c.close()                            # a worker that ends lends its cores
-    assert a.busy() == 4 and a.lendable() == 4
+    assert a.busy() == 4
     a.close()
     b.close()
-    with open(board, "rb") as f:
-        assert f.read() == bytes(3)      # every slot idle, the file still 3 bytes
+    assert _read(board) == [0, 0, 0]
 
 
 def test_more_workers_than_cores_take_at_most_the_cores(board):
     """1 prefill + 2 decode workers on 2 cores: shares 1, 1, 1 (two share a core);
-    all peers idle, a worker takes the machine's 2, not 3."""
-    rec = Recorder()
-    a = CoreLending(CoreLendingConfig(board, 0, (1, 1, 1), max_threads=2), set_threads=rec)
+    with the others idle a worker takes the machine's 2, not 3; a worker whose
+    share stays claimed (a peer died holding it) steps on its share after
+    ``max_wait_s``."""
+    a = _slot(board, 0, Recorder(), (1, 1, 1), max_threads=2)
+    b = _slot(board, 1, Recorder(), (1, 1, 1), max_threads=2)
+    c = _slot(board, 2, Recorder(), (1, 1, 1), max_threads=2, max_wait_s=0.05)
     assert a.busy() == 2
-    b = CoreLending(CoreLendingConfig(board, 1, (1, 1, 1), max_threads=2), set_threads=Recorder())
-    b.busy()
-    assert a.busy() == 2                 # 1 + c's idle 1
-    CoreLending(CoreLendingConfig(board, 2, (1, 1, 1), max_threads=2), set_threads=Recorder()).busy()
-    assert a.busy() == 1 and rec.calls == [2, 1]
+    t, got = _busy_in_thread(b)
+    time.sleep(0.05)
+    assert a.busy() == 1
+    t.join(5)
+    assert got["n"] == 1 and _read(board) == [1, 1, 0]
+    t0 = time.monotonic()
+    assert c.busy() == 1                  # nobody gives a core back: it waited, then stepped
+    assert time.monotonic() - t0 >= 0.05
     with pytest.raises(ValueError, match="max_threads: 1 is below this slot's share 2"):
         CoreLendingConfig(board, 2, (1, 1, 2), max_threads=1)
 
 
 def test_a_new_worker_starts_idle_in_its_slot(board):
-    with open(board, "r+b") as f:        # a predecessor died while busy in slot 1
+    with open(board, "r+b") as f:        # a predecessor died stepping on 2 cores in slot 1
         f.seek(1)
-        f.write(b"\x01")
+        f.write(b"\x02")
     a = _slot(board, 0, Recorder())
-    assert a.lendable() == 1 + 2         # slot 1 counts as busy
-    b = _slot(board, 1, Recorder())      # its replacement
+    assert a.lendable() == 2             # 4 cores, 2 held by the dead worker
+    b = _slot(board, 1, Recorder())      # its replacement releases them
     assert a.lendable() == 4
     a.close()
     b.close()

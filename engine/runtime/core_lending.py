@@ -10,26 +10,28 @@ one worker is idle and loses badly while both step: two OpenMP teams that
 spin-wait on the same cores (``benchmarks/README.md``, "Lending idle cores").
 
 So the workers keep a **core board**: a small file mapped into every worker of
-the machine, one byte per worker (its *slot*), 1 while that worker has steps to
-run. Before each step a worker sizes torch's intra-op thread pool to its own
-share of the cores plus the shares of the workers that are idle now; while it
-waits for work it marks itself idle. The workers are not pinned (the operating
-system places their threads); when all are busy each runs on its share, as if
-pinned. A worker that starts while a peer's step is running on borrowed cores
-shares the cores with it until that step ends (the peer sees the new worker busy
-before its next step).
+the machine, one byte per worker (its *slot*): the threads it steps on now, 0
+while it waits for work. Before each step a worker claims its own share of the
+cores plus the shares of the workers that are idle now, and sizes torch's
+intra-op thread pool to that; the claims never add up to more than the machine's
+cores (:class:`CoreLending`), so a worker whose cores were lent waits for the
+borrower's step to end. The workers are not pinned (the operating system places
+their threads); when all are busy each runs on its share, as if pinned.
 
 The board's file is created and removed by whoever starts the workers
 (:func:`create_board`, :func:`remove_board`); a worker only maps it. A worker that
-dies while marked busy leaves its slot busy until its replacement (same slot)
-marks it idle: its peers only lend less meanwhile.
+dies while it claims cores leaves them claimed until its replacement (same slot)
+releases them: its peers borrow less meanwhile, and one whose own share is held
+waits ``max_wait_s`` at most per step.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 
@@ -91,7 +93,17 @@ def remove_board(path: str) -> None:
 
 
 class CoreLending:
-    """One worker's side of the board: marks its slot and sizes its thread pool.
+    """One worker's side of the board: claims its cores before each step.
+
+    Each slot holds the threads its worker steps on now (0: idle). :meth:`busy`,
+    under an exclusive lock on the board's file, claims this worker's share plus
+    what its idle peers leave, never more than is free: the claims never add up to
+    more than ``max_threads``, so no two OpenMP teams ever share a core (where
+    both spin-wait, each step of both would stall). A worker whose share a peer is
+    stepping on marks its share claimed and waits for that peer's step to end (the
+    peer then claims only its own share): at most one of the peer's steps, at most
+    ``max_wait_s`` (a peer that died holding cores), after which it steps on its
+    share anyway.
 
     Call :meth:`busy` from the thread that runs the engine's steps (torch's thread
     count is that thread's OpenMP setting), before a step; :meth:`idle` before
@@ -102,13 +114,15 @@ class CoreLending:
         ValueError: the file is shorter than ``config.shares`` has slots.
     """
 
-    def __init__(self, config: CoreLendingConfig, set_threads=None):
+    def __init__(self, config: CoreLendingConfig, set_threads=None, max_wait_s: float = 2.0,
+                 poll_s: float = 0.0005):
         self.config = config
-        with open(config.path, "r+b") as f:
-            self._board = mmap.mmap(f.fileno(), 0)
+        self.max_wait_s, self.poll_s = max_wait_s, poll_s
+        self._file = open(config.path, "r+b")
+        self._board = mmap.mmap(self._file.fileno(), 0)
         if len(self._board) < len(config.shares):
             size = len(self._board)
-            self._board.close()
+            self.close()
             raise ValueError(f"{config.path}: a board of {size} slots, "
                              f"expected {len(config.shares)}")
         if set_threads is None:
@@ -116,31 +130,57 @@ class CoreLending:
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
         self.threads = 0            # what the pool was last sized to (0: not yet)
+        self.waited_s = 0.0         # seconds spent waiting for lent cores (total)
         self._board[config.slot] = 0
 
+    @property
+    def max_threads(self) -> int:
+        return self.config.max_threads or sum(self.config.shares)
+
     def lendable(self) -> int:
-        """Cores this worker may step on now: its share plus every idle peer's, at
-        most ``config.max_threads``."""
+        """Cores this worker could claim now: its share plus every idle peer's,
+        within what the other slots leave free (at least its share)."""
         board, shares, me = self._board, self.config.shares, self.config.slot
-        n = shares[me] + sum(s for i, s in enumerate(shares) if i != me and board[i] == 0)
-        return n if self.config.max_threads is None else min(n, self.config.max_threads)
+        others = [i for i in range(len(shares)) if i != me]
+        free = self.max_threads - sum(board[i] for i in others)
+        n = shares[me] + sum(shares[i] for i in others if board[i] == 0)
+        return max(shares[me], min(n, free))
 
     def busy(self) -> int:
-        """Mark this worker busy and size the thread pool to :meth:`lendable`
-        (only when it changes); returns the thread count in effect."""
-        self._board[self.config.slot] = 1
-        n = self.lendable()
+        """Claim this worker's cores for its next step (waiting, if a peer steps on
+        its share, for that step to end) and size the thread pool to them (only
+        when that changes); returns the thread count in effect."""
+        board, me, share = self._board, self.config.slot, self.config.shares[self.config.slot]
+        t0 = None
+        while True:
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+            try:
+                others = sum(board[i] for i in range(len(self.config.shares)) if i != me)
+                if self.max_threads - others >= share or (
+                        t0 is not None and time.monotonic() - t0 >= self.max_wait_s):
+                    n = self.lendable()
+                    board[me] = n
+                    break
+                board[me] = share       # the borrower sees it at its next step
+            finally:
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+            if t0 is None:
+                t0 = time.monotonic()
+            time.sleep(self.poll_s)
+        if t0 is not None:
+            self.waited_s += time.monotonic() - t0
         if n != self.threads:
             self._set_threads(n)
             self.threads = n
         return n
 
     def idle(self) -> None:
-        """Mark this worker idle: its peers may step on its cores."""
+        """Release this worker's cores: its peers may step on them."""
         self._board[self.config.slot] = 0
 
     def close(self) -> None:
-        """Mark idle and unmap the board."""
+        """Release the cores and unmap the board."""
         if not self._board.closed:
             self.idle()
             self._board.close()
+        self._file.close()
