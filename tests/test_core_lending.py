@@ -88,21 +88,22 @@ def test_claims_never_exceed_the_cores_and_a_lender_waits_for_the_borrowers_step
 
 def test_more_workers_than_cores_take_at_most_the_cores(board):
     """1 prefill + 2 decode workers on 2 cores: shares 1, 1, 1 (two share a core);
-    with the others idle a worker takes the machine's 2, not 3; a worker whose
-    share stays claimed (a peer died holding it) steps on its share after
-    ``max_wait_s``."""
+    with the others idle a worker takes the machine's 2, not 3; once all are busy
+    each steps on its share at once (the shares overlap: nothing is borrowed, so
+    nothing to wait for)."""
     a = _slot(board, 0, Recorder(), (1, 1, 1), max_threads=2)
     b = _slot(board, 1, Recorder(), (1, 1, 1), max_threads=2)
-    c = _slot(board, 2, Recorder(), (1, 1, 1), max_threads=2, max_wait_s=0.05)
+    c = _slot(board, 2, Recorder(), (1, 1, 1), max_threads=2)
     assert a.busy() == 2
     t, got = _busy_in_thread(b)
     time.sleep(0.05)
+    assert t.is_alive()                   # a borrowed b's core: b waits for a's next step
     assert a.busy() == 1
     t.join(5)
     assert got["n"] == 1 and _read(board) == [1, 1, 0]
     t0 = time.monotonic()
-    assert c.busy() == 1                  # nobody gives a core back: it waited, then stepped
-    assert time.monotonic() - t0 >= 0.05
+    assert c.busy() == 1 and _read(board) == [1, 1, 1]
+    assert time.monotonic() - t0 < 0.5 and c.waited_s == 0
     with pytest.raises(ValueError, match="max_threads: 1 is below this slot's share 2"):
         CoreLendingConfig(board, 2, (1, 1, 2), max_threads=1)
 
@@ -117,6 +118,17 @@ def test_a_new_worker_starts_idle_in_its_slot(board):
     assert a.lendable() == 4
     a.close()
     b.close()
+
+
+def test_a_share_held_by_a_dead_borrower_is_waited_for_at_most_max_wait(board):
+    with open(board, "r+b") as f:        # slot 1 (share 1) died stepping on all 4 cores
+        f.seek(1)
+        f.write(b"\x04")
+    a = _slot(board, 0, Recorder(), max_wait_s=0.1)
+    t0 = time.monotonic()
+    assert a.busy() == 1                 # waited for a step that never ends, then its share
+    assert time.monotonic() - t0 >= 0.1 and a.waited_s >= 0.1
+    a.close()
 
 
 def test_bad_board_configs_are_refused_by_field(board, tmp_path):

@@ -99,11 +99,12 @@ class CoreLending:
     under an exclusive lock on the board's file, claims this worker's share plus
     what its idle peers leave, never more than is free: the claims never add up to
     more than ``max_threads``, so no two OpenMP teams ever share a core (where
-    both spin-wait, each step of both would stall). A worker whose share a peer is
-    stepping on marks its share claimed and waits for that peer's step to end (the
-    peer then claims only its own share): at most one of the peer's steps, at most
-    ``max_wait_s`` (a peer that died holding cores), after which it steps on its
-    share anyway.
+    both spin-wait, each step of both would stall), except where the shares
+    themselves add up to more (more workers than cores: each steps on its share).
+    A worker whose share a peer is stepping on marks its share claimed and waits
+    for that peer's step to end (the peer then claims only its own share): at most
+    one of the peer's steps, at most ``max_wait_s`` (a peer that died holding
+    cores), after which it steps on its share anyway.
 
     Call :meth:`busy` from the thread that runs the engine's steps (torch's thread
     count is that thread's OpenMP setting), before a step; :meth:`idle` before
@@ -155,8 +156,13 @@ class CoreLending:
         while True:
             fcntl.flock(self._file, fcntl.LOCK_EX)
             try:
-                others = sum(board[i] for i in range(len(self.config.shares)) if i != me)
-                if self.max_threads - others >= share or (
+                shares = self.config.shares
+                peers = [i for i in range(len(shares)) if i != me]
+                others = sum(board[i] for i in peers)
+                # Wait only for cores a peer borrowed: with more workers than cores
+                # (shares that add up past max_threads) the shares overlap anyway.
+                borrowed = sum(max(0, board[i] - shares[i]) for i in peers)
+                if self.max_threads - others >= share or not borrowed or (
                         t0 is not None and time.monotonic() - t0 >= self.max_wait_s):
                     n = self.lendable()
                     board[me] = n
