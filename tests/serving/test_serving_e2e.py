@@ -421,7 +421,9 @@ def test_disaggregated_workers_lending_idle_cores_serve_the_same_tokens(ray_sess
 
     from .conftest import Client, serve_config, start_server
 
-    server = start_server(serve_config("disaggregated", lend_idle_cores=True))
+    # Its own namespace: the module's other clusters run in the same Ray session.
+    server = start_server(serve_config("disaggregated", lend_idle_cores=True,
+                                       namespace="tandem-lending"))
     client = Client(server)
     try:
         board = server.server.core_board
