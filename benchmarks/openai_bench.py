@@ -73,24 +73,47 @@ VLLM_CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
 class Server:
     """A server subprocess in a session (process group) of its own, output to a log."""
 
+    BIND_ATTEMPTS = 3
+    """Starts tried when the HTTP port, free when picked, was taken before the server
+    bound it (the server's own daemons, or another server starting, took it)."""
+
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
-                 port: int, ready_timeout_s: float, grace_s: float = 30.0, term_s: float = 10.0):
+                 port: int, ready_timeout_s: float, grace_s: float = 30.0, term_s: float = 10.0,
+                 port_flag: str | None = None):
         self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
-        self.port, self.ready_timeout_s, self.grace_s, self.term_s = port, ready_timeout_s, grace_s, term_s
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.ready_timeout_s, self.grace_s, self.term_s = ready_timeout_s, grace_s, term_s
+        self.port_flag = port_flag     # the cmd's option whose value is ``port``
+        self._set_port(port)
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
+    def _set_port(self, port: int) -> None:
+        if self.port_flag is not None:
+            i = self.cmd.index(self.port_flag)
+            self.cmd = [*self.cmd[:i + 1], str(port), *self.cmd[i + 2:]]
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
     def __enter__(self) -> Server:
         t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, self.BIND_ATTEMPTS + 1):
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+            try:
+                self._wait_ready()
+                break
+            except RuntimeError:
+                self.stop()
+                if (self.port_flag is None or attempt == self.BIND_ATTEMPTS
+                        or "Address already in use" not in self.log_tail()):
+                    raise
+                print(f"==== {self.name}: port {self.port} was taken; starting again on another",
+                      flush=True)
+                self._set_port(free_port())
+            except BaseException:
+                self.stop()
+                raise
         self.startup_s = time.monotonic() - t0
         return self
 
@@ -180,7 +203,8 @@ def tandem_server(mode: str, args, log_path: Path) -> Server:
              else ["--cpu-affinity"] if args.cpu_affinity else []),
            *(["--model", args.tandem_model] if args.tandem_model else []), *args.tandem_arg]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    return Server(f"tandem-{mode}", cmd, env, log_path, port, args.ready_timeout_s)
+    return Server(f"tandem-{mode}", cmd, env, log_path, port, args.ready_timeout_s,
+                  port_flag="--http-port")
 
 
 def vllm_server(args, log_path: Path) -> Server:
@@ -191,7 +215,7 @@ def vllm_server(args, log_path: Path) -> Server:
            "--disable-uvicorn-access-log", *args.vllm_arg]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_HOST_IP": "127.0.0.1"}
-    return Server("vllm", cmd, env, log_path, port, args.ready_timeout_s)
+    return Server("vllm", cmd, env, log_path, port, args.ready_timeout_s, port_flag="--port")
 
 
 # --------------------------------------------------------------------------- client

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -99,7 +100,7 @@ FAKE_SERVER = textwrap.dedent("""
             self.wfile.write(body)
         def log_message(self, *a):
             pass
-    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[-1])), H).serve_forever()
 """)
 
 
@@ -131,6 +132,34 @@ def test_server_that_exits_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)exited with 3.*no model here"):
         with server:
             pass
+
+
+def test_server_whose_port_was_taken_starts_again_on_another(tmp_path):
+    """The picked port taken before the server binds it: a new port, the same command."""
+    script = tmp_path / "fake_server.py"       # without the child and the deaf SIGTERM
+    script.write_text("\n".join(line for line in FAKE_SERVER.splitlines()
+                                 if not line.startswith(("signal.signal", "child", "print(child"))))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))       # bound, not listening: connections refused
+        port = taken.getsockname()[1]
+        server = ob.Server("fake", [sys.executable, str(script), "--port", str(port)],
+                           dict(os.environ), tmp_path / "fake.log", port, ready_timeout_s=30,
+                           grace_s=0.5, term_s=0.5, port_flag="--port")
+        # The fake server reads its port as the last argument.
+        with server:
+            assert server.port != port
+            assert server.cmd[-2:] == ["--port", str(server.port)]
+            assert server._get("/health")[0] == 200
+    # Without a port option nothing is retried: the bind error is the failure.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))       # bound, not listening: connections refused
+        port = taken.getsockname()[1]
+        server = ob.Server("fake", [sys.executable, str(script), str(port)], dict(os.environ),
+                           tmp_path / "fake2.log", port, ready_timeout_s=30, grace_s=0.5,
+                           term_s=0.5)
+        with pytest.raises(RuntimeError, match="(?s)exited with 1.*Address already in use"):
+            with server:
+                pass
 
 
 def test_client_report_is_the_result_block():
