@@ -182,16 +182,57 @@ def check_model_path(flag: str, model: str | None) -> None:
 
 def _check_model_args(args) -> None:
     """The model paths a command would load, checked before any worker or Ray starts
-    (:func:`check_model_path`). Raises ValueError."""
+    (:func:`check_model_path`), and its tensor-parallel sizes against the model's
+    attention heads (:func:`check_tensor_parallel_sizes`). Raises ValueError."""
     if getattr(args, "endpoint", None):         # a client of a running server: loads nothing
         return
     if hasattr(args, "model") and args.func is not _cmd_quantize:    # quantize checks its own
         check_model_path("--model", args.model)
+        check_tensor_parallel_sizes(args)
     draft = getattr(args, "speculative_draft_model", None)
     # Only a draft the engine would load: with another method the engine config
     # refuses the flag itself, naming the method it needs.
     if draft is not None and getattr(args, "speculative_method", None) == "draft_model":
         check_model_path("--speculative-draft-model", draft)
+
+
+def check_tensor_parallel_sizes(args) -> None:
+    """Each tensor-parallel size above 1 the command would start, checked against the
+    model's attention heads (:func:`~tandem.engine.parallel.partition.head_partition`)
+    before Ray starts, so that a size the model's heads cannot be split into is
+    refused naming its flag (``--prefill-tensor-parallel-size``), not by a worker
+    after the cluster came up. Reads the model's config (a GGUF file's metadata:
+    seconds), only when a size is above 1.
+
+    Raises:
+        ValueError: ``<flag>: <n> ranks cannot share ...``, or a size below 1.
+    """
+    if not hasattr(args, "tensor_parallel_size"):
+        return
+    if hasattr(args, "prefill_tensor_parallel_size"):      # serve: a size per pool
+        prefill, decode = _tensor_parallel_sizes(args)
+
+        def flag(pool: str) -> str:
+            own = getattr(args, f"{pool}_tensor_parallel_size") is not None
+            return f"--{pool}-tensor-parallel-size" if own else "--tensor-parallel-size"
+        sizes = {flag("decode"): decode}
+        if args.mode != "colocated":
+            sizes[flag("prefill")] = prefill
+    else:
+        sizes = {"--tensor-parallel-size": args.tensor_parallel_size}
+    if all(n == 1 for n in sizes.values()):
+        return
+    from tandem.engine.model.loader import checkpoint_config
+    from tandem.engine.model.model_files import resolve_model
+    from tandem.engine.parallel.partition import head_partition
+
+    cfg = checkpoint_config(resolve_model(args.model))
+    for flag, n in sizes.items():
+        try:
+            head_partition(cfg.num_heads, cfg.num_kv_heads, n, 0)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {str(exc).removeprefix('tensor_parallel_size: ')}"
+                             ) from None
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:

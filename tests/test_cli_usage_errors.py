@@ -105,6 +105,21 @@ def test_lending_idle_cores_is_refused_where_it_cannot_work(flags, expected):
     assert took < 30
 
 
+@pytest.mark.parametrize("flags,flag", [
+    (["--prefill-tensor-parallel-size", "4"], "--prefill-tensor-parallel-size"),
+    (["--decode-tensor-parallel-size", "4"], "--decode-tensor-parallel-size"),
+    (["--mode", "colocated", "--tensor-parallel-size", "4"], "--tensor-parallel-size")])
+def test_a_tensor_parallel_size_the_heads_cannot_split_names_its_flag(flags, flag):
+    # The default model: 9 query heads, 3 KV heads; 4 ranks cannot share them.
+    code, out, err, took = run("serve", *flags)
+    assert code == 2, err
+    assert_one_error_line(err, out, f"error: {flag}: 4 ranks cannot share 3 KV heads and 9 "
+                                    "query heads (with fewer KV heads than ranks, the ranks "
+                                    "must be a multiple of the KV heads and divide the query "
+                                    "heads)")
+    assert took < 30
+
+
 def test_a_client_of_a_running_server_does_not_check_a_model_it_never_loads():
     # --endpoint: the server's model counts; nothing answers on port 1, so the call
     # itself fails (exit 1), after the arguments were accepted.

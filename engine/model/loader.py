@@ -75,11 +75,7 @@ def gguf_checkpoint(files, native: bool = False
                     for name in f.keys():
                         yield name, f.get_tensor(name)
             return cfg, cached()
-    fields, reader = weights.read_gguf(files.path)
-    names = tuple(t.name for t in reader.tensors)
-    rope_factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
-                    if t.name in weights.GGUF_CONFIG_TENSORS}
-    cfg = ModelConfig.from_gguf_fields(fields, "output.weight" in names, names, rope_factors)
+    cfg, reader = _gguf_config(files.path)
     if target is None:
         return cfg, weights.iter_gguf_tensors(reader, cfg, native)
     tensors = dict(weights.iter_gguf_tensors(reader, cfg, native))
@@ -92,6 +88,30 @@ def gguf_checkpoint(files, native: bool = False
     except OSError as exc:
         logger.debug("dequantized weight cache %s not written: %s", target, exc)
     return cfg, iter(tensors.items())
+
+
+def _gguf_config(path: str):
+    """A GGUF file's ModelConfig and its open reader (the metadata parsed: seconds)."""
+    from tandem.engine.model import weights
+
+    fields, reader = weights.read_gguf(path)
+    names = tuple(t.name for t in reader.tensors)
+    rope_factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
+                    if t.name in weights.GGUF_CONFIG_TENSORS}
+    return ModelConfig.from_gguf_fields(fields, "output.weight" in names, names, rope_factors), reader
+
+
+def checkpoint_config(files) -> ModelConfig:
+    """A checkpoint's :class:`ModelConfig` without its weights: ``config.json``, or
+    a GGUF file's metadata (parsed whole: about 2 s for the default model).
+
+    Raises:
+        UnsupportedModelError, ValueError: as :meth:`ModelConfig.from_hf_config` and
+            :meth:`ModelConfig.from_gguf_fields`.
+    """
+    if files.format == "gguf":
+        return _gguf_config(files.path)[0]
+    return ModelConfig.from_hf_config(files.path)
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
