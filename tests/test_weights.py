@@ -88,3 +88,20 @@ def test_rope_base_is_read_from_rope_parameters(tmp_path):
         base | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "mrope", "factor": 8.0}}))
     with pytest.raises(ValueError, match="rope_parameters.rope_type: RoPE scaling 'mrope'"):
         ModelConfig.from_hf_config(str(tmp_path))
+
+
+def test_expert_parallelism_on_a_dense_model_is_ignored_with_a_warning(tiny_checkpoint, caplog):
+    from tandem.engine.model.loader import load_model
+    from tandem.engine.model.model_files import resolve_model
+
+    path, _ = tiny_checkpoint
+    with caplog.at_level("WARNING", logger="tandem.engine.model.loader"):
+        load_model(resolve_model(path), torch.float32, torch.device("cpu"))
+    assert not [r for r in caplog.records if "enable_expert_parallel" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="tandem.engine.model.loader"):
+        model, cfg = load_model(resolve_model(path), torch.float32, torch.device("cpu"),
+                                enable_expert_parallel=True)
+    assert cfg.moe is None
+    warned = [r.getMessage() for r in caplog.records if "enable_expert_parallel" in r.getMessage()]
+    assert warned == [f"enable_expert_parallel: {path} (LlamaForCausalLM) has no experts; its "
+                      "layers are split as tensor_parallel_size says, the flag changes nothing"]

@@ -160,7 +160,8 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
             rank holds only its shard); None: the whole model.
         enable_expert_parallel: with ``comm``, a mixture-of-experts model's experts
             spread whole over the ranks instead of each split
-            (``EngineConfig.enable_expert_parallel``); ignored for dense models.
+            (``EngineConfig.enable_expert_parallel``); ignored for dense models (a
+            warning says so).
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
@@ -191,6 +192,10 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         kwargs = {} if comm is None else {"comm": comm}
         if comm is not None and cfg.moe is not None:
             kwargs["enable_expert_parallel"] = enable_expert_parallel
+        elif enable_expert_parallel and cfg.moe is None:
+            logger.warning("enable_expert_parallel: %s (%s) has no experts; its layers are "
+                           "split as tensor_parallel_size says, the flag changes nothing",
+                           files.path, cfg.architecture)
         model = cls(cfg, linear_method, **kwargs)
     _materialize(model, device, dtype)
     for module in model.modules():
