@@ -227,11 +227,11 @@ def check_tensor_parallel_sizes(args) -> None:
     from tandem.engine.parallel.partition import head_partition
 
     cfg = checkpoint_config(resolve_model(args.model))
-    for flag, n in sizes.items():
+    for name, n in sizes.items():
         try:
             head_partition(cfg.num_heads, cfg.num_kv_heads, n, 0)
         except ValueError as exc:
-            raise ValueError(f"{flag}: {str(exc).removeprefix('tensor_parallel_size: ')}"
+            raise ValueError(f"{name}: {str(exc).removeprefix('tensor_parallel_size: ')}"
                              ) from None
 
 
