@@ -227,12 +227,20 @@ def check_tensor_parallel_sizes(args) -> None:
     from tandem.engine.parallel.partition import head_partition
 
     cfg = checkpoint_config(resolve_model(args.model))
+
+    def splits(n: int) -> bool:
+        try:
+            head_partition(cfg.num_heads, cfg.num_kv_heads, n, 0)
+        except ValueError:
+            return False
+        return True
     for name, n in sizes.items():
         try:
             head_partition(cfg.num_heads, cfg.num_kv_heads, n, 0)
         except ValueError as exc:
-            raise ValueError(f"{name}: {str(exc).removeprefix('tensor_parallel_size: ')}"
-                             ) from None
+            fits = [str(k) for k in range(1, cfg.num_heads + 1) if splits(k)]
+            raise ValueError(f"{name}: {str(exc).removeprefix('tensor_parallel_size: ')}; "
+                             f"this model's heads split into {', '.join(fits)}") from None
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -245,8 +253,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to disjoint cores (torch threads to match)")
     p.add_argument("--lend-idle-cores", action="store_true",
-                   help="disaggregated on one machine: each worker steps on its share of the "
-                        "cores plus the shares of the workers idle at that moment (not pinned)")
+                   help="CPU, disaggregated, one machine: each worker runs on its half (share) "
+                        "of the cores plus the other workers' while they are idle; the workers "
+                        "are not pinned (not with --cpu-affinity, --ray-address or tensor "
+                        "parallelism)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (0 = any free port)")
     _add_http_arg(p, 8000)
@@ -270,7 +280,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     for pool in ("prefill", "decode"):
         p.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
                        help=f"{pool} workers' tensor-parallel ranks (default: "
-                            "--tensor-parallel-size); the two pools' sizes may differ")
+                            "--tensor-parallel-size); the two pools' sizes may differ"
+                            + ("; disaggregated mode only" if pool == "prefill" else "")
+                            + "; the model's attention heads must split into them")
     _add_autoscale_args(p)
 
 
