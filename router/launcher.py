@@ -66,6 +66,10 @@ class ServeConfig:
         transfer_timeout_s: seconds a KV transfer may take before it counts as failed.
         routing_policy: ``prefix_aware`` (longest cached prefix unless overloaded) or
             ``least_loaded`` (see :mod:`tandem.router.routing`).
+        max_prefill_queue_tokens: disaggregated: a request is prefilled on its
+            decode worker when the prefill worker picked for it already has this
+            many prompt tokens in flight (conditional disaggregation; None: always
+            remote). See :class:`~tandem.router.orchestrator.Orchestrator`.
         redis_url: the cluster state; None starts an embedded ``redis-server``.
         namespace: the cluster's key prefix in Redis (and its Ray actor names).
         lease_ttl_s: a worker's lease (seconds): a worker silent this long is dead.
@@ -111,6 +115,7 @@ class ServeConfig:
     ray_address: str | None = None
     transfer_timeout_s: float = 60.0
     routing_policy: str = "prefix_aware"
+    max_prefill_queue_tokens: int | None = None
     redis_url: str | None = None
     namespace: str = "tandem"
     lease_ttl_s: float = 10.0
@@ -136,6 +141,13 @@ class ServeConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy: unknown {self.routing_policy!r}, expected one "
                              f"of {', '.join(ROUTING_POLICIES)}")
+        if self.max_prefill_queue_tokens is not None:
+            if self.max_prefill_queue_tokens < 1:
+                raise ValueError(f"max_prefill_queue_tokens: must be at least 1, got "
+                                 f"{self.max_prefill_queue_tokens}")
+            if self.mode != "disaggregated":
+                raise ValueError("max_prefill_queue_tokens: chooses between a prefill worker "
+                                 "and the decode worker; it needs mode=disaggregated")
         if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
             raise ValueError("auth_health: health can require a key only when API keys are set")
         if self.autoscale is not None:
@@ -377,7 +389,8 @@ class RouterServer:
         orchestrator = self.orchestrator = Orchestrator(
             self.cluster, tokenizer, self.metrics, journal=RedisJournal(self.state),
             prefill_timeout_s=self.config.transfer_timeout_s + 1,
-            worker_wait_timeout_s=self.config.worker_wait_timeout_s)
+            worker_wait_timeout_s=self.config.worker_wait_timeout_s,
+            max_prefill_queue_tokens=self.config.max_prefill_queue_tokens)
         self.limiter = None
         if self.config.rate_limits.enabled:
             from tandem.control.rate_limits import RateLimiter

@@ -168,6 +168,10 @@ class Metrics:
         self.kv_transfer_failures = Counter("tandem:kv_transfer_failures",
                                             "KV transfers that failed or timed out.",
                                             m + ["worker"], registry=r)
+        self.local_prefills = Counter(
+            "tandem:local_prefills",
+            "Disaggregated requests prefilled on their decode worker because their prefill "
+            "worker's queue was full (--max-prefill-queue-tokens).", m, registry=r)
         self.request_aborts = Counter(
             "tandem:request_aborts",
             "Requests that ended early, aborted, by who ended them (grpc_cancel, "
@@ -253,6 +257,7 @@ class Metrics:
             self.request_worker_waits.labels(model_name, outcome)
         self.requests_waiting_for_worker.labels(model_name)
         self.request_worker_wait_seconds.labels(model_name)
+        self.local_prefills.labels(model_name)
         for name in REQUEST_FIELDS:
             self.invalid_requests.labels(model_name, name)
 
@@ -393,6 +398,9 @@ class Metrics:
         self.kv_transfer_bytes.labels(self.model_name, prefill_worker).inc(
             t.bytes_per_layer * t.layout.num_layers)
         self.kv_transfer_seconds.labels(self.model_name, prefill_worker).observe(seconds)
+
+    def prefilled_locally(self) -> None:
+        self.local_prefills.labels(self.model_name).inc()
 
     def kv_transfer_failed(self, prefill_worker: str) -> None:
         if prefill_worker in self._roles:

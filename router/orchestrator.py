@@ -129,12 +129,26 @@ class Orchestrator:
             a decode worker to take it over when no other is alive (the
             supervisor's replacement of a single-worker pool); past it the request
             ends with ``UNAVAILABLE``.
+        max_prefill_queue_tokens: conditional disaggregation (after NVIDIA
+            Dynamo's disaggregated router, which prefills locally past a prefill
+            queue length; vLLM's and SGLang's always send the prompt away): a
+            request whose least-loaded prefill worker already has this many
+            prompt tokens in flight (sent, first token not back) is prefilled
+            on its decode worker instead, as a colocated one would be, unless
+            that worker has as many prompt tokens of its own in flight (then
+            the prefill worker's queue is no longer the longer one). None: every
+            eligible request is prefilled remotely.
     """
 
     def __init__(self, cluster: Cluster, tokenizer, metrics=None,
                  journal: RequestJournal | None = None, prefill_timeout_s: float = 60.0,
-                 worker_wait_timeout_s: float = 60.0):
+                 worker_wait_timeout_s: float = 60.0,
+                 max_prefill_queue_tokens: int | None = None):
+        if max_prefill_queue_tokens is not None and max_prefill_queue_tokens < 1:
+            raise ValueError(f"max_prefill_queue_tokens: must be at least 1 (or None), "
+                             f"got {max_prefill_queue_tokens}")
         self.cluster = cluster
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.prefill_timeout_s = prefill_timeout_s
         self.worker_wait_timeout_s = worker_wait_timeout_s
         self.tokenizer = tokenizer
@@ -192,7 +206,7 @@ class Orchestrator:
         except RuntimeError:
             raise ServiceUnavailable("no decode worker is alive") from None
         queue = cluster.register(rid, decode)
-        att = _Attempt(0, decode, self._pick_prefill(v))
+        att = _Attempt(0, decode, self._pick_prefill(v, decode))
         trace = self.metrics.request_started(v, decode.worker_id) if self.metrics else None
         record = {"prompt_token_ids": list(v.prompt_token_ids), "priority": v.priority,
                   "sampling_params": dataclasses.asdict(params)}
@@ -233,10 +247,12 @@ class Orchestrator:
             if self.metrics and trace is not None:
                 self.metrics.request_finished(trace, samples, aborted_by)
 
-    def _pick_prefill(self, v: ValidatedRequest) -> WorkerHandle | None:
-        """The prefill worker of a disaggregated ``n == 1`` request; None when the
-        decode worker computes the prompt itself (colocated, ``n > 1``, prompt
-        logprobs, or no prefill worker alive: degraded, not refused).
+    def _pick_prefill(self, v: ValidatedRequest, decode: WorkerHandle) -> WorkerHandle | None:
+        """The prefill worker of a disaggregated ``n == 1`` request going to ``decode``;
+        None when the decode worker computes the prompt itself (colocated, ``n > 1``,
+        prompt logprobs, no prefill worker alive: degraded, not refused; or the
+        prefill worker picked has ``max_prefill_queue_tokens`` in flight already,
+        more than ``decode`` has).
 
         Prompt logprobs come from the logits of every prompt position, which only
         the engine that runs the prompt has; the KV transfer carries KV and the
@@ -248,9 +264,15 @@ class Orchestrator:
                 or params.use_beam_search:
             return None
         try:
-            return cluster.pick_prefill(v.prompt_token_ids)
+            prefill = cluster.pick_prefill(v.prompt_token_ids)
         except RuntimeError:
             return None
+        limit, queued = self.max_prefill_queue_tokens, prefill.inflight_prefill_tokens
+        if limit is not None and queued >= limit and decode.inflight_prefill_tokens < queued:
+            if self.metrics:
+                self.metrics.prefilled_locally()
+            return None
+        return prefill
 
     async def _migrate(self, v: ValidatedRequest, rid: str, att: _Attempt,
                        samples: list[SampleStream]) -> _Attempt:
@@ -357,25 +379,36 @@ class Orchestrator:
             reqs = [WorkerRequest(rid, v.prompt_token_ids, params, v.priority, kv,
                                   router_id=cluster.router_id)]
         self.journal_writer.submit("assign", rid, att.decode.worker_id, att.number)
-        att.added = asyncio.ensure_future(self._add(att.decode, reqs))
-        if att.prefill is not None:          # the first attempt: reqs is the one request
-            # At once: the prefill worker takes the decode worker's ticket from their
-            # KV channel.
-            att.prefilled = self._start_prefill(reqs[0], att)
+        # The decode worker computes the prompt: its in-flight prefill tokens until the
+        # first token (conditional disaggregation weighs them, _pick_prefill).
+        local = 0 if att.prefill is not None else len(v.prompt_token_ids)
+        att.decode.inflight_prefill_tokens += local
         try:
-            await asyncio.shield(att.added)
-        except (WorkerDiedError, WorkerFencedError) as exc:
-            self._lost(att.decode, exc)
-        if att.prefill is None and trace is not None and trace.dispatched is None:
-            trace.dispatched = time.monotonic()
-        if att.prefill is not None:
-            async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
-                yield ev
-        while not all(s.finished for s in samples):
-            item = await queue.get()
-            _raise_if_lost(item)
-            for ev in self._consume(v, rid, samples, item, trace):
-                yield ev
+            att.added = asyncio.ensure_future(self._add(att.decode, reqs))
+            if att.prefill is not None:          # the first attempt: reqs is the one request
+                # At once: the prefill worker takes the decode worker's ticket from their
+                # KV channel.
+                att.prefilled = self._start_prefill(reqs[0], att)
+            try:
+                await asyncio.shield(att.added)
+            except (WorkerDiedError, WorkerFencedError) as exc:
+                self._lost(att.decode, exc)
+            if att.prefill is None and trace is not None and trace.dispatched is None:
+                trace.dispatched = time.monotonic()
+            if att.prefill is not None:
+                async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
+                    yield ev
+            while not all(s.finished for s in samples):
+                item = await queue.get()
+                _raise_if_lost(item)
+                events = self._consume(v, rid, samples, item, trace)
+                if events and local:
+                    att.decode.inflight_prefill_tokens -= local
+                    local = 0
+                for ev in events:
+                    yield ev
+        finally:
+            att.decode.inflight_prefill_tokens -= local
 
     @staticmethod
     def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,

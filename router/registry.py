@@ -38,7 +38,9 @@ class WorkerHandle:
         info: the worker's model and cache facts (``block_size``, ``num_blocks``,
             ``kv_layout``, ...), as its ``info()`` returned them.
         stats: the latest :class:`WorkerStats` it reported.
-        inflight_prefill_tokens: prompt tokens sent to it and not yet back (prefill).
+        inflight_prefill_tokens: prompt tokens sent to it to prefill whose first token
+            is not back yet: a prefill worker's queue; a decode worker's own
+            prefills, where the router prefilled locally (``max_prefill_queue_tokens``).
         alive: False once a call to it failed because it is gone.
         generation: its incarnation number in the cluster state (0 without one):
             a restarted worker has a larger one; KV transfers carry it (fencing).

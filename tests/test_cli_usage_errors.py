@@ -89,17 +89,24 @@ def test_a_missing_draft_model_is_named():
 def test_a_flag_combination_the_engine_refuses_is_a_usage_error():
     code, out, err, _ = run("serve", "--batch-invariant", "--dtype", "float16")
     assert code == 2, err
-    assert_one_error_line(err, out, "error: batch_invariant: float32 or bfloat16, not 'float16'")
+    assert_one_error_line(err, out, "error: --batch-invariant: float32 or bfloat16, not 'float16'")
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--mode", "colocated"], "lend_idle_cores: lends cores between prefill and decode "
-                              "workers; it needs mode=disaggregated"),
-    (["--cpu-affinity"], "lend_idle_cores: the workers are not pinned while they lend cores; "
-                         "drop cpu_affinity"),
-    (["--tensor-parallel-size", "2"], "lend_idle_cores: needs tensor_parallel_size 1 (got 2)")])
-def test_lending_idle_cores_is_refused_where_it_cannot_work(flags, expected):
-    code, out, err, took = run("serve", "--lend-idle-cores", *flags)
+    (["--lend-idle-cores", "--mode", "colocated"],
+     "--lend-idle-cores: lends cores between prefill and decode workers; it needs "
+     "--mode disaggregated"),
+    (["--lend-idle-cores", "--cpu-affinity"],
+     "--lend-idle-cores: the workers are not pinned while they lend cores; drop --cpu-affinity"),
+    (["--lend-idle-cores", "--tensor-parallel-size", "2"],
+     "--lend-idle-cores: needs --tensor-parallel-size 1 (got 2)"),
+    (["--max-prefill-queue-tokens", "512", "--mode", "colocated"],
+     "--max-prefill-queue-tokens: chooses between a prefill worker and the decode worker; it "
+     "needs --mode disaggregated"),
+    (["--max-prefill-queue-tokens", "0"], "--max-prefill-queue-tokens: must be at least 1, got 0")])
+def test_a_serve_flag_combination_the_config_refuses_names_the_flags(flags, expected):
+    # The config's own message names its fields; the command line's names the flags.
+    code, out, err, took = run("serve", *flags)
     assert code == 2, err
     assert_one_error_line(err, out, f"error: {expected}")
     assert took < 30
@@ -147,3 +154,27 @@ def test_an_unreachable_redis_is_named_before_ray_starts(command, what):
     assert line.startswith(f"error: cluster state (Redis) unreachable at 127.0.0.1:{port}/0: "
                            f"{what} ("), line
     assert_one_error_line(err, out, line)
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    import argparse
+
+    from tandem.router.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = {f"{name} {a.option_strings[-1]}" for name, p in sub.choices.items()
+              for a in p._actions if a.option_strings and not a.help}
+    assert not silent, sorted(silent)
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("lend_idle_cores: it needs mode=disaggregated; drop cpu_affinity",
+     "--lend-idle-cores: it needs --mode disaggregated; drop --cpu-affinity"),
+    ("needs tensor_parallel_size 1 (got 2)", "needs --tensor-parallel-size 1 (got 2)"),
+    # Plain words, paths and names that are no flag of the command stay as they are.
+    ("the mode of /models/max_num_seqs/x.gguf: unknown_field", "the mode of "
+     "/models/max_num_seqs/x.gguf: unknown_field")])
+def test_a_config_error_names_the_flags_to_type(message, expected):
+    from tandem.router.cli import _subcommand_parser, build_parser, with_flag_names
+
+    assert with_flag_names(message, _subcommand_parser(build_parser(), "serve")) == expected

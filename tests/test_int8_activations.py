@@ -230,7 +230,7 @@ def test_cli_flag(capsys):
     assert main(["generate", "--activation-quantization", "int8", "--max-tokens", "1",
                  "--num-blocks", "16", "Hi"]) != 0
     err = capsys.readouterr().err
-    assert "activation_quantization: 'int8' needs linear layers kept in quantized blocks" in err
+    assert "--activation-quantization: 'int8' needs linear layers kept in quantized blocks" in err
     assert "--quantization gguf" in err and "Traceback" not in err
 
 

@@ -55,6 +55,27 @@ def test_client_command_and_defaults():
         ob.parse_args(["--systems", "tandem,sglang"])
 
 
+def test_each_tandem_system_gets_its_serve_flags(tmp_path):
+    args = ob.parse_args(["--max-prefill-queue-tokens", "512", "--systems",
+                          "tandem-disaggregated,tandem-disaggregated-remote,tandem-colocated,"
+                          "tandem-disaggregated-pinned"])
+
+    def serve_flags(system):
+        cmd = ob.make_server(system, args, tmp_path / "log").cmd
+        return cmd[cmd.index("serve") + 1:]
+
+    def value(flags, name):
+        return flags[flags.index(name) + 1] if name in flags else None
+    disagg, remote, coloc, pinned = (serve_flags(s) for s in args.systems)
+    assert value(disagg, "--mode") == "disaggregated" and "--lend-idle-cores" in disagg
+    assert value(disagg, "--max-prefill-queue-tokens") == "512"
+    assert value(remote, "--mode") == "disaggregated" and "--lend-idle-cores" in remote
+    assert "--max-prefill-queue-tokens" not in remote
+    assert value(coloc, "--mode") == "colocated" and "--cpu-affinity" in coloc
+    assert "--max-prefill-queue-tokens" not in coloc     # no prefill worker to choose
+    assert "--cpu-affinity" in pinned and "--lend-idle-cores" not in pinned
+
+
 def test_cpu_list_matches_affinity():
     cores = sorted(os.sched_getaffinity(0))
     listed = []

@@ -216,3 +216,36 @@ def test_prefix_aware_prefill_queued_plus_uncached_tokens():
     dead = Pf("p0", 0)
     dead.alive = False
     assert pol.pick_prefill([dead, Pf("p1", 30)], prompt).worker_id == "p1"
+
+
+@pytest.mark.parametrize("prefill_tokens,decode_tokens,local", [
+    (0, 0, False),          # an idle prefill worker takes it
+    (511, 0, False),        # below the limit
+    (512, 0, True),         # the limit reached, the decode worker has less of its own
+    (2048, 1024, True),
+    (2048, 2048, False),    # as much in flight on the decode worker: the prefill queue is
+    (1024, 3072, False)])   # no longer the longer one
+def test_conditional_disaggregation_weighs_both_workers_prompt_queues(
+        prefill_tokens, decode_tokens, local):
+    from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.router.cluster import Cluster
+    from tandem.router.orchestrator import Orchestrator
+    from tandem.router.validation import ValidatedRequest
+
+    registry = InProcessRegistry()
+    prefill, decode = D("prefill-0", role="prefill"), D("decode-0")
+    registry.add(prefill)
+    registry.add(decode)
+    prefill.inflight_prefill_tokens, decode.inflight_prefill_tokens = prefill_tokens, decode_tokens
+    v = ValidatedRequest("r", tuple(P(256)), SamplingParams(max_tokens=4), 0, False)
+    cluster = Cluster(registry, LeastLoadedPolicy(), router_id="router-a")
+    conditional = Orchestrator(cluster, tokenizer=None, max_prefill_queue_tokens=512)
+    assert conditional._pick_prefill(v, decode) is (None if local else prefill)
+    # Without the limit every prompt goes to the prefill worker; with one, n > 1 and
+    # prompt logprobs stay on the decode worker as before.
+    assert Orchestrator(cluster, tokenizer=None)._pick_prefill(v, decode) is prefill
+    for params in (SamplingParams(max_tokens=4, n=2), SamplingParams(max_tokens=4, prompt_logprobs=1)):
+        v2 = ValidatedRequest("r", tuple(P(256)), params, 0, False)
+        assert conditional._pick_prefill(v2, decode) is None
+    with pytest.raises(ValueError, match="max_prefill_queue_tokens"):
+        Orchestrator(cluster, tokenizer=None, max_prefill_queue_tokens=0)

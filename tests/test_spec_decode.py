@@ -184,8 +184,8 @@ def test_the_offline_api_names_a_bad_speculative_config(f32_weights, config, mes
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
-    (["--num-speculative-tokens", "4"], "num_speculative_tokens: needs --speculative-method"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--num-speculative-tokens", "4"], "--num-speculative-tokens: needs --speculative-method"),
     (["--speculative-method", "ngram", "--speculative-draft-model", "x.gguf"],
      "draft_model: --speculative-draft-model needs")])
 def test_the_cli_refuses_a_bad_speculative_config(capsys, argv, message):

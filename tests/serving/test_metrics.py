@@ -61,7 +61,7 @@ def startup_series(workers: dict[str, str], router: bool = True) -> dict[tuple, 
     want += [key("tandem:invalid_requests_total", field=f) for f in REQUEST_FIELDS]
     want += [key("tandem:requests_rate_limited_total", reason=r) for r in RATE_LIMIT_REASONS]
     want += [key("tandem:request_worker_waits_total", outcome=o) for o in WORKER_WAIT_OUTCOMES]
-    want += [key("tandem:requests_waiting_for_worker")]
+    want += [key("tandem:requests_waiting_for_worker"), key("tandem:local_prefills_total")]
     if router:
         want += [key("tandem:router_active_requests")]
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",

@@ -7,6 +7,7 @@ every request must leave both workers' block pools as it found them.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -60,6 +61,45 @@ def test_greedy_parity_over_grpc(mode, request, parity):
         assert final.usage.completion_tokens == NUM_TOKENS
     counts = client.wait_idle()
     assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+
+
+def test_a_full_prefill_queue_sends_prompts_to_their_decode_worker(disagg, parity):
+    """Conditional disaggregation (``max_prefill_queue_tokens``): prompts that arrive
+    while the prefill worker has that many tokens in flight are prefilled on their
+    decode worker; both kinds give the reference's greedy tokens and leave no block."""
+    prompts, reference = parity
+    orchestrator = disagg.server.server.orchestrator
+    barrier = threading.Barrier(len(prompts))
+
+    def run(p):
+        barrier.wait()
+        return disagg.generate(greedy_req(ids=p))
+    local = remote = 0
+    orchestrator.max_prefill_queue_tokens = 1      # anything in flight: prefill locally
+    try:
+        for _ in range(3):      # all at once: every prompt after the first finds one in flight
+            text = disagg.metrics_text()
+            local0 = _counter(text, "tandem:local_prefills_total")
+            remote0 = _counter(text, "tandem:kv_transfer_seconds_count")
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(run, prompts))
+            for i, (resp, ref) in enumerate(zip(outs, reference)):
+                assert token_ids_of(resp) == ref, f"prompt {i}"
+            text = disagg.metrics_text()
+            local = _counter(text, "tandem:local_prefills_total") - local0
+            remote = _counter(text, "tandem:kv_transfer_seconds_count") - remote0
+            assert local + remote == len(prompts), (local, remote)
+            if local:
+                break
+    finally:
+        orchestrator.max_prefill_queue_tokens = None
+    assert local >= 1 and remote >= 1, (local, remote)
+    counts = disagg.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
+    # Unset again: the next prompt goes to the prefill worker.
+    before = _counter(disagg.metrics_text(), "tandem:local_prefills_total")
+    assert token_ids_of(disagg.generate(greedy_req(ids=prompts[0]))) == reference[0]
+    assert _counter(disagg.metrics_text(), "tandem:local_prefills_total") == before
 
 
 def test_prefill_kv_really_moved(disagg, tokenizer):
