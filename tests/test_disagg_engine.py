@@ -143,6 +143,26 @@ def test_failed_remote_prefill_is_computed_on_the_consumer(pair):
     _idle(consumer)
 
 
+def test_a_late_failed_prefill_word_finds_the_prompt_computed_here_already(pair):
+    # The router's "the prefill failed" can come after the consumer gave the remote
+    # prefill up on its own (its KV load timed out): the prompt is computed here
+    # already, so the word changes nothing (it used to raise KeyError: the request
+    # failed with INTERNAL).
+    base, producer, consumer = pair
+    prompt = base.tokenizer.encode("Write one sentence about the mountains.")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = base.generate([prompt], params)[0].outputs[0].token_ids
+    req, _ = _reserve(consumer, "r3b", prompt, params)
+    consumer.start_decode("r3b", None)                   # the consumer's own give-up
+    _run(consumer, lambda: req.num_output_tokens > 0)
+    assert consumer.start_decode("r3b", None) is None    # the router's, late
+    _run(consumer, lambda: req.is_finished)
+    assert req.output_token_ids == want
+    with pytest.raises(KeyError, match="r3c"):          # an unknown request still raises
+        consumer.start_decode("r3c", None)
+    _idle(consumer)
+
+
 def test_save_to_an_unknown_peer_ends_the_request_with_an_error(pair):
     base, producer, _ = pair
     prompt = base.tokenizer.encode("Hello there")

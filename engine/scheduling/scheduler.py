@@ -154,17 +154,19 @@ class Scheduler:
 
         Returns:
             True if its load is still in flight (the caller cancels it; the request
-            is requeued when the load ends).
+            is requeued when the load ends). False otherwise, also when the request
+            computes its prompt here already (its own KV load timed out first).
 
         Raises:
-            KeyError: no such request waiting for remote KV.
+            KeyError: no such request (aborted or finished).
         """
         req = self.requests.get(request_id)
-        if req is None or req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-            if req is not None and req.needs_remote_kv:     # not reserved yet
-                req.kv_transfer_params = None
-                return False
+        if req is None:
             raise KeyError(f"request_id: {request_id!r} is not waiting for remote KV")
+        if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            if req.needs_remote_kv:     # not reserved yet
+                req.kv_transfer_params = None
+            return False
         if self.remote_kv.give_up(req):
             self._requeue(req)
             return False
