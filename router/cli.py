@@ -280,10 +280,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
                    help="how the router picks workers (see tandem.router.routing)")
-    p.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
-                   help="disaggregated: prefill a request on its decode worker when its prefill "
-                        "worker already has this many prompt tokens in flight (conditional "
-                        "disaggregation; default: always on the prefill worker)")
+    _add_conditional_disaggregation_args(p)
     p.add_argument("--redis-url", default=None,
                    help="the cluster state (default: start an embedded redis-server)")
     p.add_argument("--lease-ttl", type=float, default=10.0,
@@ -373,6 +370,19 @@ def _add_http_arg(p: argparse.ArgumentParser, default: int) -> None:
 
 def _http_port(args) -> int | None:
     return None if args.http_port < 0 else args.http_port
+
+
+def _add_conditional_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    """The router's choice between a prefill worker and the decode worker itself."""
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
+                   help="disaggregated: prefill a request on its decode worker when its prefill "
+                        "worker already has this many prompt tokens in flight (conditional "
+                        "disaggregation; default: always on the prefill worker)")
+    p.add_argument("--prefer-local-prefill", action="store_true",
+                   help="disaggregated: prefill a request on its decode worker while that "
+                        "worker has no decode batch, or when its prefix cache holds all of the "
+                        "prompt but one block (no KV cache moves; default: always on the "
+                        "prefill worker)")
 
 
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
@@ -473,6 +483,7 @@ def _serve_config(args):
                        metrics_port=args.metrics_port,
                        http_port=_http_port(args), ray_address=args.ray_address, routing_policy=args.routing_policy,
                        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+                       prefer_local_prefill=args.prefer_local_prefill,
                        redis_url=args.redis_url, lease_ttl_s=args.lease_ttl,
                        autoscale=_planner_config(args, prefill_tp, decode_tp),
                        drain_timeout_s=args.drain_timeout,
@@ -528,6 +539,7 @@ def _cmd_router(args) -> int:
                       http_port=_http_port(args), ray_address=args.ray_address,
                       routing_policy=args.routing_policy, redis_url=args.redis_url,
                       max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+                      prefer_local_prefill=args.prefer_local_prefill,
                       engine=EngineConfig(model=args.model), **_security_config(args),
                       **_tool_config(args))
 
@@ -820,10 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--routing-policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded"],
                    help="how the router picks workers (see tandem.router.routing)")
-    r.add_argument("--max-prefill-queue-tokens", type=int, default=None, metavar="N",
-                   help="disaggregated: prefill a request on its decode worker when its prefill "
-                        "worker already has this many prompt tokens in flight (conditional "
-                        "disaggregation; default: always on the prefill worker)")
+    _add_conditional_disaggregation_args(r)
     r.add_argument("--model", default=None, help="the served model (for its tokenizer)")
     _add_security_args(r)
     r.set_defaults(func=_cmd_router)

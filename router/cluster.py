@@ -194,6 +194,11 @@ class Cluster:
         except Exception as exc:     # Redis down: the reservation expires by itself
             logger.warning("releasing %s on %s failed: %s", request_id, worker_id, exc)
 
+    def num_requests_on(self, worker_id: str, besides: str | None = None) -> int:
+        """This router's requests registered on ``worker_id``, not counting ``besides``."""
+        return sum(1 for rid, owner in self._owner.items()
+                   if owner == worker_id and rid != besides)
+
     @property
     def num_active(self) -> int:
         return len(self._queues)

@@ -70,6 +70,11 @@ class ServeConfig:
             decode worker when the prefill worker picked for it already has this
             many prompt tokens in flight (conditional disaggregation; None: always
             remote). See :class:`~tandem.router.orchestrator.Orchestrator`.
+        prefer_local_prefill: disaggregated: a request whose decode worker has
+            no decode batch, or holds all of its prompt but one block in its
+            prefix cache, is prefilled there (no decode step waits behind its
+            prompt, its KV cache does not move); see the
+            :class:`~tandem.router.orchestrator.Orchestrator`.
         redis_url: the cluster state; None starts an embedded ``redis-server``.
         namespace: the cluster's key prefix in Redis (and its Ray actor names).
         lease_ttl_s: a worker's lease (seconds): a worker silent this long is dead.
@@ -116,6 +121,7 @@ class ServeConfig:
     transfer_timeout_s: float = 60.0
     routing_policy: str = "prefix_aware"
     max_prefill_queue_tokens: int | None = None
+    prefer_local_prefill: bool = False
     redis_url: str | None = None
     namespace: str = "tandem"
     lease_ttl_s: float = 10.0
@@ -148,6 +154,9 @@ class ServeConfig:
             if self.mode != "disaggregated":
                 raise ValueError("max_prefill_queue_tokens: chooses between a prefill worker "
                                  "and the decode worker; it needs mode=disaggregated")
+        if self.prefer_local_prefill and self.mode != "disaggregated":
+            raise ValueError("prefer_local_prefill: chooses between a prefill worker "
+                             "and the decode worker; it needs mode=disaggregated")
         if self.auth_health and not (self.api_keys is not None and self.api_keys.enabled):
             raise ValueError("auth_health: health can require a key only when API keys are set")
         if self.autoscale is not None:
@@ -390,7 +399,8 @@ class RouterServer:
             self.cluster, tokenizer, self.metrics, journal=RedisJournal(self.state),
             prefill_timeout_s=self.config.transfer_timeout_s + 1,
             worker_wait_timeout_s=self.config.worker_wait_timeout_s,
-            max_prefill_queue_tokens=self.config.max_prefill_queue_tokens)
+            max_prefill_queue_tokens=self.config.max_prefill_queue_tokens,
+            prefer_local_prefill=self.config.prefer_local_prefill)
         self.limiter = None
         if self.config.rate_limits.enabled:
             from tandem.control.rate_limits import RateLimiter

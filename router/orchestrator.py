@@ -138,17 +138,29 @@ class Orchestrator:
             that worker has as many prompt tokens of its own in flight (then
             the prefill worker's queue is no longer the longer one). None: every
             eligible request is prefilled remotely.
+        prefer_local_prefill: conditional disaggregation's other half: a
+            request is prefilled on its decode worker where that delays no
+            decode step by more than a block's tokens: while the worker has no
+            decode batch (nothing on it but prompts it prefills itself,
+            :meth:`_decode_idle`: no decode step waits, and the KV handoff, the
+            whole difference between disaggregated and colocated TTFT at one
+            stream, is skipped), or when the worker's prefix cache holds all of
+            the prompt but at most one block (:meth:`_cached_on`; NVIDIA
+            Dynamo's rule, which weighs the prompt's uncached part): sending it
+            away would recompute it and move KV the worker has already.
     """
 
     def __init__(self, cluster: Cluster, tokenizer, metrics=None,
                  journal: RequestJournal | None = None, prefill_timeout_s: float = 60.0,
                  worker_wait_timeout_s: float = 60.0,
-                 max_prefill_queue_tokens: int | None = None):
+                 max_prefill_queue_tokens: int | None = None,
+                 prefer_local_prefill: bool = False):
         if max_prefill_queue_tokens is not None and max_prefill_queue_tokens < 1:
             raise ValueError(f"max_prefill_queue_tokens: must be at least 1 (or None), "
                              f"got {max_prefill_queue_tokens}")
         self.cluster = cluster
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.prefer_local_prefill = prefer_local_prefill
         self.prefill_timeout_s = prefill_timeout_s
         self.worker_wait_timeout_s = worker_wait_timeout_s
         self.tokenizer = tokenizer
@@ -206,7 +218,7 @@ class Orchestrator:
         except RuntimeError:
             raise ServiceUnavailable("no decode worker is alive") from None
         queue = cluster.register(rid, decode)
-        att = _Attempt(0, decode, self._pick_prefill(v, decode))
+        att = _Attempt(0, decode, self._pick_prefill(v, decode, rid))
         trace = self.metrics.request_started(v, decode.worker_id) if self.metrics else None
         record = {"prompt_token_ids": list(v.prompt_token_ids), "priority": v.priority,
                   "sampling_params": dataclasses.asdict(params)}
@@ -247,12 +259,16 @@ class Orchestrator:
             if self.metrics and trace is not None:
                 self.metrics.request_finished(trace, samples, aborted_by)
 
-    def _pick_prefill(self, v: ValidatedRequest, decode: WorkerHandle) -> WorkerHandle | None:
+    def _pick_prefill(self, v: ValidatedRequest, decode: WorkerHandle,
+                      request_id: str | None = None) -> WorkerHandle | None:
         """The prefill worker of a disaggregated ``n == 1`` request going to ``decode``;
         None when the decode worker computes the prompt itself (colocated, ``n > 1``,
         prompt logprobs, no prefill worker alive: degraded, not refused; or the
         prefill worker picked has ``max_prefill_queue_tokens`` in flight already,
-        more than ``decode`` has).
+        more than ``decode`` has; or ``prefer_local_prefill`` and ``decode`` has no
+        decode batch, :meth:`_decode_idle`, or holds the prompt,
+        :meth:`_cached_on`; ``request_id``, the request's internal id, already
+        registered on ``decode``, is not counted there).
 
         Prompt logprobs come from the logits of every prompt position, which only
         the engine that runs the prompt has; the KV transfer carries KV and the
@@ -268,11 +284,37 @@ class Orchestrator:
         except RuntimeError:
             return None
         limit, queued = self.max_prefill_queue_tokens, prefill.inflight_prefill_tokens
-        if limit is not None and queued >= limit and decode.inflight_prefill_tokens < queued:
+        if (limit is not None and queued >= limit and decode.inflight_prefill_tokens < queued) \
+                or (self.prefer_local_prefill and (self._decode_idle(decode, request_id)
+                                                   or self._cached_on(decode, v.prompt_token_ids))):
             if self.metrics:
                 self.metrics.prefilled_locally()
             return None
         return prefill
+
+    def _decode_idle(self, decode: WorkerHandle, request_id: str | None) -> bool:
+        """``decode`` has no decode batch: every other request of this router on it
+        is a prompt it prefills itself whose first token is not back, and its
+        latest step output reports no more requests running, waiting or swapped
+        than those (other routers' included). A burst that reaches an idle
+        decode worker is prefilled there whole, as a colocated worker would,
+        until its first token is out; a request that only missed the worker's
+        latest step output counts through this router's own count."""
+        local = decode.inflight_local_prefills
+        if self.cluster.num_requests_on(decode.worker_id, besides=request_id) != local:
+            return False
+        s = decode.stats
+        return s is None or s.num_running + s.num_waiting + s.num_swapped <= local
+
+    def _cached_on(self, decode: WorkerHandle, prompt_token_ids) -> bool:
+        """``decode``'s prefix cache holds all of the prompt but at most one block
+        (as the routing policy's index of its KV events says; False for a policy
+        without one): computing the rest there is a few tokens in a decode step."""
+        cached = getattr(self.cluster.policy, "cached_prefix_tokens", None)
+        if cached is None or decode.block_size is None:
+            return False
+        hit = cached([decode], prompt_token_ids)[decode.worker_id]
+        return hit > 0 and len(prompt_token_ids) - hit <= decode.block_size
 
     async def _migrate(self, v: ValidatedRequest, rid: str, att: _Attempt,
                        samples: list[SampleStream]) -> _Attempt:
@@ -383,6 +425,7 @@ class Orchestrator:
         # first token (conditional disaggregation weighs them, _pick_prefill).
         local = 0 if att.prefill is not None else len(v.prompt_token_ids)
         att.decode.inflight_prefill_tokens += local
+        att.decode.inflight_local_prefills += bool(local)
         try:
             att.added = asyncio.ensure_future(self._add(att.decode, reqs))
             if att.prefill is not None:          # the first attempt: reqs is the one request
@@ -404,11 +447,13 @@ class Orchestrator:
                 events = self._consume(v, rid, samples, item, trace)
                 if events and local:
                     att.decode.inflight_prefill_tokens -= local
+                    att.decode.inflight_local_prefills -= 1
                     local = 0
                 for ev in events:
                     yield ev
         finally:
             att.decode.inflight_prefill_tokens -= local
+            att.decode.inflight_local_prefills -= bool(local)
 
     @staticmethod
     def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,

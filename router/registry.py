@@ -41,6 +41,8 @@ class WorkerHandle:
         inflight_prefill_tokens: prompt tokens sent to it to prefill whose first token
             is not back yet: a prefill worker's queue; a decode worker's own
             prefills, where the router prefilled locally (``max_prefill_queue_tokens``).
+        inflight_local_prefills: a decode worker's own prefills among them: this
+            router's requests on it whose prompt it computes, first token not back.
         alive: False once a call to it failed because it is gone.
         generation: its incarnation number in the cluster state (0 without one):
             a restarted worker has a larger one; KV transfers carry it (fencing).
@@ -58,6 +60,7 @@ class WorkerHandle:
     info: dict = field(default_factory=dict)
     stats: WorkerStats | None = None
     inflight_prefill_tokens: int = 0
+    inflight_local_prefills: int = 0
     alive: bool = True
     generation: int = 0
     draining: bool = False

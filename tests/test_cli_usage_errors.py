@@ -103,7 +103,10 @@ def test_a_flag_combination_the_engine_refuses_is_a_usage_error():
     (["--max-prefill-queue-tokens", "512", "--mode", "colocated"],
      "--max-prefill-queue-tokens: chooses between a prefill worker and the decode worker; it "
      "needs --mode disaggregated"),
-    (["--max-prefill-queue-tokens", "0"], "--max-prefill-queue-tokens: must be at least 1, got 0")])
+    (["--max-prefill-queue-tokens", "0"], "--max-prefill-queue-tokens: must be at least 1, got 0"),
+    (["--prefer-local-prefill", "--mode", "colocated"],
+     "--prefer-local-prefill: chooses between a prefill worker and the decode worker; it "
+     "needs --mode disaggregated")])
 def test_a_serve_flag_combination_the_config_refuses_names_the_flags(flags, expected):
     # The config's own message names its fields; the command line's names the flags.
     code, out, err, took = run("serve", *flags)

@@ -69,10 +69,15 @@ def test_each_tandem_system_gets_its_serve_flags(tmp_path):
     disagg, remote, coloc, pinned = (serve_flags(s) for s in args.systems)
     assert value(disagg, "--mode") == "disaggregated" and "--lend-idle-cores" in disagg
     assert value(disagg, "--max-prefill-queue-tokens") == "512"
+    assert "--prefer-local-prefill" in disagg
     assert value(remote, "--mode") == "disaggregated" and "--lend-idle-cores" in remote
-    assert "--max-prefill-queue-tokens" not in remote
+    assert "--max-prefill-queue-tokens" not in remote and "--prefer-local-prefill" not in remote
     assert value(coloc, "--mode") == "colocated" and "--cpu-affinity" in coloc
-    assert "--max-prefill-queue-tokens" not in coloc     # no prefill worker to choose
+    # No prefill worker to choose.
+    assert "--max-prefill-queue-tokens" not in coloc and "--prefer-local-prefill" not in coloc
+    off = ob.parse_args(["--no-prefer-local-prefill"])
+    assert "--prefer-local-prefill" not in ob.make_server(
+        "tandem-disaggregated", off, tmp_path / "log").cmd
     assert "--cpu-affinity" in pinned and "--lend-idle-cores" not in pinned
 
 

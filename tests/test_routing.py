@@ -249,3 +249,74 @@ def test_conditional_disaggregation_weighs_both_workers_prompt_queues(
         assert conditional._pick_prefill(v2, decode) is None
     with pytest.raises(ValueError, match="max_prefill_queue_tokens"):
         Orchestrator(cluster, tokenizer=None, max_prefill_queue_tokens=0)
+
+
+@pytest.mark.parametrize("running,waiting,others,own_prompts,stats,local", [
+    (0, 0, 0, 0, True, True),       # idle: prefilled where it will be decoded
+    (0, 0, 0, 0, False, True),      # no step output yet: nothing to step either
+    (1, 0, 1, 1, True, True),       # a burst: the only other one is a prompt it prefills
+    (0, 0, 1, 0, True, False),      # another request of this router is (or will be) decoded
+    (1, 0, 2, 1, True, False),      # a prompt of its own, and a request to decode
+    (1, 0, 0, 0, True, False),      # a decode batch (another router's) would wait behind it
+    (0, 1, 0, 0, True, False),      # one waits (for its KV cache, or to be scheduled)
+    (2, 0, 1, 1, True, False)])     # its own prompt, and another router's request
+def test_prefer_local_prefill_only_while_the_decode_worker_has_no_decode_batch(
+        running, waiting, others, own_prompts, stats, local):
+    from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.router.cluster import Cluster
+    from tandem.router.orchestrator import Orchestrator
+    from tandem.router.validation import ValidatedRequest
+
+    registry = InProcessRegistry()
+    prefill, decode = D("prefill-0", role="prefill"), D("decode-0", running=running,
+                                                         waiting=waiting)
+    if not stats:
+        decode.stats = None
+    registry.add(prefill)
+    registry.add(decode)
+    decode.inflight_local_prefills = own_prompts
+    decode.inflight_prefill_tokens = 256 * own_prompts
+    cluster = Cluster(registry, LeastLoadedPolicy(), router_id="router-a")
+    for i in range(others):
+        cluster.register(f"other-{i}", decode)
+    cluster.register("rid", decode)           # the request being routed: not counted
+    v = ValidatedRequest("r", tuple(P(256)), SamplingParams(max_tokens=4), 0, False)
+    when_idle = Orchestrator(cluster, tokenizer=None, prefer_local_prefill=True)
+    assert when_idle._pick_prefill(v, decode, "rid") is (None if local else prefill)
+    # Off (the default), or with only the queue rule, an idle decode worker gets no prompt.
+    assert Orchestrator(cluster, tokenizer=None)._pick_prefill(v, decode, "rid") is prefill
+    queue_rule = Orchestrator(cluster, tokenizer=None, max_prefill_queue_tokens=512)
+    assert queue_rule._pick_prefill(v, decode, "rid") is prefill
+    # The request's own registration counts when its id is not given.
+    if not own_prompts:
+        assert when_idle._pick_prefill(v, decode) is prefill
+
+
+@pytest.mark.parametrize("cached_tokens,local", [
+    (64, True),         # all of it: nothing to compute but its last token
+    (60, True),         # all but one block (4 tokens)
+    (56, False),        # two blocks to compute: a prefill worker's job while it decodes
+    (0, False)])
+def test_prefer_local_prefill_keeps_a_prompt_the_busy_decode_worker_holds(cached_tokens, local):
+    from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.router.cluster import Cluster
+    from tandem.router.orchestrator import Orchestrator
+    from tandem.router.validation import ValidatedRequest
+
+    prompt = P(64)
+    for policy in (PrefixAwarePolicy(), LeastLoadedPolicy()):
+        registry = InProcessRegistry()
+        prefill, decode = D("prefill-0", role="prefill"), D("decode-0", running=3)
+        registry.add(prefill)
+        registry.add(decode)
+        if cached_tokens and isinstance(policy, PrefixAwarePolicy):
+            # Real KV events of a decode worker that computed that much of the prompt.
+            cached(policy, "decode-0", prompt[:cached_tokens] + [7])
+        cluster = Cluster(registry, policy, router_id="router-a")
+        cluster.register("busy", decode)         # a decode batch: the idle half says no
+        cluster.register("rid", decode)
+        v = ValidatedRequest("r", tuple(prompt), SamplingParams(max_tokens=4), 0, False)
+        orch = Orchestrator(cluster, tokenizer=None, prefer_local_prefill=True)
+        expected = local and isinstance(policy, PrefixAwarePolicy)    # no index, no hits
+        assert orch._pick_prefill(v, decode, "rid") is (None if expected else prefill)
+        assert Orchestrator(cluster, tokenizer=None)._pick_prefill(v, decode, "rid") is prefill

@@ -102,6 +102,54 @@ def test_a_full_prefill_queue_sends_prompts_to_their_decode_worker(disagg, parit
     assert _counter(disagg.metrics_text(), "tandem:local_prefills_total") == before
 
 
+def test_prefer_local_prefill_keeps_prompts_off_a_busy_decode_worker_unless_cached(
+        disagg, tokenizer, hf_greedy):
+    """``prefer_local_prefill``: a prompt that finds its decode worker with no
+    decode batch is prefilled there (no KV transfer); one that arrives while it
+    decodes goes to the prefill worker, unless the decode worker's prefix cache
+    holds it already. Every answer is the reference's; no block is left."""
+    fresh = [tokenizer.encode(f"Prompt {i}: a short note on {topic}, seen by no other test.")
+             for i, topic in enumerate(["rivers", "glaciers"])]
+    reference = [hf_greedy(p, NUM_TOKENS) for p in fresh]
+    server = disagg.server.server
+    orchestrator, decode = server.orchestrator, server.cluster.decode[0]
+    metric = ("tandem:local_prefills_total", "tandem:kv_transfer_seconds_count")
+
+    def counts():
+        text = disagg.metrics_text()
+        return [_counter(text, name) for name in metric]
+    orchestrator.prefer_local_prefill = True
+    stream = None
+    try:
+        disagg.wait_idle()
+        local0, remote0 = counts()
+        assert token_ids_of(disagg.generate(greedy_req(ids=fresh[0]))) == reference[0]
+        assert counts() == [local0 + 1, remote0]           # alone: on its decode worker
+        deadline = time.monotonic() + 30                    # its KV events reach the router
+        while not orchestrator._cached_on(decode, fresh[0]):
+            assert time.monotonic() < deadline, "the decode worker's KV events never came"
+            time.sleep(0.05)
+        # A long answer decodes (its first token is out): a decode batch from now on.
+        stream = disagg.stub.Generate(greedy_req(ids=fresh[0], max_tokens=256), timeout=120)
+        first = [next(stream)]
+        while not first[-1].token_ids:
+            first.append(next(stream))
+        assert counts() == [local0 + 2, remote0]
+        # An uncached prompt goes to the prefill worker; the cached one stays.
+        assert token_ids_of(disagg.generate(greedy_req(ids=fresh[1]))) == reference[1]
+        assert counts() == [local0 + 2, remote0 + 1]
+        assert token_ids_of(disagg.generate(greedy_req(ids=fresh[0]))) == reference[0]
+        assert counts() == [local0 + 3, remote0 + 1]
+        got = token_ids_of([*first, next(stream)])
+        assert got == reference[0][:len(got)]
+    finally:
+        orchestrator.prefer_local_prefill = False
+        if stream is not None:
+            stream.cancel()                     # an abort frees its blocks too
+    counts_after = disagg.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts_after.values())
+
+
 def test_prefill_kv_really_moved(disagg, tokenizer):
     counts = disagg.block_counts()
     before, decode_before = counts["prefill-0"]["kv_transfer_bytes"], counts["decode-0"]
