@@ -560,14 +560,25 @@ def _run_until_signal(server, banner, args) -> int:
             if server.metrics_port else ""
         print(banner(server) + extra, flush=True)
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            if stop.is_set():       # a second Ctrl-C: the bounded stop goes on
+                print("tandem: still shutting down (requests, workers, then Redis; "
+                      "bounded)", flush=True)
+            stop.set()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         await stop.wait()
         print("tandem: shutting down", flush=True)
         await server.stop()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        # The loop's handlers are gone with it: a Ctrl-C now would raise
+        # KeyboardInterrupt in the interpreter's exit (Ray's atexit shutdown).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

@@ -318,7 +318,13 @@ class OpenAIServer(CompletionsServing, ChatServing):
                                 http=_http_protocol(),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES, **ssl)
         self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None   # the owner handles signals
+        # The owner handles SIGINT/SIGTERM. uvicorn installs its own around serve()
+        # (install_signal_handlers before 0.29, capture_signals since) and puts the
+        # ones it found back when it stops: Python's default SIGINT handler, so a
+        # second Ctrl-C during the rest of the shutdown would raise
+        # KeyboardInterrupt mid-cleanup and orphan workers.
+        self._server.install_signal_handlers = lambda: None
+        self._server.capture_signals = contextlib.nullcontext
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
