@@ -3,7 +3,9 @@
 :mod:`openai_bench` at each ``--concurrency`` in turn: each system's server
 (``--systems``; Tandem disaggregated, Tandem colocated, ``vllm serve``) is started
 once, as ``openai_bench.py`` starts it, and ``vllm bench serve`` runs against it
-at every concurrency, the same seed (the same prompts) for every system;
+at every concurrency, the same seed (the same prompts) for every system and
+another at each concurrency (``--seed + 1000 x concurrency``: the prompts of one
+point are not served from the prefix caches the previous points filled);
 ``max(--num-prompts, 2 x concurrency)`` prompts at each, as many warm-ups as the
 concurrency. With ``--interleave`` every server is started first and the systems
 take turns at each concurrency (the first system of the turn rotating), so a
@@ -57,6 +59,7 @@ def run_point(system: str, server, c: int, args, workdir: Path, suffix: str = ""
     its record (``error`` instead of a summary when the client failed)."""
     a = copy.copy(args)
     a.max_concurrency, a.num_warmups = c, c
+    a.seed = point_seed(args.seed, c)
     a.num_prompts = max(args.num_prompts, 2 * c)
     run = {"system": system, "concurrency": c, "num_prompts": a.num_prompts, "seed": a.seed,
            "startup_s": server.startup_s, "server_cmd": server.cmd}
@@ -66,6 +69,13 @@ def run_point(system: str, server, c: int, args, workdir: Path, suffix: str = ""
         run["error"] = f"{type(exc).__name__}: {exc}"
         print(f"==== {system} c={c}: FAILED {run['error'][:2000]}", flush=True)
     return run
+
+
+def point_seed(seed: int, concurrency: int) -> int:
+    """The prompts' seed at one concurrency: every concurrency its own prompts (the
+    same for every system), so none is served from the prefix caches an earlier
+    point filled (a worker that cached the last point's prompts would look fast)."""
+    return seed + 1000 * concurrency
 
 
 def sweep_system(system: str, args, workdir: Path) -> list[dict]:
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
               "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
                            "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
                            "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
-                           "temperature": 0, "seed": args.seed if args.rounds == 1 else f"{args.seed} + round",
+                           "temperature": 0, "seed": f"{args.seed} + 1000 x concurrency" + (" + round" if args.rounds > 1 else ""),
                            "order": "interleaved" if args.interleave else "one system after the other",
                            "rounds": args.rounds},
               "dtype": args.dtype, "runs": runs}

@@ -200,3 +200,13 @@ def test_client_report_is_the_result_block():
     assert report[0].startswith("=") and "Serving Benchmark Result" in report[0]
     assert report[-1] == "=" * 50 and len(report) == 5
     assert ob.client_report("no result") == ""
+
+
+def test_every_point_of_a_sweep_has_its_own_prompts():
+    # A point served from the prefix caches an earlier point filled would look fast.
+    spec = importlib.util.spec_from_file_location(
+        "bench_openai_sweep", ROOT / "benchmarks" / "openai_sweep.py")
+    openai_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(openai_sweep)
+    seeds = [openai_sweep.point_seed(0, c) + r for c in (1, 4, 16, 64) for r in range(2)]
+    assert len(set(seeds)) == len(seeds)
