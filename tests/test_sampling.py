@@ -332,3 +332,34 @@ def test_stop_token_ids_and_stop_strings(llm, tokenizer):
     assert with_stop.text == base.text[:base.text.index(stop) + len(stop)]
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("vocab", [49152, 5000, 4096, 4095, 100])
+def test_greedy_token_ids_equal_torch_argmax(vocab):
+    # Exactly torch's argmax: the first of equal maxima within and across blocks
+    # (and across the tail past the last whole block), a row's first NaN, 0 for a
+    # row of -inf; vocabularies under four blocks take torch's path itself.
+    from tandem.engine.sampling.sampler import ARGMAX_BLOCK, greedy_token_ids
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g)
+    hi = x.max() + 1
+    x[1, [7, vocab - 1]] = hi                              # first and last column
+    x[2, [(ARGMAX_BLOCK + 3) % vocab, (3 * ARGMAX_BLOCK + 5) % vocab]] = hi   # across blocks
+    x[3, [vocab - 2, vocab - 1]] = hi                      # two in the tail
+    x[4, [(2 * ARGMAX_BLOCK - 1) % vocab, (2 * ARGMAX_BLOCK) % vocab]] = hi   # a block edge
+    x[5, vocab // 2] = float("nan")
+    x[6, [vocab - 1, 9]] = float("nan")
+    x[7] = float("-inf")
+    x[8, :] = 0.0                                          # every column ties
+    x[9] = x[9].round()                                    # many ties
+    x[10] = x[10].to(torch.bfloat16).float()               # bfloat16 logits, cast
+    x[11, vocab - 1] = hi                                  # only the very last
+    expected = x.argmax(dim=-1)
+    got = greedy_token_ids(x)
+    assert got.dtype == torch.int64 and got.tolist() == expected.tolist()
+    assert greedy_token_ids(x[[3, 5, 0]]).tolist() == expected[[3, 5, 0]].tolist()
+    if vocab >= 4 * ARGMAX_BLOCK:      # the rows of a strided view too
+        sub = x[:, :4 * ARGMAX_BLOCK]
+        assert greedy_token_ids(sub).tolist() == sub.argmax(dim=-1).tolist()
+    assert greedy_token_ids(x[:0]).tolist() == []

@@ -188,10 +188,10 @@ class Sampler:
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         token_ids = [0] * len(requests)
         if len(greedy_rows) == len(requests):       # all greedy: no row gather
-            token_ids = processed.argmax(dim=-1).tolist()
+            token_ids = greedy_token_ids(processed).tolist()
         elif greedy_rows:
             idx = torch.tensor(greedy_rows)
-            for i, t in zip(greedy_rows, processed[idx].argmax(dim=-1).tolist()):
+            for i, t in zip(greedy_rows, greedy_token_ids(processed[idx]).tolist()):
                 token_ids[i] = t
         for i, r in enumerate(requests):
             if not r.sampling_params.greedy:
@@ -276,7 +276,7 @@ class Sampler:
                     apply_penalties_and_masks(processed[j], DraftHistory(request, drafts[:j]))
                     if allowed is not None:
                         constrain_row(processed[j], allowed[j], logits[j])
-            best = processed.argmax(dim=-1).tolist()
+            best = greedy_token_ids(processed).tolist()
             for j, d in enumerate(drafts):
                 tokens.append(best[j])
                 if best[j] != d:
@@ -404,6 +404,39 @@ def apply_penalties_and_masks(row: torch.Tensor, r: Request) -> None:
         banned = [t for t in banned if t < vocab]
         if banned:
             row[torch.tensor(banned)] = float("-inf")
+
+
+ARGMAX_BLOCK = 1024
+"""Columns per block of :func:`greedy_token_ids`' first pass."""
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: ``[N, V]`` float logits -> ``[N]`` int64 token ids, exactly
+    ``logits.argmax(dim=-1)`` (the first of equal maxima; a row's first NaN where it
+    has one; 0 for a row of ``-inf``).
+
+    On the CPU, in two passes: the maximum of each block of :data:`ARGMAX_BLOCK`
+    columns (``amax``, which torch vectorizes), then the argmax of the first block
+    holding the row's maximum. torch's CPU ``argmax`` over the last dimension runs
+    about ten times slower than ``amax`` over the same tensor (3.2 against 0.35 ms
+    for 64 x 49,152 float32 logits on 2 cores): a few percent of a greedy decode
+    step of 64 sequences. Elsewhere, and for vocabularies under four blocks, it is
+    ``argmax`` itself."""
+    n, v = logits.shape
+    b = ARGMAX_BLOCK
+    k = v // b
+    if logits.device.type != "cpu" or k < 4 or n == 0 or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    main = logits[:, :k * b].unflatten(1, (k, b))                   # [N, k, b], a view
+    maxima = main.amax(dim=-1)                                      # [N, k]
+    if k * b < v:                                                   # the tail: block k
+        maxima = torch.cat([maxima, logits[:, k * b:].amax(dim=-1, keepdim=True)], dim=1)
+    block = maxima.argmax(dim=-1)                                   # the first holding the max
+    in_main = block.clamp(max=k - 1)
+    ids = main[torch.arange(n), in_main].argmax(dim=-1) + in_main * b
+    if k * b < v:
+        ids = torch.where(block == k, logits[:, k * b:].argmax(dim=-1) + k * b, ids)
+    return ids
 
 
 def _sample_row(row: torch.Tensor, r: Request, generator: torch.Generator) -> int:
