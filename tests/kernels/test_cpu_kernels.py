@@ -46,6 +46,41 @@ def test_decode_attention(paged_kv, dtype, hq, hkv, d, bs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_per_sequence_tasks_equal_single_calls(paged_kv, dtype, fp8):
+    """A batch of many sequences runs one task per sequence (its KV heads in turn), a
+    lone sequence one per (sequence, head): every sequence's output is bit for bit
+    the one it gets alone, with one thread or two, and matches the reference."""
+    lens = [300, 1, 17, 250, 64, 129, 5, 280, 33, 16, 200, 90, 271, 3, 150, 240]
+    hq, hkv, d, bs = 9, 3, 64, 16
+    kc, vc, kclean, vclean, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
+    extra = {}
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        kclean, vclean = kclean.to(torch.float8_e4m3fn), vclean.to(torch.float8_e4m3fn)
+        extra = {"k_scale": torch.full((hkv,), 0.5), "v_scale": torch.full((hkv,), 2.0)}
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batch = ops.paged_decode_attention(q, kc, vc, tables, seq_lens, d ** -0.5, **extra)
+            for i in range(len(lens)):
+                alone = ops.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1],
+                                                   seq_lens[i:i + 1], d ** -0.5, **extra)
+                assert torch.equal(batch[i:i + 1], alone), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+    kf, vf = kclean.float(), vclean.float()
+    if fp8:
+        kf, vf = kf * 0.5, vf * 2.0
+    want = ref.paged_decode_attention_ref(q.float(), kf, vf, tables, seq_lens, d ** -0.5)
+    assert_matches(batch, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (6, 2, 48, 16), (6, 2, 40, 4)])
 @pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (17, None), (200, None),
                                             (None, 3.0), (7, 2.0)])

@@ -434,13 +434,32 @@ void decode_one(T* out, const T* q, const T* kc, const T* vc, const int32_t* ful
 }
 
 // fn(s, h, buf) for every (sequence s, KV head h) pair of a batch of `b` sequences
-// over OpenMP threads, one grow-only float32 scratch `buf` per thread.
+// over OpenMP threads, one grow-only float32 scratch `buf` per thread. With at
+// least kSeqsPerThread sequences per thread, a task is one sequence, its KV heads
+// in order: a block holds [BS, Hkv, D], so the thread then reads whole blocks
+// (K, then V) instead of one head's row of every token, which left a third of each
+// row to other threads at other times (bfloat16, SmolLM2's 3 KV heads, 64
+// sequences of 290 tokens: 1.20 -> 1.02 ms per layer on 2 cores). Fewer
+// sequences keep (sequence, head) tasks, so that every thread has work. Each
+// pair's arithmetic is the same either way.
+constexpr int64_t kSeqsPerThread = 4;
 template <typename Fn>
 void for_each_sequence_head(const int32_t* seq_lens, int64_t b, int64_t hq, int64_t hkv,
                             int64_t d, int num_threads, Fn fn) {
     int64_t tokens = 0;
     for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
-#pragma omp parallel num_threads(threads_for(tokens * hq * d, num_threads, 1 << 16))
+    const int nt = threads_for(tokens * hq * d, num_threads, 1 << 16);
+    if (b >= kSeqsPerThread * nt) {
+#pragma omp parallel num_threads(nt)
+        {
+            std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t s = 0; s < b; ++s)
+                for (int64_t h = 0; h < hkv; ++h) fn(s, h, buf);
+        }
+        return;
+    }
+#pragma omp parallel num_threads(nt)
     {
         std::vector<float> buf;
 #pragma omp for collapse(2) schedule(dynamic, 1)
