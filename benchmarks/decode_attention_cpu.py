@@ -13,6 +13,14 @@ the achieved GB/s of K/V reads, beside the machine's read bandwidth (a 1 GiB
     python benchmarks/decode_attention_cpu.py --out benchmarks/results/decode_attention_cpu.json
     # the AVX2 + FMA tier on an AVX-512 machine (the kernels rebuilt for haswell):
     TANDEM_CPU_MARCH=haswell python benchmarks/decode_attention_cpu.py
+    # a kernel change against git ref REF, in one process, calls alternated:
+    python benchmarks/decode_attention_cpu.py --against REF
+
+``--against REF`` compiles ``kernels/cpu/csrc`` as it is at REF (same compiler and
+flags) into a second library and times it beside the working tree's, round by
+round in turn, on the same caches and tables: on a host whose speed drifts
+between runs, only such interleaved timings compare two versions fairly. It also
+checks that both give the same outputs.
 
 Shapes ``hq/hkv/d`` (query heads, KV heads, head dim): SmolLM2-135M's 9/3/64 by
 default; ``--shapes 32/8/128 28/4/128`` for Llama-3-8B's and Qwen2.5-7B's.
@@ -21,10 +29,13 @@ default; ``--shapes 32/8/128 28/4/128`` for Llama-3-8B's and Qwen2.5-7B's.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +44,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
 
-from tandem.kernels.cpu import ops  # noqa: E402
+from tandem.kernels.cpu import build, ops  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def library_at(ref: str, workdir: str) -> ctypes.CDLL:
+    """The CPU kernels as they are at git ref ``ref``, compiled like the working
+    tree's (:data:`tandem.kernels.cpu.build.FLAGS`) into ``workdir`` and loaded, with
+    ``tandem_decode_attention_*``'s argument types declared.
+
+    Raises:
+        subprocess.CalledProcessError: ``ref`` unknown, or the sources at ``ref`` do
+            not compile.
+    """
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "kernels/cpu/csrc"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", workdir], input=archive, check=True)
+    csrc = Path(workdir) / "kernels" / "cpu" / "csrc"
+    so = Path(workdir) / "against.so"
+    subprocess.run([build.find_compiler(), *build.FLAGS, "-o", str(so),
+                    *map(str, sorted(csrc.glob("*.cpp")))], check=True)
+    lib = ctypes.CDLL(str(so))
+    for suffix in ("f32", "bf16"):
+        fn = getattr(lib, f"tandem_decode_attention_{suffix}")
+        fn.argtypes, fn.restype = build._SIGNATURES["decode_attention"], None
+    return lib
 
 
 def median_s(fn, rounds: int) -> float:
@@ -53,7 +89,7 @@ def read_bandwidth_gbs() -> float:
 
 
 def run(dtype: torch.dtype, batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int,
-        layers: int, rounds: int, seed: int = 0) -> dict:
+        layers: int, rounds: int, seed: int = 0, against: ctypes.CDLL | None = None) -> dict:
     g = torch.Generator().manual_seed(seed)
     per_seq = (ctx + bs - 1) // bs
     nb = batch * per_seq + 8
@@ -68,12 +104,33 @@ def run(dtype: torch.dtype, batch: int, ctx: int, hq: int, hkv: int, d: int, bs:
         for k, v in zip(kcs, vcs):
             ops.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, out=out)
 
-    step()
-    t = median_s(step, rounds) / layers
     kv_bytes = batch * ctx * hkv * d * 2 * kcs[0].element_size()
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": ctx,
-            "hq": hq, "hkv": hkv, "head_dim": d, "block_size": bs,
-            "ms_per_layer": t * 1e3, "kv_bytes_per_layer": kv_bytes, "gb_s": kv_bytes / t / 1e9}
+    row = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": ctx,
+           "hq": hq, "hkv": hkv, "head_dim": d, "block_size": bs, "kv_bytes_per_layer": kv_bytes}
+    step()
+    if against is None:
+        t = median_s(step, rounds) / layers
+        return {**row, "ms_per_layer": t * 1e3, "gb_s": kv_bytes / t / 1e9}
+    # The same call through the other library (ops.paged_decode_attention's arguments).
+    fn = getattr(against, "tandem_decode_attention_" + ("bf16" if dtype == torch.bfloat16 else "f32"))
+    out_ref = torch.empty_like(q)
+    calls = [(out_ref.data_ptr(), hq * d, q.data_ptr(), hq * d, k.data_ptr(), v.data_ptr(),
+              tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, hq, hkv, d, bs,
+              d ** -0.5, 0, 0.0, torch.get_num_threads()) for k, v in zip(kcs, vcs)]
+
+    def step_ref():
+        for c in calls:
+            fn(*c)
+
+    step_ref()
+    now, ref = [], []
+    for _ in range(rounds):
+        now.append(median_s(step, 1) / layers)
+        ref.append(median_s(step_ref, 1) / layers)
+    t, t_ref = sorted(now)[rounds // 2], sorted(ref)[rounds // 2]
+    return {**row, "ms_per_layer": t * 1e3, "gb_s": kv_bytes / t / 1e9,
+            "against_ms_per_layer": t_ref * 1e3, "against_gb_s": kv_bytes / t_ref / 1e9,
+            "outputs_equal": bool(torch.equal(out, out_ref))}
 
 
 def main(argv=None) -> int:
@@ -85,24 +142,39 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--against", metavar="REF", default=None,
+                    help="also time the kernels at git ref REF, alternating rounds")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
+    workdir = tempfile.TemporaryDirectory()
+    against = library_at(args.against, workdir.name) if args.against else None
 
     bandwidth = read_bandwidth_gbs()
     print(f"threads {torch.get_num_threads()}, memory read bandwidth {bandwidth:.1f} GB/s, "
           f"TANDEM_CPU_MARCH={os.environ.get('TANDEM_CPU_MARCH', 'native')}")
-    print("| dtype | batch | context | hq/hkv/d | ms per layer | GB/s | of bandwidth |")
-    print("|---|---|---|---|---|---|---|")
+    if against is None:
+        print("| dtype | batch | context | hq/hkv/d | ms per layer | GB/s | of bandwidth |")
+        print("|---|---|---|---|---|---|---|")
+    else:
+        print(f"| dtype | batch | context | hq/hkv/d | {args.against}: ms per layer (GB/s) "
+              "| now: ms per layer (GB/s) | outputs equal |")
+        print("|---|---|---|---|---|---|---|")
     rows = []
     for name in args.dtypes:
         for shape in args.shapes:
             hq, hkv, d = (int(x) for x in shape.split("/"))
             for b in args.batch_sizes:
                 r = run(getattr(torch, name), b, args.context, hq, hkv, d, args.block_size,
-                        args.layers, args.rounds)
+                        args.layers, args.rounds, against=against)
                 rows.append(r)
-                print(f"| {name} | {b} | {args.context} | {shape} | {r['ms_per_layer']:.3f} | "
-                      f"{r['gb_s']:.1f} | {r['gb_s'] / bandwidth:.0%} |", flush=True)
+                if against is None:
+                    print(f"| {name} | {b} | {args.context} | {shape} | {r['ms_per_layer']:.3f} | "
+                          f"{r['gb_s']:.1f} | {r['gb_s'] / bandwidth:.0%} |", flush=True)
+                else:
+                    print(f"| {name} | {b} | {args.context} | {shape} | "
+                          f"{r['against_ms_per_layer']:.3f} ({r['against_gb_s']:.1f}) | "
+                          f"{r['ms_per_layer']:.3f} ({r['gb_s']:.1f}) | {r['outputs_equal']} |",
+                          flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": ["python", "benchmarks/decode_attention_cpu.py", *(argv or sys.argv[1:])],
@@ -111,7 +183,7 @@ def main(argv=None) -> int:
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
                         "cpu_march": os.environ.get("TANDEM_CPU_MARCH", "native"),
                         "read_bandwidth_gb_s": bandwidth},
-            "rows": rows}, indent=1))
+            "against": args.against, "rows": rows}, indent=1))
     return 0
 
 
