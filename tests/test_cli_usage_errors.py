@@ -12,21 +12,70 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 TANDEM = Path(sys.executable).parent / "tandem"
 RAY_STARTED = "Started a local Ray instance"
+BATCH_INVARIANT_FP16 = ("serve", "--batch-invariant", "--dtype", "float16")
 
 
-def run(*args: str, timeout_s: float = 60) -> tuple[int, str, str, float]:
-    if not TANDEM.exists():
-        pytest.skip(f"no console script at {TANDEM} (pip install -e .)")
+def _run_now(*args: str, timeout_s: float = 60) -> tuple[int, str, str, float]:
     t0 = time.monotonic()
     p = subprocess.run([str(TANDEM), *args], capture_output=True, text=True, timeout=timeout_s,
                        cwd="/", env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+# Commands started ahead of their test (see `_start_ahead`), by argument tuple.
+_AHEAD: dict[tuple[str, ...], Future] = {}
+
+
+def run(*args: str) -> tuple[int, str, str, float]:
+    """The console script's exit code, stdout, stderr and run time for ``args``: the
+    run that `_start_ahead` began for exactly these arguments, or a run now."""
+    if not TANDEM.exists():
+        pytest.skip(f"no console script at {TANDEM} (pip install -e .)")
+    ahead = _AHEAD.pop(args, None)
+    return ahead.result() if ahead is not None else _run_now(*args)
+
+
+def _ahead_args(item) -> tuple[str, ...] | None:
+    """The arguments a selected test of the slow kind (the driver imports the engine
+    and reads the model's config before it refuses) will run the script with."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    name = getattr(item, "originalname", item.name)
+    if name == "test_a_flag_combination_the_engine_refuses_is_a_usage_error":
+        return BATCH_INVARIANT_FP16
+    if name in ("test_a_serve_flag_combination_the_config_refuses_names_the_flags",
+                "test_a_tensor_parallel_size_the_heads_cannot_split_names_its_flag"):
+        return ("serve", *params["flags"])
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_ahead(request):
+    """Each run is a process of its own, and most of a slow one's time is CPU spent
+    importing: the slow runs of this module's selected tests start here, two at a
+    time (each with a core to itself on a 2-core host, as when it ran alone), and
+    each test takes its own run's result (the same command, the same output, its
+    own wall time). A test whose run was not started ahead runs it itself."""
+    if not TANDEM.exists():
+        yield
+        return
+    wanted = [a for item in request.session.items if item.module is request.module
+              for a in [_ahead_args(item)] if a is not None]
+    pool = ThreadPoolExecutor(max_workers=2)
+    for args in dict.fromkeys(wanted):
+        _AHEAD[args] = pool.submit(_run_now, *args)
+    try:
+        yield
+    finally:
+        _AHEAD.clear()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def assert_one_error_line(stderr: str, stdout: str, expected: str) -> None:
@@ -87,7 +136,7 @@ def test_a_missing_draft_model_is_named():
 
 
 def test_a_flag_combination_the_engine_refuses_is_a_usage_error():
-    code, out, err, _ = run("serve", "--batch-invariant", "--dtype", "float16")
+    code, out, err, _ = run(*BATCH_INVARIANT_FP16)
     assert code == 2, err
     assert_one_error_line(err, out, "error: --batch-invariant: float32 or bfloat16, not 'float16'")
 

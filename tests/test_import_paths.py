@@ -21,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -56,6 +57,87 @@ def _run_probe(args: list[str], tmp_path, extra_env: dict | None = None) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _run_pytest(mode: str, tmp_path) -> subprocess.CompletedProcess:
+    """A pytest run of this file's in-process check under import mode ``mode``."""
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         f"--import-mode={mode}", "tests/test_import_paths.py::test_installed_package_wins_with_the_root_first_on_sys_path"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+PYTHON_C = "import json; from tests.import_probe import probe; print(json.dumps(probe()))"
+
+RAY_DRIVER = """
+import json, os, ray
+from tests.import_probe import probe
+ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024,
+         runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+try:
+    print(json.dumps(ray.get(ray.remote(probe).remote(), timeout=240)))
+finally:
+    ray.shutdown()
+"""
+
+# The subprocess of each test below, by name: ``job(cache_dir) -> result``.
+JOBS = {
+    "python-c": lambda cache: _run_probe(["-c", PYTHON_C], cache),
+    "python-m": lambda cache: _run_probe(["-m", "tests.import_probe"], cache),
+    **{f"pytest-{mode}": (lambda cache, mode=mode: _run_pytest(mode, cache))
+       for mode in ("prepend", "append", "importlib")},
+    "ray-worker": lambda cache: _run_probe(["-c", RAY_DRIVER], cache, {"RAY_AUTH_MODE": "disabled"}),
+}
+
+
+def _job_of(item) -> str | None:
+    name = getattr(item, "originalname", item.name)
+    if name == "test_pytest_import_modes":
+        return f"pytest-{item.callspec.params['mode']}"
+    return {"test_python_c_from_the_root_with_an_empty_cache": "python-c",
+            "test_python_m_from_the_root": "python-m",
+            "test_ray_worker_of_a_driver_in_the_root": "ray-worker"}.get(name)
+
+
+class _Jobs:
+    """Each job in a fresh, empty ``TANDEM_CACHE_DIR`` of its own, run on a pool of two
+    threads; ``result(name)`` waits for a job (starting it if it has not been) and
+    gives ``(result, cache_dir)``, re-raising what the job raised."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.futures: dict[str, tuple[Future, pathlib.Path]] = {}
+
+    def start(self, name: str) -> None:
+        if name not in self.futures:
+            cache = self.tmp_path_factory.mktemp(f"cache-{name}")
+            self.futures[name] = (self.pool.submit(JOBS[name], cache), cache)
+
+    def result(self, name: str):
+        self.start(name)
+        future, cache = self.futures[name]
+        return future.result(), cache
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """The subprocesses of this module's selected tests, all queued when the first
+    of those tests needs one: they are independent processes, each mostly CPU spent
+    importing, so two run at once, each with a core of a 2-core host to itself (the
+    tests assert on each one's own output, as when each test ran its subprocess
+    itself). The longest (Ray) goes first. Nothing is shared between the jobs: each
+    has its own empty ``TANDEM_CACHE_DIR``, as each test had its own ``tmp_path``."""
+    jobs = _Jobs(tmp_path_factory)
+    selected = {_job_of(item) for item in request.session.items if item.module is request.module}
+    for name in sorted(JOBS, key=lambda n: n != "ray-worker"):
+        if name in selected:
+            jobs.start(name)
+    try:
+        yield jobs
+    finally:
+        jobs.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def test_mapped_top_level_folders_are_not_regular_packages():
     folders = _top_level_folders()
     assert {"kernels", "engine", "proto", "router", "kvtransfer", "control"} <= folders
@@ -88,46 +170,29 @@ def test_installed_package_wins_with_the_root_first_on_sys_path(monkeypatch):
     _check_probe(probe(convert_tokenizer=False))
 
 
-def test_python_c_from_the_root_with_an_empty_cache(tmp_path):
+def test_python_c_from_the_root_with_an_empty_cache(jobs):
     """The issue's failing path from scratch: ``python -c`` in the checkout root,
     converting the GGUF tokenizer into an empty ``TANDEM_CACHE_DIR``."""
-    code = "import json; from tests.import_probe import probe; print(json.dumps(probe()))"
-    result = _run_probe(["-c", code], tmp_path)
+    result, cache = jobs.result("python-c")
     _check_probe(result)
     assert result["tokens"] == [28120, 905]
-    assert any(tmp_path.iterdir()), "the tokenizer conversion wrote nothing into the empty cache"
+    assert any(cache.iterdir()), "the tokenizer conversion wrote nothing into the empty cache"
 
 
-def test_python_m_from_the_root(tmp_path):
-    _check_probe(_run_probe(["-m", "tests.import_probe"], tmp_path))
+def test_python_m_from_the_root(jobs):
+    _check_probe(jobs.result("python-m")[0])
 
 
 @pytest.mark.parametrize("mode", ["prepend", "append", "importlib"])
-def test_pytest_import_modes(mode, tmp_path):
+def test_pytest_import_modes(mode, jobs):
     """A pytest run of this file's in-process check under each import mode."""
-    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         f"--import-mode={mode}", "tests/test_import_paths.py::test_installed_package_wins_with_the_root_first_on_sys_path"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out, _ = jobs.result(f"pytest-{mode}")
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
-RAY_DRIVER = """
-import json, os, ray
-from tests.import_probe import probe
-ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024,
-         runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
-try:
-    print(json.dumps(ray.get(ray.remote(probe).remote(), timeout=240)))
-finally:
-    ray.shutdown()
-"""
-
-
 @pytest.mark.slow
-def test_ray_worker_of_a_driver_in_the_root(tmp_path):
+def test_ray_worker_of_a_driver_in_the_root(jobs):
     """Ray hands the driver's working directory to its workers' ``sys.path``."""
-    result = _run_probe(["-c", RAY_DRIVER], tmp_path, {"RAY_AUTH_MODE": "disabled"})
+    result, _ = jobs.result("ray-worker")
     _check_probe(result)
     assert result["tokens"] == [28120, 905]
