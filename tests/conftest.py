@@ -58,22 +58,32 @@ def hf_model(model_files):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """``hf_greedy(prompt_ids, n) -> list[int]``: n greedy tokens from transformers,
-    ignoring EOS (a plain argmax loop over its KV-cached forward)."""
-    cache: dict[tuple, list[int]] = {}
+    ignoring EOS (a plain argmax loop over its KV-cached forward).
+
+    Per prompt, the loop's state (the tokens so far, transformers' KV cache and the
+    last position's logits) is kept, so a later call for more tokens of the same
+    prompt continues the same loop where it stopped, and one for fewer takes the
+    first n: the same forwards in the same order as a loop run from scratch for n,
+    so the same tokens (tests/test_engine_parity.py wants 48 tokens of the prompts
+    tests/serving/test_serving_e2e.py wanted 24 of)."""
+    state: dict[tuple, tuple[list[int], object, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def run(prompt_ids: list[int], n: int) -> list[int]:
-        key = (tuple(prompt_ids), n)
-        if key not in cache:
+        key = tuple(prompt_ids)
+        if key not in state:
             out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-            past, ids = out.past_key_values, []
-            for _ in range(n):
-                t = int(out.logits[0, -1].argmax())
-                ids.append(t)
-                out = hf_model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-            cache[key] = ids
-        return cache[key]
+            # The last position's logits only: the prompt's whole [L, vocab] is large.
+            state[key] = ([], out.past_key_values, out.logits[0, -1].clone())
+            del out
+        ids, past, logits = state[key]
+        while len(ids) < n:
+            t = int(logits.argmax())
+            out = hf_model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            ids.append(t)
+            past, logits = out.past_key_values, out.logits[0, -1].clone()
+            state[key] = (ids, past, logits)
+        return ids[:n]
 
     return run
 
