@@ -111,17 +111,24 @@ def run(dtype: torch.dtype, batch: int, ctx: int, hq: int, hkv: int, d: int, bs:
     if against is None:
         t = median_s(step, rounds) / layers
         return {**row, "ms_per_layer": t * 1e3, "gb_s": kv_bytes / t / 1e9}
-    # The same call through the other library (ops.paged_decode_attention's arguments).
-    fn = getattr(against, "tandem_decode_attention_" + ("bf16" if dtype == torch.bfloat16 else "f32"))
+    # Both libraries called alike, straight through ctypes with the arguments
+    # ops.paged_decode_attention passes (its Python checks would add to one side only).
+    name = "tandem_decode_attention_" + ("bf16" if dtype == torch.bfloat16 else "f32")
     out_ref = torch.empty_like(q)
-    calls = [(out_ref.data_ptr(), hq * d, q.data_ptr(), hq * d, k.data_ptr(), v.data_ptr(),
-              tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, hq, hkv, d, bs,
-              d ** -0.5, 0, 0.0, torch.get_num_threads()) for k, v in zip(kcs, vcs)]
 
-    def step_ref():
-        for c in calls:
-            fn(*c)
+    def calls(o):
+        return [(o.data_ptr(), hq * d, q.data_ptr(), hq * d, k.data_ptr(), v.data_ptr(),
+                 tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, hq, hkv, d, bs,
+                 d ** -0.5, 0, 0.0, torch.get_num_threads()) for k, v in zip(kcs, vcs)]
 
+    def direct(fn, args):
+        def go():
+            for a in args:
+                fn(*a)
+        return go
+
+    step = direct(getattr(build.load_library(), name), calls(out))
+    step_ref = direct(getattr(against, name), calls(out_ref))
     step_ref()
     now, ref = [], []
     for _ in range(rounds):
