@@ -300,8 +300,9 @@ class EngineLoop:
                 fut = self._tracked.pop(r.request_id)
                 if fut.set_running_or_notify_cancel():
                     fut.set_result(d)
-        num_tokens = sum(len(d.new_token_ids) for d in deltas)
-        self._last_stats = self.engine.stats(self.worker_id, self.role, num_tokens)
+        # Tokens run, prompt chunks included (vLLM's iteration_tokens_total), not the
+        # tokens sampled: a prefill chunk that ends mid-prompt samples none.
+        self._last_stats = self.engine.stats(self.worker_id, self.role, self.engine.last_step_tokens)
         kv_events = self._take_kv_events()
         self.subscribers.publish(StepOutput(
             deltas if self.publish_deltas else (), self._last_stats, step_time_s, kv_events,

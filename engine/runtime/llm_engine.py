@@ -220,6 +220,7 @@ class LLMEngine:
         self.beam_search = BeamSearchManager(self)
         """Running beam searches (``params.use_beam_search``)."""
         self.last_step_ran = False    # whether the last step() scheduled anything
+        self.last_step_tokens = 0     # tokens the last step() ran (prompt chunks + decodes)
         self.num_first_tokens_from_peer = 0
         """Consumer side: remote prefills whose first token came on the KV channel."""
         self.num_first_tokens_from_caller = 0
@@ -489,6 +490,7 @@ class LLMEngine:
                 self._take_first_token(rid, token_id, logprobs)
         out: SchedulerOutput = sch.schedule()
         self.last_step_ran = not out.is_empty
+        self.last_step_tokens = out.num_tokens
         if out.is_empty:
             return []
         for req in out.kv_loads_to_start:

@@ -191,6 +191,11 @@ def test_counters_exact_after_real_requests(fresh, tokenizer, caplog):
         assert value(m, "tandem:num_requests_running", worker=wid, role=role) == 0
         assert value(m, "tandem:kv_cache_usage_perc", worker=wid, role=role) == 0
     assert total(m, "tandem:iteration_tokens_total_count") > 0
+    # Tokens run per step count prompt tokens too: the prefill worker ran every prompt
+    # token its prefix cache did not hold, and sampled one token per prompt.
+    pre = dict(worker="prefill-0", role="prefill")
+    assert value(m, "tandem:iteration_tokens_total_sum", **pre) == \
+        prompt_tokens - value(m, "tandem:prefix_cache_hits_total", **pre)
     assert total(m, "tandem:prefix_cache_queries_total") > 0
     # The request timeline's step side: each worker step that ran tokens is timed, and
     # every published step's delivery to the router too (idle stats are not steps).
