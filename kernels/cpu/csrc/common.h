@@ -176,6 +176,23 @@ inline __m512 load16(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 float32 lanes -> 16 bfloat16, rounded to nearest even, a NaN made quiet, as
+// from_float<bf16>: one vcvtneps2bf16 with AVX-512 BF16 (which also flushes a
+// denormal input to zero, the one difference), else integer arithmetic.
+inline __m256i to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 constexpr int kMaxGroup = 8;    // query heads per KV head handled in registers
 constexpr int kMaxChunks = 16;  // head_dim / 16 (head_dim <= 256)
 #endif

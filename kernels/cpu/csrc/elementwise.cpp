@@ -55,7 +55,18 @@ void rms_norm(T* out, const T* x, const T* residual, T* residual_out, const T* w
             if (residual != nullptr) {
                 const T* rr = residual + t * hidden;
                 T* ro = residual_out + t * hidden;
-                for (int64_t i = 0; i < hidden; ++i) {
+                int64_t i0 = 0;
+#if defined(__AVX512F__)
+                if constexpr (std::is_same_v<T, bf16>) {     // as silu_and_mul's
+                    for (; i0 + 16 <= hidden; i0 += 16) {
+                        const __m256i sum = to_bf16x16(_mm512_add_ps(load16(xr + i0), load16(rr + i0)));
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ro + i0), sum);
+                        _mm512_storeu_ps(tmp.data() + i0, _mm512_castsi512_ps(
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16)));
+                    }
+                }
+#endif
+                for (int64_t i = i0; i < hidden; ++i) {
                     const T sum = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
                     ro[i] = sum;
                     tmp[i] = to_float(sum);
@@ -68,7 +79,16 @@ void rms_norm(T* out, const T* x, const T* residual, T* residual_out, const T* w
             for (int64_t i = 0; i < hidden; ++i) ss += tmp[i] * tmp[i];
             const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
             T* o = out + t * hidden;
-            for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(tmp[i] * inv * to_float(weight[i]));
+            int64_t i0 = 0;
+#if defined(__AVX512F__)
+            if constexpr (std::is_same_v<T, bf16>) {
+                const __m512 vinv = _mm512_set1_ps(inv);
+                for (; i0 + 16 <= hidden; i0 += 16)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i0), to_bf16x16(_mm512_mul_ps(
+                        _mm512_mul_ps(_mm512_loadu_ps(tmp.data() + i0), vinv), load16(weight + i0))));
+            }
+#endif
+            for (int64_t i = i0; i < hidden; ++i) o[i] = from_float<T>(tmp[i] * inv * to_float(weight[i]));
         }
     }
 }
@@ -178,12 +198,29 @@ void silu_and_mul(T* out, const T* x, int64_t n, int64_t f, int num_threads) {
         const T* gate = x + t * 2 * f;
         const T* up = gate + f;
         T* o = out + t * f;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, bf16>) {
+            // The loop below does not vectorise for bfloat16 (its rounding's NaN
+            // branch): 3x slower than float32 on the same rows. The same arithmetic,
+            // 16 lanes at a time (exp512 is fast_exp's polynomial).
+            for (; i + 16 <= f; i += 16) {
+                const __m512 g = load16(gate + i);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                const __m256i sb = to_bf16x16(s);    // rounded twice, as below
+                const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                                    to_bf16x16(_mm512_mul_ps(sr, load16(up + i))));
+            }
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < f; ++i) {
-            const float g = to_float(gate[i]);
+        for (int64_t j = i; j < f; ++j) {
+            const float g = to_float(gate[j]);
             // Rounded twice like the reference (silu in T, then the product in T).
             const float silu = to_float(from_float<T>(g / (1.0f + fast_exp(-g))));
-            o[i] = from_float<T>(silu * to_float(up[i]));
+            o[j] = from_float<T>(silu * to_float(up[j]));
         }
     }
 }
