@@ -49,6 +49,12 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU lists ``flag`` (e.g. ``amx_bf16``) among its ``/proc/cpuinfo``
+    flags (False where that file is missing)."""
+    return flag in _cpu_flags().split()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tandem")
     return Path(root) / "cpu_kernels"

@@ -16,6 +16,40 @@ import pytest  # noqa: E402
 
 
 
+def make_attention_batch(paged_kv, device: torch.device, dtype: torch.dtype,
+                         decode_lens: list[int], prefill_chunks: list[tuple[int, int]],
+                         hq: int, hkv: int, d: int, bs: int, seed: int = 0):
+    """One step's attention inputs, decodes first: caches holding every context
+    token (:func:`make_paged_kv`), the step's fresh q/k/v (views of one fused
+    projection, as the model passes them) and its metadata. ``prefill_chunks``:
+    ``(query length, context length)`` each.
+
+    Returns:
+        ``(q [T, hq, d], k [T, hkv, d], v [T, hkv, d], key_cache, value_cache, meta)``.
+    """
+    from tandem.kernels.attention_backend import AttentionMetadata
+
+    seq_lens = decode_lens + [s for _, s in prefill_chunks]
+    q_lens = [1] * len(decode_lens) + [q for q, _ in prefill_chunks]
+    _, _, k_cache, v_cache, tables = paged_kv(seq_lens, hkv, d, bs, dtype, device, seed=seed)
+    qsl, slots = [0], []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        qsl.append(qsl[-1] + q_len)
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(int(tables[i, p // bs]) * bs + p % bs)
+    t = qsl[-1]
+    gen = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=len(decode_lens),
+        max_seq_len=max(seq_lens))
+    return (q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d), k_cache, v_cache,
+            meta)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -154,6 +154,36 @@ def test_prefill_attention(paged_kv, dtype, hq, hkv, d, bs):
     assert_matches(got, want, dtype)
 
 
+@pytest.mark.skipif(not ops.has_prefill_attention(torch.bfloat16, 64),
+                    reason="bfloat16 prefill attention needs a CPU with AVX-512 BF16")
+def test_whole_prompts_through_sdpa_the_rest_through_the_kernel(paged_kv):
+    """whole_prompt_sdpa: a bfloat16 chunk that is its sequence's whole context takes
+    torch's causal SDPA (the torch backend's very call: equal bits), every other
+    chunk the compiled kernel (equal bits to the kernel-only backend), decodes the
+    decode kernel; whole prompts sit between, before and after the others."""
+    from tandem.kernels.attention_backend import TorchAttentionBackend
+    from tandem.kernels.cpu.backend import CpuAttentionBackend
+    from tests.kernels.conftest import make_attention_batch
+
+    hq, hkv, d, bs = 9, 3, 64, 16
+    chunks = [(7, 7), (12, 40), (1, 1), (30, 30), (5, 21), (17, 80), (64, 64)]
+    whole = [q == s for q, s in chunks]
+    q, k, v, kc, vc, meta = make_attention_batch(paged_kv, torch.device("cpu"), torch.bfloat16,
+                                                 [1, 20, 300], chunks, hq, hkv, d, bs)
+    outs = {}
+    for name, backend in [("sdpa", CpuAttentionBackend(whole_prompt_sdpa=True)),
+                          ("kernel", CpuAttentionBackend(whole_prompt_sdpa=False)),
+                          ("torch", TorchAttentionBackend())]:
+        kcc, vcc = kc.clone(), vc.clone()
+        outs[name] = backend.attention(q, k, v, kcc, vcc, meta, d ** -0.5)
+    qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
+    assert torch.equal(outs["sdpa"][:qsl[nd]], outs["kernel"][:qsl[nd]])     # decodes
+    for i, w in enumerate(whole):
+        rows = slice(qsl[nd + i], qsl[nd + i + 1])
+        assert torch.equal(outs["sdpa"][rows], outs["torch" if w else "kernel"][rows]), i
+    assert_matches(outs["sdpa"], outs["torch"], torch.bfloat16)
+
+
 def test_prefill_attention_refuses_what_it_cannot_run(paged_kv):
     kc, vc, *_, tables = paged_kv([4], 1, 64, 16, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="head_dim % 16"):

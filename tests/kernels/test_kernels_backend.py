@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
+from tandem.kernels.attention_backend import TorchAttentionBackend
 from tandem.kernels.registry import get_attention_backend
 from tandem.kernels.backend import TritonAttentionBackend
 from tandem.kernels.reference import rope_cos_sin_cache
+
+from tests.kernels.conftest import make_attention_batch
 
 # (atol, rtol) between the two backends; both accumulate in float32, the
 # float16 torch path rounds its own intermediates, hence a little above the
@@ -16,30 +18,6 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3)}
 HQ, HKV, D, BS = 6, 2, 64, 16
 
 
-def _batch(paged_kv, device, dtype, decode_lens, prefill_chunks, seed=0):
-    """Caches holding every context token, this step's fresh q/k/v (views of one
-    fused projection) and the step's metadata, decodes first."""
-    seq_lens = decode_lens + [s for _, s in prefill_chunks]
-    q_lens = [1] * len(decode_lens) + [q for q, _ in prefill_chunks]
-    _, _, k_cache, v_cache, tables = paged_kv(seq_lens, HKV, D, BS, dtype, device, seed=seed)
-    qsl, slots = [0], []
-    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        qsl.append(qsl[-1] + q_len)
-        for p in range(seq_len - q_len, seq_len):
-            slots.append(int(tables[i, p // BS]) * BS + p % BS)
-    t = qsl[-1]
-    gen = torch.Generator().manual_seed(seed + 1)
-    qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=gen).to(dtype).to(device)
-    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=len(decode_lens),
-        max_seq_len=max(seq_lens))
-    return (q.reshape(t, HQ, D), k.reshape(t, HKV, D), v.reshape(t, HKV, D), k_cache, v_cache,
-            meta)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("decode_lens,prefill_chunks", [
     ([1, 20, 300], [(7, 7), (12, 40)]),     # mixed: fresh prompt + cached prefix
@@ -47,8 +25,8 @@ def _batch(paged_kv, device, dtype, decode_lens, prefill_chunks, seed=0):
     ([], [(1, 1), (19, 19), (30, 64)]),      # prefills only, one a single token
 ], ids=["mixed", "decode", "prefill"])
 def test_attention_matches_torch_backend(paged_kv, device, dtype, decode_lens, prefill_chunks):
-    q, k, v, k_cache, v_cache, meta = _batch(paged_kv, device, dtype, decode_lens,
-                                             prefill_chunks)
+    q, k, v, k_cache, v_cache, meta = make_attention_batch(
+        paged_kv, device, dtype, decode_lens, prefill_chunks, HQ, HKV, D, BS)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     got = TritonAttentionBackend().attention(q, k, v, k_cache, v_cache, meta, D ** -0.5)
     want = TorchAttentionBackend().attention(q, k, v, k_ref, v_ref, meta, D ** -0.5)

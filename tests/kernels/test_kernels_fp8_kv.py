@@ -13,7 +13,7 @@ from tandem.kernels.reference import (paged_decode_attention_ref, paged_prefill_
 from tandem.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 from tests.kernels.conftest import make_paged_kv
-from tests.kernels.test_kernels_backend import _batch
+from tests.kernels.conftest import make_attention_batch
 
 FP8 = torch.float8_e4m3fn
 # Kernel vs reference on the same fp8 bytes: both dequantize exactly, so only the
@@ -144,8 +144,8 @@ def test_prefill_attention_reads_fp8(device, dtype, num_kv_heads, group, head_di
 def test_backend_on_fp8_cache_matches_torch_backend(paged_kv, device, dtype):
     """A mixed step (decodes, a fresh prompt, a chunk after a cached prefix) through
     both backends on fp8 caches: the same cache bytes after the write, close outputs."""
-    q, k, v, k_cache, v_cache, meta = _batch(paged_kv, device, dtype, [1, 20, 300],
-                                             [(7, 7), (12, 40)])
+    q, k, v, k_cache, v_cache, meta = make_attention_batch(
+        paged_kv, device, dtype, [1, 20, 300], [(7, 7), (12, 40)], 6, 2, 64, 16)
     ks, vs = _scales(2, 5).to(device), _scales(2, 6).to(device)
     k_cache, v_cache = (quantize_fp8_e4m3_ref(c, s) for c, s in ((k_cache, ks), (v_cache, vs)))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
