@@ -6,7 +6,9 @@ cache, and ``torch.nn.functional.scaled_dot_product_attention`` (``is_causal``,
 ``enable_gqa``: torch's fused CPU flash kernel, what the engine ran before) on
 contiguous tensors. Median of ``--rounds`` calls each, alternated, milliseconds
 per layer, and the attention FLOPs per second (``4 x S^2 / 2 x D`` per query head
-and sequence: the causal half of QK^T and PV).
+and sequence: the causal half of QK^T and PV). On a CPU with AMX the compiled
+bfloat16 kernel is the AMX one; the AVX-512 BF16 kernel is then timed too, in the
+same rounds.
 
     python benchmarks/prefill_attention_cpu.py --out benchmarks/results/prefill_attention_cpu.json
 
@@ -51,13 +53,21 @@ def run(dtype: torch.dtype, b: int, s: int, hq: int, hkv: int, d: int, rounds: i
     def compiled():
         ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5, out=out)
 
+    def avx512():
+        ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5, out=out,
+                                    use_amx=False)
+
     def sdpa():
         F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=hq != hkv)
 
-    times = {"compiled": [], "sdpa": []}
-    compiled(), sdpa()
+    fns = {"compiled": compiled, "sdpa": sdpa}
+    if dtype == torch.bfloat16 and ops.amx_prefill_usable(d):
+        fns["avx512"] = avx512          # "compiled" is the AMX kernel here
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(rounds):
-        for name, fn in (("compiled", compiled), ("sdpa", sdpa)):
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -93,7 +103,9 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"| {name} | {b} x {s} | {hq}/{hkv}/{d} | {r['compiled_ms']:.3f} "
                   f"({r['compiled_gflops']:.0f}) | {r['sdpa_ms']:.3f} ({r['sdpa_gflops']:.0f}) | "
-                  f"{r['sdpa_ms'] / r['compiled_ms']:.2f}x |", flush=True)
+                  f"{r['sdpa_ms'] / r['compiled_ms']:.2f}x |"
+                  + (f" AVX-512 BF16 kernel {r['avx512_ms']:.3f} ms" if "avx512_ms" in r else ""),
+                  flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": ["python", "benchmarks/prefill_attention_cpu.py", *(argv or sys.argv[1:])],

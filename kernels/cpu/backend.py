@@ -4,8 +4,7 @@
 Decode attention, KV-cache writes, RMSNorm, rotary embedding and SiLU-and-mul run
 in :mod:`tandem.kernels.cpu.ops` (one call per layer each, instead of a dozen
 small torch ops). Prefill attention runs there too, in bfloat16 on CPUs with
-AVX-512 BF16 (whole prompts on CPUs with AMX excepted: torch's flash attention
-uses AMX tiles) and in float32 on CPUs with AVX-512F; otherwise (AVX2-only CPUs) it
+AVX-512 BF16 (its products on AMX tiles where the CPU has them) and in float32 on CPUs with AVX-512F; otherwise (AVX2-only CPUs) it
 stays on torch's fused CPU flash attention (see
 :class:`~tandem.kernels.attention_backend.TorchAttentionBackend`). float32 and
 bfloat16 only.
@@ -25,11 +24,9 @@ read by the compiled int4 decode kernel; prefill chunks take the torch path.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tandem.kernels.attention_backend import AttentionMetadata, TorchAttentionBackend
 from tandem.kernels.cpu import ops
-from tandem.kernels.cpu.build import cpu_has
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -42,14 +39,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             computation whatever the batch, the chunking or which of its context
             came from the prefix cache. Prefill attention then costs a pass over
             the context per query token instead of a tiled FlashAttention loop.
-        whole_prompt_sdpa: in bfloat16, a prefill chunk that is its sequence's
-            whole context (no cached prefix, no earlier chunk) attends to its fresh
-            K/V through torch's fused causal SDPA instead of the compiled kernel;
-            other chunks keep the kernel. None: where the CPU has AMX (``amx_bf16``),
-            whose tiles torch's flash attention uses for bfloat16 and the kernel's
-            AVX-512 BF16 dot products do not (SmolLM2's heads, 8 prompts of 256
-            tokens, 2 threads: 2.9 against 6.2 ms per layer; without AMX the kernel
-            is ~4x faster than SDPA, see benchmarks/prefill_attention_cpu.py).
 
     Raises:
         tandem.kernels.cpu.build.CpuKernelsUnavailable: at construction, when the
@@ -59,16 +48,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     _int4_token_rows = staticmethod(ops.reshape_and_cache_int4_rows)
 
-    def __init__(self, batch_invariant: bool = False, whole_prompt_sdpa: bool | None = None) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
         # The dtypes this build has the prefill kernel for: fixed per process, so
         # decided once here rather than on every layer of every step (asking builds
         # and loads the kernels, raising CpuKernelsUnavailable where they cannot be).
         self._prefill_dtypes = {dt for dt in (torch.bfloat16, torch.float32)
                                 if ops.has_prefill_attention(dt, 64)}
-        if whole_prompt_sdpa is None:
-            whole_prompt_sdpa = cpu_has("amx_bf16")
-        self.whole_prompt_sdpa = whole_prompt_sdpa
 
     @staticmethod
     def _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
@@ -95,9 +81,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                   softcap: float | None = None) -> torch.Tensor:
         """Shapes as in :meth:`AttentionBackend.attention`. Decodes read the cache in
         place; prefill chunks go through :func:`ops.paged_prefill_attention` where it
-        runs (a bfloat16 cache with AVX-512 BF16, a float32 one with AVX-512F; with
-        ``whole_prompt_sdpa``, a bfloat16 chunk that is its whole context through
-        torch's causal SDPA), else through :meth:`TorchAttentionBackend.attend`.
+        runs (a bfloat16 cache with AVX-512 BF16, a float32 one with AVX-512F), else
+        through :meth:`TorchAttentionBackend.attend`.
 
         A layer with a sliding ``window`` or a ``softcap`` is written by the compiled
         cache write; its decodes take the compiled decode kernel (which has both),
@@ -148,28 +133,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ops.paged_decode_attention(query[:nd], key_cache, value_cache,
                                        meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                        out=out[:nd])
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        first = nd                      # the kernel's run of chunks: [first, i)
-        gqa = query.shape[1] != key.shape[1]
-        for i in range(nd, meta.num_seqs + 1):
-            whole = (i < meta.num_seqs and self.whole_prompt_sdpa
-                     and query.dtype == torch.bfloat16 and qsl[i + 1] - qsl[i] == lens[i])
-            if not whole and i < meta.num_seqs:
-                continue
-            if first < i:
-                lo = qsl[first]
-                ops.paged_prefill_attention(query[lo:qsl[i]], key_cache, value_cache,
-                                            meta.block_tables[first:i],
-                                            [x - lo for x in qsl[first:i + 1]],
-                                            lens[first:i], scale, out=out[lo:qsl[i]])
-            if whole:
-                s, e = qsl[i], qsl[i + 1]
-                o = F.scaled_dot_product_attention(
-                    query[s:e].transpose(0, 1)[None], key[s:e].transpose(0, 1)[None],
-                    value[s:e].transpose(0, 1)[None], is_causal=True, scale=scale,
-                    enable_gqa=gqa)                              # [1, Hq, q_len, D]
-                out[s:e] = o[0].transpose(0, 1)
-            first = i + 1
+        qsl = meta.query_start_loc_cpu[nd:]
+        ops.paged_prefill_attention(query[qsl[0]:], key_cache, value_cache,
+                                    meta.block_tables[nd:], [x - qsl[0] for x in qsl],
+                                    meta.seq_lens_cpu[nd:], scale, out=out[qsl[0]:])
         return out
 
     @staticmethod

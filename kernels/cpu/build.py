@@ -49,12 +49,6 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def cpu_has(flag: str) -> bool:
-    """Whether this CPU lists ``flag`` (e.g. ``amx_bf16``) among its ``/proc/cpuinfo``
-    flags (False where that file is missing)."""
-    return flag in _cpu_flags().split()
-
-
 def cache_dir() -> Path:
     root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(Path.home(), ".cache", "tandem")
     return Path(root) / "cpu_kernels"
@@ -189,6 +183,11 @@ def load_library() -> ctypes.CDLL:
             if has():
                 fn = getattr(lib, f"tandem_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
+    usable = lib.tandem_prefill_attention_bf16_amx_usable
+    usable.argtypes, usable.restype = [_I64], ctypes.c_int
+    if usable(64):
+        fn = lib.tandem_prefill_attention_bf16_amx
+        fn.argtypes, fn.restype = _WHERE_SUPPORTED["prefill_attention"], None
     return lib
 
 

@@ -197,10 +197,18 @@ def has_prefill_attention(dtype: torch.dtype, head_dim: int) -> bool:
     return bool(getattr(load_library(), f"tandem_has_prefill_attention_{_SUFFIX[dtype]}")())
 
 
+def amx_prefill_usable(head_dim: int) -> bool:
+    """Whether the AMX bfloat16 prefill kernel runs in this process for ``head_dim``:
+    built for a CPU with AMX-BF16, ``head_dim % 32 == 0`` and ``<= 256``, and tile
+    state granted by the OS (asked once per process)."""
+    return bool(load_library().tandem_prefill_attention_bf16_amx_usable(head_dim))
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: list[int], seq_lens: list[int], scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            use_amx: bool | None = None) -> torch.Tensor:
     """Causal attention of packed prefill chunks over paged KV, bfloat16 or float32.
 
     FlashAttention-2 (Dao 2023, Alg. 1): each sequence's context (cached prefix,
@@ -210,7 +218,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     for the dot-product instruction, 8 rows at a time, P rounded to bfloat16 before
     P.V as in torch's CPU flash attention. float32 (AVX-512F): K tiles transposed
     (each channel's 16 keys in one vector), an FMA per channel for the scores and
-    per key for P.V, 4 rows at a time. Same contract as
+    per key for P.V, 4 rows at a time. bfloat16 on a CPU with AMX (``use_amx``):
+    the same loop with both products on AMX tiles, 16 query rows by 32 keys per
+    step, the online softmax on AVX-512. Same contract as
     :func:`tandem.kernels.reference.paged_prefill_attention_ref`.
 
     Args:
@@ -222,10 +232,13 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         seq_lens: ``B`` ints, context length (tokens) of each sequence after this step.
         scale: softmax scale.
         out: optional ``[T, Hq, D]`` destination.
+        use_amx: bfloat16 only: True runs the AMX kernel, False the AVX-512 BF16 one;
+            None: AMX where :func:`amx_prefill_usable`.
 
     Raises:
         ValueError: :func:`has_prefill_attention` is false for the query's dtype and
-            head size, or the caches are not in the query's dtype.
+            head size, the caches are not in the query's dtype, or ``use_amx`` where
+            the AMX kernel cannot run.
     """
     t, hq, d = query.shape
     hkv, bs = key_cache.shape[2], key_cache.shape[1]
@@ -237,12 +250,18 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"key_cache/value_cache: must be {query.dtype} like the query")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache/value_cache: must be contiguous")
+    fn = _fn("prefill_attention", query.dtype)
+    if query.dtype == torch.bfloat16 and use_amx is not False:
+        if amx_prefill_usable(d):
+            fn = load_library().tandem_prefill_attention_bf16_amx
+        elif use_amx:
+            raise ValueError(f"use_amx: the AMX prefill kernel cannot run here (head_dim {d})")
     if out is None:
         out = torch.empty_like(query)
     tables = block_tables.to(torch.int32).contiguous()
     qsl = torch.tensor(query_start_loc, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    _fn("prefill_attention", query.dtype)(
+    fn(
         out.data_ptr(), _rows(out, "out"), query.data_ptr(), _rows(query, "query"),
         key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         qsl.data_ptr(), lens.data_ptr(), len(seq_lens), hq, hkv, d, bs, scale,

@@ -136,7 +136,10 @@ PREFILL_DTYPES = [pytest.param(dt, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32),
                                          (3, 1, 48, 16), (16, 2, 64, 16)])
-def test_prefill_attention(paged_kv, dtype, hq, hkv, d, bs):
+@pytest.mark.parametrize("use_amx", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ops.amx_prefill_usable(64), reason="the AMX prefill kernel needs a CPU with AMX-BF16"))],
+    ids=["avx512", "amx"])
+def test_prefill_attention(paged_kv, dtype, hq, hkv, d, bs, use_amx):
     # (query length, context length): whole prompts, a chunk after earlier chunks,
     # a chunk after a cached prefix, one-token chunks, tile and block edges.
     cases = [(37, 37), (5, 21), (16, 16), (1, 33), (64, 300), (17, 17), (1, 1), (33, 80)]
@@ -149,39 +152,11 @@ def test_prefill_attention(paged_kv, dtype, hq, hkv, d, bs):
     q = torch.randn(qsl[-1], hq, d, generator=g).to(dtype)
     want = ref.paged_prefill_attention_ref(q.float(), kclean.float(), vclean.float(), tables,
                                            qsl, lens, d ** -0.5)
-    got = ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5)
+    if use_amx and (dtype != torch.bfloat16 or not ops.amx_prefill_usable(d)):
+        pytest.skip("the AMX kernel: bfloat16, head_dim % 32 == 0")
+    got = ops.paged_prefill_attention(q, kc, vc, tables, qsl, lens, d ** -0.5, use_amx=use_amx)
     assert got.dtype == dtype
     assert_matches(got, want, dtype)
-
-
-@pytest.mark.skipif(not ops.has_prefill_attention(torch.bfloat16, 64),
-                    reason="bfloat16 prefill attention needs a CPU with AVX-512 BF16")
-def test_whole_prompts_through_sdpa_the_rest_through_the_kernel(paged_kv):
-    """whole_prompt_sdpa: a bfloat16 chunk that is its sequence's whole context takes
-    torch's causal SDPA (the torch backend's very call: equal bits), every other
-    chunk the compiled kernel (equal bits to the kernel-only backend), decodes the
-    decode kernel; whole prompts sit between, before and after the others."""
-    from tandem.kernels.attention_backend import TorchAttentionBackend
-    from tandem.kernels.cpu.backend import CpuAttentionBackend
-    from tests.kernels.conftest import make_attention_batch
-
-    hq, hkv, d, bs = 9, 3, 64, 16
-    chunks = [(7, 7), (12, 40), (1, 1), (30, 30), (5, 21), (17, 80), (64, 64)]
-    whole = [q == s for q, s in chunks]
-    q, k, v, kc, vc, meta = make_attention_batch(paged_kv, torch.device("cpu"), torch.bfloat16,
-                                                 [1, 20, 300], chunks, hq, hkv, d, bs)
-    outs = {}
-    for name, backend in [("sdpa", CpuAttentionBackend(whole_prompt_sdpa=True)),
-                          ("kernel", CpuAttentionBackend(whole_prompt_sdpa=False)),
-                          ("torch", TorchAttentionBackend())]:
-        kcc, vcc = kc.clone(), vc.clone()
-        outs[name] = backend.attention(q, k, v, kcc, vcc, meta, d ** -0.5)
-    qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
-    assert torch.equal(outs["sdpa"][:qsl[nd]], outs["kernel"][:qsl[nd]])     # decodes
-    for i, w in enumerate(whole):
-        rows = slice(qsl[nd + i], qsl[nd + i + 1])
-        assert torch.equal(outs["sdpa"][rows], outs["torch" if w else "kernel"][rows]), i
-    assert_matches(outs["sdpa"], outs["torch"], torch.bfloat16)
 
 
 def test_prefill_attention_refuses_what_it_cannot_run(paged_kv):

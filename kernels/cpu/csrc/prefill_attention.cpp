@@ -5,6 +5,11 @@
 
 #include "common.h"
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tandem_cpu {
 namespace {
 
@@ -125,6 +130,7 @@ void prefill_rows(const bf16* const* q, const int64_t* pos, bf16* const* out, co
 struct Bf16Prefill {
     using T = bf16;
     static constexpr int rows = kRows;
+    static constexpr int64_t key_block = kTile;
     // uint32 words of one tile of K (and of V) of one KV head.
     static int64_t tile_words(int64_t d) { return (d / 2) * kTile; }
     static void repack(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len,
@@ -142,6 +148,160 @@ struct Bf16Prefill {
     }
 };
 #endif  // __AVX512BF16__
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same FlashAttention-2 loop with its two products on AMX tiles (tdpbf16ps: a
+// 16 x 16 float32 tile += a 16 x 32 bf16 tile times a 32 x 16 bf16 tile in pairs),
+// 16 query rows by 32 keys per step; the online softmax and the rescaled float32
+// accumulators stay on AVX-512. The B operands are the repacked pair layouts of
+// repack_kv as they lie: K's tile rows are channel pairs across 16 keys, V's are key
+// pairs across the channels. The tiles do the dot products an order of magnitude
+// faster than vdpbf16ps, so the softmax sets the pace.
+constexpr int kAmxRows = 16;       // query rows per tile
+
+// exp(x) of 16 lanes for x <= 0 (scores minus their running max), as 2^(x log2 e):
+// 2^f of the fraction by its degree-5 Taylor polynomial (relative error < 3e-6, far
+// below the bf16 rounding P gets next), 2^n by scalef, which also takes a masked
+// -1e30 to 0. Nine instructions against exp512's thirteen: with the products on
+// AMX tiles, the exps of the softmax are most of the kernel's time.
+inline __m512 exp512_nonpositive(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);                       // [-0.5, 0.5]
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);          // ln2^5 / 5!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));   // ln2^4 / 4!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));   // ln2^3 / 3!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910072f));    // ln2^2 / 2
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));     // ln2
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+constexpr int64_t kAmxKeys = 32;   // keys per step: two 16-key tiles of repack_kv
+
+// Linux hands a process AMX tile state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it the first tile instruction
+// raises SIGILL. Asked once per process; false where the kernel refuses.
+bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+
+// Palette 1, every tile used as 16 rows of 64 bytes: tmm0-1 the scores of 32 keys,
+// tmm2 a query block, tmm4-5 K tiles (later tmm4 a P.V product), tmm6 P, tmm7 V.
+struct alignas(64) AmxConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// kAmxRows query rows of one head (see prefill_rows; `d` % 32 == 0, <= 256).
+void prefill_rows_amx(const bf16* const* q, const int64_t* pos, bf16* const* out,
+                      const uint32_t* kt, const uint32_t* vt, int64_t d, float scale) {
+    constexpr int R = kAmxRows;
+    const int64_t half = d / 2, tile_words = half * kTile;
+    int64_t last = 0;
+    for (int r = 0; r < R; ++r) last = pos[r] > last ? pos[r] : last;
+    alignas(64) bf16 qbuf[R * 256];
+    alignas(64) float acc[R * 256];
+    alignas(64) float sbuf[R][kAmxKeys];
+    alignas(64) bf16 pbuf[R][kAmxKeys];
+    alignas(64) float pv[R][16];
+    float m[R], l[R], corr[R];
+    for (int r = 0; r < R; ++r) {
+        std::memcpy(qbuf + r * d, q[r], sizeof(bf16) * d);
+        m[r] = -1e30f;
+        l[r] = 0.0f;
+    }
+    std::memset(acc, 0, sizeof(float) * R * d);
+    static const AmxConfig config;
+    _tile_loadconfig(&config);
+    const int64_t steps = last / kAmxKeys + 1;
+    for (int64_t step = 0; step < steps; ++step) {
+        const uint32_t* k0 = kt + 2 * step * tile_words;      // keys 32 step .. + 15
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t dc = 0; dc < d / 32; ++dc) {             // 16 channel pairs at a time
+            _tile_loadd(2, qbuf + 32 * dc, 2 * d);
+            _tile_loadd(4, k0 + 16 * kTile * dc, 64);
+            _tile_loadd(5, k0 + tile_words + 16 * kTile * dc, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 2, 5);
+        }
+        _tile_stored(0, &sbuf[0][0], sizeof(float) * kAmxKeys);
+        _tile_stored(1, &sbuf[0][16], sizeof(float) * kAmxKeys);
+        // The online softmax over the 32 keys at once (one max and one sum per row).
+        const int64_t k0pos = step * kAmxKeys;
+        const __m512 vscale = _mm512_set1_ps(scale);
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int r = 0; r < R; ++r) {
+            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(&sbuf[r][0]), vscale);
+            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(&sbuf[r][16]), vscale);
+            const int64_t valid = pos[r] - k0pos + 1;              // keys <= pos in this step
+            if (valid < kAmxKeys) {
+                const __m512i v = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(valid, 0)));
+                s0 = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, v), _mm512_set1_ps(-1e30f), s0);
+                s1 = _mm512_mask_blend_ps(
+                    _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), v),
+                    _mm512_set1_ps(-1e30f), s1);
+            }
+            const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+            const __m512 mv = _mm512_set1_ps(m_new);
+            const __m512 p0 = exp512_nonpositive(_mm512_sub_ps(s0, mv));
+            const __m512 p1 = exp512_nonpositive(_mm512_sub_ps(s1, mv));
+            corr[r] = fast_exp(m[r] - m_new);
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = m_new;
+            _mm512_store_si512(&pbuf[r][0], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        _tile_loadd(6, &pbuf[0][0], sizeof(bf16) * kAmxKeys);
+        const uint32_t* v0 = vt + 2 * step * tile_words;      // 16 key pairs, rows of d pairs
+        for (int64_t c = 0; c < d / 16; ++c) {
+            _tile_zero(4);
+            _tile_loadd(7, v0 + 16 * c, 4 * d);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_stored(4, &pv[0][0], 64);
+            for (int r = 0; r < R; ++r) {
+                float* a = acc + r * d + 16 * c;
+                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(corr[r]),
+                                                   _mm512_load_ps(&pv[r][0])));
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < R; ++r) {
+        if (pos[r] < 0 || out[r] == nullptr) continue;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t c = 0; c < d / 16; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
+                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(acc + r * d + 16 * c), inv)));
+    }
+}
+
+// The AMX kernel as the driver uses it: the repacked context padded with zeros to
+// whole 32-key steps.
+struct AmxPrefill {
+    using T = bf16;
+    static constexpr int rows = kAmxRows;
+    static constexpr int64_t key_block = kAmxKeys;
+    static int64_t tile_words(int64_t d) { return (d / 2) * kTile; }
+    static void repack(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len,
+                       int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
+        const int64_t words = (len + kAmxKeys - 1) / kAmxKeys * 2 * tile_words(d);
+        std::memset(kt, 0, sizeof(uint32_t) * words);
+        std::memset(vt, 0, sizeof(uint32_t) * words);
+        repack_kv(kc, vc, table, len, h, hkv, d, bs, kt, vt);
+    }
+    static void run(const bf16* const* q, const int64_t* pos, bf16* const* out, const uint32_t* kt,
+                    const uint32_t* vt, int64_t d, float scale) {
+        prefill_rows_amx(q, pos, out, kt, vt, d, scale);
+    }
+    // Whether this process may run it for head size d.
+    static bool usable(int64_t d) { return d % 32 == 0 && d <= 256 && amx_permitted(); }
+};
+#endif  // AMX
 
 #if defined(__AVX512F__)
 constexpr int kRowsF32 = 4;        // query rows processed together in float32
@@ -221,6 +381,7 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
 struct F32Prefill {
     using T = float;
     static constexpr int rows = kRowsF32;
+    static constexpr int64_t key_block = kTile;
     static int64_t tile_words(int64_t d) { return d * kTile; }
     static void repack(const float* kc, const float* vc, const int32_t* table, int64_t len,
                        int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
@@ -256,7 +417,7 @@ void prefill_attention(T* out, int64_t out_stride, const T* q, int64_t q_stride,
     std::vector<int64_t> offsets(b + 1, 0);   // uint32 offset of each sequence's repacked K
     std::vector<PrefillTask> tasks;
     for (int64_t s = 0; s < b; ++s) {
-        const int64_t ntiles = (seq_lens[s] + kTile - 1) / kTile;
+        const int64_t ntiles = (seq_lens[s] + K::key_block - 1) / K::key_block * (K::key_block / kTile);
         offsets[s + 1] = offsets[s] + ntiles * hkv * K::tile_words(d);
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         for (int64_t first = 0; first < q_len; first += kQueryTile)
@@ -345,6 +506,20 @@ extern "C" int tandem_has_prefill_attention_f32() {
 #if defined(__AVX512BF16__)
 TANDEM_PREFILL_EXPORT(bf16, Bf16Prefill, tandem_cpu::bf16)
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+TANDEM_PREFILL_EXPORT(bf16_amx, AmxPrefill, tandem_cpu::bf16)
+#endif
+
+// 1 when this process may run tandem_prefill_attention_bf16_amx for head size d: the
+// build has it (AMX-BF16), d % 32 == 0 and d <= 256, and the OS granted tile state.
+extern "C" int tandem_prefill_attention_bf16_amx_usable(int64_t d) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return tandem_cpu::AmxPrefill::usable(d) ? 1 : 0;
+#else
+    (void)d;
+    return 0;
+#endif
+}
 #if defined(__AVX512F__)
 TANDEM_PREFILL_EXPORT(f32, F32Prefill, float)
 #endif
