@@ -22,6 +22,12 @@ Two comparisons on the default model's shapes (SmolLM2-135M: hidden 576, MLP
   (layout ``[NB, Hkv, BS, D]``, blocks of 32, the ISA vLLM picks here: ``amx``
   where the CPU has AMX tiles, else ``vec``), on the same K/V values.
 
+* **Prefill attention.** B whole prompts of S tokens (causal, no cached prefix):
+  Tandem's compiled kernel (``tandem_prefill_attention_bf16_amx`` where AMX runs,
+  and the AVX-512 BF16 ``tandem_prefill_attention_bf16``; blocks of 16) against
+  vLLM's ``cpu_attention_with_kv_cache`` on the same prompts (its cache written by
+  its own op) and torch's causal SDPA per prompt, on the same K/V values.
+
 Alternating matters: on a shared host the speed of the same code drifts by up to
 2.5x between runs minutes apart (GEMMs measured 850 and 2430 GFLOP/s), so only
 timings taken in turn in one process compare two implementations.
@@ -162,12 +168,79 @@ def attention_rows(ops, lib, batches: list[int], ctx: int, rounds: int, layers: 
     return rows
 
 
+def prefill_rows(ops, lib, cases: list[str], rounds: int) -> list[dict]:
+    """Whole-prompt prefill attention per layer, ``cases`` as ``B/S``."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    rows = []
+    for case in cases:
+        b, s = (int(x) for x in case.split("/"))
+        t = b * s
+        g = torch.Generator().manual_seed(t)
+        q = torch.randn(t, hq, d, generator=g).to(torch.bfloat16)
+        k = torch.randn(t, hkv, d, generator=g).to(torch.bfloat16)
+        v = torch.randn(t, hkv, d, generator=g).to(torch.bfloat16)
+        qsl_list = [i * s for i in range(b + 1)]
+        qsl = torch.tensor(qsl_list, dtype=torch.int32)
+        lens = torch.full((b,), s, dtype=torch.int32)
+        # Tandem: [NB, 16, Hkv, D], the prompts' blocks in order.
+        kc, vc = (x.reshape(t // bs, bs, hkv, d).contiguous() for x in (k, v))
+        t16 = torch.arange(t // bs, dtype=torch.int32).view(b, s // bs)
+        # vLLM: [NB, Hkv, 32, D] written by its op.
+        per = -(-s // 32)
+        t32 = torch.arange(1, b * per + 1, dtype=torch.int32).view(b, per)
+        both = torch.zeros(b * per + 1, hkv, 64, d, dtype=torch.bfloat16)
+        kv32 = both.chunk(2, dim=2)
+        pos = torch.arange(s)
+        slots = (t32.long()[:, pos // 32] * 32 + pos % 32).flatten()
+        ops.cpu_attn_reshape_and_cache(k, v, kv32[0], kv32[1], slots, isa)
+        meta = ops.cpu_attn_get_scheduler_metadata(b, hq, hkv, d, lens, torch.bfloat16, qsl,
+                                                   True, -1, isa, False)
+        outs = {name: torch.empty_like(q) for name in ("amx", "avx512", "vllm", "sdpa")}
+        args = (q.data_ptr(), hq * d, kc.data_ptr(), vc.data_ptr(), t16.data_ptr(),
+                t16.stride(0), qsl.data_ptr(), lens.data_ptr(), b, hq, hkv, d, bs, d ** -0.5,
+                torch.get_num_threads())
+
+        def tandem(fn, out):
+            return lambda: fn(out.data_ptr(), hq * d, *args)
+
+        fns = {}
+        if lib.tandem_prefill_attention_bf16_amx_usable(d):
+            fns["tandem amx"] = tandem(lib.tandem_prefill_attention_bf16_amx, outs["amx"])
+        fns["tandem avx512-bf16"] = tandem(lib.tandem_prefill_attention_bf16, outs["avx512"])
+        fns[f"vllm ({isa})"] = lambda: ops.cpu_attention_with_kv_cache(
+            q, kv32[0], kv32[1], outs["vllm"], qsl, lens, d ** -0.5, True, None, -1, t32, 0.0,
+            meta, None)
+
+        def sdpa():
+            for i in range(b):
+                lo, hi = qsl_list[i], qsl_list[i + 1]
+                outs["sdpa"][lo:hi] = F.scaled_dot_product_attention(
+                    *(x[lo:hi].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                    scale=d ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        fns["torch sdpa"] = sdpa
+        times = alternate(fns, rounds)
+        ref = outs["sdpa"].float()
+        flops = 4 * b * hq * (s * (s + 1) / 2) * d
+        for name, sec in times.items():
+            key = {"tandem amx": "amx", "tandem avx512-bf16": "avx512", "torch sdpa": "sdpa"}.get(
+                name, "vllm")
+            diff = (outs[key].float() - ref).abs().max().item()
+            if diff > 0.05:
+                raise AssertionError(f"{case} {name}: differs from SDPA by {diff}")
+            rows.append({"batch": b, "tokens": s, "impl": name, "ms_per_layer": sec * 1e3,
+                         "gflop_s": flops / sec / 1e9, "max_abs_diff_vs_sdpa": diff})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 2048],
                     help="M of the linear layers")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--context", type=int, default=290, help="cached tokens per sequence")
+    ap.add_argument("--prefill", nargs="+", default=["1/256", "8/256", "1/1024"],
+                    help="whole prompts B/S of the prefill attention comparison")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default=None)
@@ -185,6 +258,11 @@ def main(argv=None) -> int:
     print("\n| batch | decode attention | ms per layer | GB/s of KV |\n|---|---|---|---|")
     for r in att:
         print(f"| {r['batch']} | {r['impl']} | {r['ms_per_layer']:.3f} | {r['gb_s']:.1f} |")
+    pre = prefill_rows(ops, lib, args.prefill, args.rounds)
+    print("\n| prompts | prefill attention | ms per layer | GFLOP/s |\n|---|---|---|---|")
+    for r in pre:
+        print(f"| {r['batch']} x {r['tokens']} | {r['impl']} | {r['ms_per_layer']:.3f} | "
+              f"{r['gflop_s']:.0f} |")
     if args.out:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_peers import isa_flags
@@ -196,7 +274,7 @@ def main(argv=None) -> int:
                         "cores": len(os.sched_getaffinity(0)), "cpu_flags": isa_flags(),
                         "torch": torch.__version__, "vllm": vllm.__version__,
                         "threads": args.threads},
-            "linear": lin, "decode_attention": att}, indent=1))
+            "linear": lin, "decode_attention": att, "prefill_attention": pre}, indent=1))
     return 0
 
 
