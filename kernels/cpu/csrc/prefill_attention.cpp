@@ -280,13 +280,11 @@ void prefill_rows_amx(const bf16* const* q, const int64_t* pos, bf16* const* out
     }
 }
 
-// The AMX kernel as the driver uses it: the repacked context padded with zeros to
-// whole 32-key steps.
-struct AmxPrefill {
-    using T = bf16;
+// The AMX kernel as the driver uses it: Bf16Prefill's layouts, the repacked context
+// padded with zeros to whole 32-key steps.
+struct AmxPrefill : Bf16Prefill {
     static constexpr int rows = kAmxRows;
     static constexpr int64_t key_block = kAmxKeys;
-    static int64_t tile_words(int64_t d) { return (d / 2) * kTile; }
     static void repack(const bf16* kc, const bf16* vc, const int32_t* table, int64_t len,
                        int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
         const int64_t words = (len + kAmxKeys - 1) / kAmxKeys * 2 * tile_words(d);
