@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
+from vllm_cpu_kernels import alternate  # noqa: E402
 
 from tandem.kernels.cpu import ops  # noqa: E402
 
@@ -63,19 +63,10 @@ def run(dtype: torch.dtype, b: int, s: int, hq: int, hkv: int, d: int, rounds: i
     fns = {"compiled": compiled, "sdpa": sdpa}
     if dtype == torch.bfloat16 and ops.amx_prefill_usable(d):
         fns["avx512"] = avx512          # "compiled" is the AMX kernel here
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
     flops = 4 * b * hq * (s * (s + 1) / 2) * d
     row = {"dtype": str(dtype).removeprefix("torch."), "batch": b, "tokens": s, "hq": hq,
            "hkv": hkv, "head_dim": d}
-    for name, ts in times.items():
-        t = sorted(ts)[len(ts) // 2]
+    for name, t in alternate(fns, rounds).items():
         row[f"{name}_ms"] = t * 1e3
         row[f"{name}_gflops"] = flops / t / 1e9
     return row
