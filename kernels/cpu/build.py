@@ -100,15 +100,41 @@ def _compile(compiler: str, path: Path, verbose: bool) -> Path:
             return path
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise CpuKernelsUnavailable(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        with tempfile.TemporaryDirectory(dir=path.parent) as objdir:
+            # One compiler per source, as many at once as there are cores (decode
+            # attention alone takes about half of a serial build), then one link.
+            objects = [os.path.join(objdir, f"{src.stem}.o") for src in SOURCES]
+            jobs = [[compiler, *FLAGS, "-c", str(src), "-o", obj]
+                    for src, obj in zip(SOURCES, objects)]
+            _run_all(jobs, len(os.sched_getaffinity(0)), tmp)
+            _run_all([[compiler, *FLAGS, "-o", tmp, *objects]], 1, tmp)
         os.replace(tmp, path)
         if verbose:
             print(f"built {path}")
     return path
+
+
+def _run_all(cmds: list[list[str]], parallel: int, tmp: str) -> None:
+    """Run the compiler commands, up to ``parallel`` at a time.
+
+    Raises:
+        CpuKernelsUnavailable: one failed (its command and the end of its stderr);
+            ``tmp`` (the unfinished library) is removed.
+    """
+    pending, running = list(cmds), []
+    while pending or running:
+        while pending and len(running) < max(1, parallel):
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            for _, other in running:
+                other.kill()
+                other.wait()
+            os.unlink(tmp)
+            raise CpuKernelsUnavailable(f"{' '.join(cmd)} failed:\n{err[-4000:]}")
 
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
