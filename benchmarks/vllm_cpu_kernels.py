@@ -196,7 +196,9 @@ def prefill_rows(ops, lib, cases: list[str], rounds: int) -> list[dict]:
         ops.cpu_attn_reshape_and_cache(k, v, kv32[0], kv32[1], slots, isa)
         meta = ops.cpu_attn_get_scheduler_metadata(b, hq, hkv, d, lens, torch.bfloat16, qsl,
                                                    True, -1, isa, False)
-        outs = {name: torch.empty_like(q) for name in ("amx", "avx512", "vllm", "sdpa")}
+        vllm_name = f"vllm ({isa})"
+        outs = {name: torch.empty_like(q) for name in
+                ("tandem amx", "tandem avx512-bf16", vllm_name, "torch sdpa")}
         args = (q.data_ptr(), hq * d, kc.data_ptr(), vc.data_ptr(), t16.data_ptr(),
                 t16.stride(0), qsl.data_ptr(), lens.data_ptr(), b, hq, hkv, d, bs, d ** -0.5,
                 torch.get_num_threads())
@@ -206,26 +208,25 @@ def prefill_rows(ops, lib, cases: list[str], rounds: int) -> list[dict]:
 
         fns = {}
         if lib.tandem_prefill_attention_bf16_amx_usable(d):
-            fns["tandem amx"] = tandem(lib.tandem_prefill_attention_bf16_amx, outs["amx"])
-        fns["tandem avx512-bf16"] = tandem(lib.tandem_prefill_attention_bf16, outs["avx512"])
-        fns[f"vllm ({isa})"] = lambda: ops.cpu_attention_with_kv_cache(
-            q, kv32[0], kv32[1], outs["vllm"], qsl, lens, d ** -0.5, True, None, -1, t32, 0.0,
+            fns["tandem amx"] = tandem(lib.tandem_prefill_attention_bf16_amx, outs["tandem amx"])
+        fns["tandem avx512-bf16"] = tandem(lib.tandem_prefill_attention_bf16,
+                                           outs["tandem avx512-bf16"])
+        fns[vllm_name] = lambda: ops.cpu_attention_with_kv_cache(
+            q, kv32[0], kv32[1], outs[vllm_name], qsl, lens, d ** -0.5, True, None, -1, t32, 0.0,
             meta, None)
 
         def sdpa():
             for i in range(b):
                 lo, hi = qsl_list[i], qsl_list[i + 1]
-                outs["sdpa"][lo:hi] = F.scaled_dot_product_attention(
+                outs["torch sdpa"][lo:hi] = F.scaled_dot_product_attention(
                     *(x[lo:hi].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
                     scale=d ** -0.5, enable_gqa=True)[0].transpose(0, 1)
         fns["torch sdpa"] = sdpa
         times = alternate(fns, rounds)
-        ref = outs["sdpa"].float()
+        ref = outs["torch sdpa"].float()
         flops = 4 * b * hq * (s * (s + 1) / 2) * d
         for name, sec in times.items():
-            key = {"tandem amx": "amx", "tandem avx512-bf16": "avx512", "torch sdpa": "sdpa"}.get(
-                name, "vllm")
-            diff = (outs[key].float() - ref).abs().max().item()
+            diff = (outs[name].float() - ref).abs().max().item()
             if diff > 0.05:
                 raise AssertionError(f"{case} {name}: differs from SDPA by {diff}")
             rows.append({"batch": b, "tokens": s, "impl": name, "ms_per_layer": sec * 1e3,

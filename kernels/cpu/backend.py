@@ -4,8 +4,8 @@
 Decode attention, KV-cache writes, RMSNorm, rotary embedding and SiLU-and-mul run
 in :mod:`tandem.kernels.cpu.ops` (one call per layer each, instead of a dozen
 small torch ops). Prefill attention runs there too, in bfloat16 on CPUs with
-AVX-512 BF16 (its products on AMX tiles where the CPU has them) and in float32 on CPUs with AVX-512F; otherwise (AVX2-only CPUs) it
-stays on torch's fused CPU flash attention (see
+AVX-512 BF16 (its products on AMX tiles where the CPU has them) and in float32 on
+CPUs with AVX-512F; otherwise (AVX2-only CPUs) it stays on torch's fused CPU flash attention (see
 :class:`~tandem.kernels.attention_backend.TorchAttentionBackend`). float32 and
 bfloat16 only.
 

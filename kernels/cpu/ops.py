@@ -12,6 +12,8 @@ against. Work is split over ``torch.get_num_threads()`` OpenMP threads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tandem.kernels import int4_kv
@@ -197,6 +199,7 @@ def has_prefill_attention(dtype: torch.dtype, head_dim: int) -> bool:
     return bool(getattr(load_library(), f"tandem_has_prefill_attention_{_SUFFIX[dtype]}")())
 
 
+@functools.cache
 def amx_prefill_usable(head_dim: int) -> bool:
     """Whether the AMX bfloat16 prefill kernel runs in this process for ``head_dim``:
     built for a CPU with AMX-BF16, ``head_dim % 32 == 0`` and ``<= 256``, and tile

@@ -171,9 +171,12 @@ inline __m512 exp512(__m512 x) {
 #if defined(__AVX512F__)
 // 16 float32 lanes from 16 elements of T.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 (in a register) -> 16 float32 lanes, exactly.
+inline __m512 from_bf16x16(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const bf16* p) {
+    return from_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 float32 lanes -> 16 bfloat16, rounded to nearest even, a NaN made quiet, as

@@ -449,22 +449,15 @@ void for_each_sequence_head(const int32_t* seq_lens, int64_t b, int64_t hq, int6
     int64_t tokens = 0;
     for (int64_t s = 0; s < b; ++s) tokens += seq_lens[s];
     const int nt = threads_for(tokens * hq * d, num_threads, 1 << 16);
-    if (b >= kSeqsPerThread * nt) {
-#pragma omp parallel num_threads(nt)
-        {
-            std::vector<float> buf;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t s = 0; s < b; ++s)
-                for (int64_t h = 0; h < hkv; ++h) fn(s, h, buf);
-        }
-        return;
-    }
+    const int64_t heads_per_task = b >= kSeqsPerThread * nt ? hkv : 1;
+    const int64_t tasks = b * hkv / heads_per_task;
 #pragma omp parallel num_threads(nt)
     {
         std::vector<float> buf;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t s = 0; s < b; ++s)
-            for (int64_t h = 0; h < hkv; ++h) fn(s, h, buf);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t)      // pairs in (sequence, head) order
+            for (int64_t p = t * heads_per_task; p < (t + 1) * heads_per_task; ++p)
+                fn(p / hkv, p % hkv, buf);
     }
 }
 

@@ -61,8 +61,7 @@ void rms_norm(T* out, const T* x, const T* residual, T* residual_out, const T* w
                     for (; i0 + 16 <= hidden; i0 += 16) {
                         const __m256i sum = to_bf16x16(_mm512_add_ps(load16(xr + i0), load16(rr + i0)));
                         _mm256_storeu_si256(reinterpret_cast<__m256i*>(ro + i0), sum);
-                        _mm512_storeu_ps(tmp.data() + i0, _mm512_castsi512_ps(
-                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16)));
+                        _mm512_storeu_ps(tmp.data() + i0, from_bf16x16(sum));
                     }
                 }
 #endif
@@ -208,8 +207,7 @@ void silu_and_mul(T* out, const T* x, int64_t n, int64_t f, int num_threads) {
                 const __m512 g = load16(gate + i);
                 const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
                 const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-                const __m256i sb = to_bf16x16(s);    // rounded twice, as below
-                const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+                const __m512 sr = from_bf16x16(to_bf16x16(s));   // rounded twice, as below
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
                                     to_bf16x16(_mm512_mul_ps(sr, load16(up + i))));
             }
