@@ -333,16 +333,45 @@ def run_client(system: str, server: Server, args, workdir: Path, tag: str = "") 
     return out
 
 
+def step_timelines(prefix: Path, client_end: float, duration: float) -> dict:
+    """Each engine's step timeline (files ``prefix.<pid>``, one per worker process)
+    summarised over the client's measured run: ``{file name: summary}``
+    (step_timeline.py)."""
+    from step_timeline import read_trace, run_window, summarize
+
+    out = {}
+    for path in sorted(prefix.parent.glob(prefix.name + ".*")):
+        steps = read_trace(path)
+        try:
+            out[path.name] = summarize(steps, *run_window(steps, client_end, duration))
+        except ValueError as exc:                 # a worker that never stepped in the run
+            out[path.name] = {"error": str(exc)}
+    return out
+
+
 def run_system(system: str, args, workdir: Path) -> dict:
     log_path = workdir / f"{system}.log"
     server = make_server(system, args, log_path)
     out = {"system": system, "server_cmd": server.cmd, "server_log": str(log_path)}
+    trace = None
+    if getattr(args, "step_trace", False) and system.startswith("tandem"):
+        trace = workdir / f"steps-{system}-{time.time_ns()}"
+        server.env = {**server.env, "TANDEM_STEP_TRACE": str(trace)}
     print(f"\n==== {system}: starting {' '.join(server.cmd)}", flush=True)
     try:
         with server:
             out["startup_s"] = server.startup_s
             print(f"==== {system}: serving on {server.base_url} after {server.startup_s:.0f} s", flush=True)
             out.update(run_client(system, server, args, workdir))
+            if trace is not None:
+                out["step_timeline"] = step_timelines(trace, time.time(), out["summary"]["duration"])
+                for name, t in out["step_timeline"].items():
+                    if "busy_fraction" in t:
+                        print(f"==== {system}: {name}: engine busy {100 * t['busy_fraction']:.1f}% "
+                              f"of the run; decode steps {t['decode']['steps']} (median "
+                              f"{t['decode'].get('median_ms', 0):.1f} ms), prompt steps "
+                              f"{t['prompt']['steps']} ({t['prompt'].get('ms_per_1k_tokens', 0):.0f} "
+                              "ms per 1k tokens)", flush=True)
     except Exception as exc:           # recorded; the next system still runs
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(f"==== {system}: FAILED {out['error'][:2000]}", flush=True)
@@ -449,6 +478,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Hugging Face checkpoint dir (benchmarks/export_hf.py): vLLM's model, the client's tokenizer")
     p.add_argument("--ready-timeout-s", type=float, default=900.0)
     p.add_argument("--client-timeout-s", type=float, default=3600.0)
+    p.add_argument("--step-trace", action="store_true",
+                   help="record each Tandem engine's step timeline (TANDEM_STEP_TRACE, in the "
+                        "workdir) and summarise it over the client's run: how busy the engine was")
     p.add_argument("--workdir", default=None, help="server logs and vLLM's result files (default: a temp dir)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/openai_bench_<dtype>.json")
     args = p.parse_args(argv)

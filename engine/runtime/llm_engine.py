@@ -22,6 +22,7 @@ from tandem.engine.runtime.beam_search import BeamSearchManager, check_beam_requ
 from tandem.engine.runtime.kv_scales import (CALIBRATION_TEXT, calibrate_kv_scales,
                                              gather_model_kv_scales, kv_cache_torch_dtype)
 from tandem.engine.runtime.model_runner import KVCache, ModelRunner
+from tandem.engine.runtime.step_trace import StepTrace
 from tandem.engine.sampling.grammar import StructuredOutputManager, get_grammar_backend_class
 from tandem.engine.scheduling.request import (Request, RequestStatus, TokenLogprobs,
                                               sample_request_id)
@@ -221,6 +222,9 @@ class LLMEngine:
         """Running beam searches (``params.use_beam_search``)."""
         self.last_step_ran = False    # whether the last step() scheduled anything
         self.last_step_tokens = 0     # tokens the last step() ran (prompt chunks + decodes)
+        self.step_trace = StepTrace.from_env()
+        """The step timeline (:mod:`~tandem.engine.runtime.step_trace`) when
+        ``TANDEM_STEP_TRACE`` is set, else None."""
         self.num_first_tokens_from_peer = 0
         """Consumer side: remote prefills whose first token came on the KV channel."""
         self.num_first_tokens_from_caller = 0
@@ -498,7 +502,11 @@ class LLMEngine:
                 req.request_id, self.kv_cache_manager.get_block_ids(req.request_id),
                 sch.remote_kv.num_tokens_not_received(req), req.num_prompt_tokens,
                 req.kv_transfer_params)
+        trace = self.step_trace
+        start = trace.now() if trace is not None else 0.0
         result = self.runner.execute(out)
+        if trace is not None:
+            trace.record(start, trace.now(), out.num_tokens, len(out.scheduled))
         failed = [sch.requests[rid] for rid in result.kv_save_failures]
         for req in failed:
             sch.finish_request(req.request_id, RequestStatus.FINISHED_ERROR,
@@ -555,6 +563,9 @@ class LLMEngine:
         one rank). The engine cannot step afterwards."""
         if self.parallel is not None:
             self.parallel.shutdown()
+        if self.step_trace is not None:
+            self.step_trace.close()
+            self.step_trace = None
 
     @property
     def num_preemptions(self) -> int:
