@@ -278,15 +278,28 @@ def test_unsupported_dtype_is_rejected():
 
 
 def test_library_name_tracks_source_and_flags(monkeypatch, tmp_path):
-    """The cached build is keyed by source, flags and CPU: an edit rebuilds."""
+    """The cached build is keyed by source, flags and CPU: an edit rebuilds. A
+    one-function source stands in for the kernels (the caching is under test, not
+    the kernels; building them all takes ~15 s on 2 cores)."""
+    import ctypes
+
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    a = build.library_path(build.find_compiler())
+    src = tmp_path / "probe.cpp"
+    src.write_text('extern "C" int tandem_probe() { return 1; }\n')
+    monkeypatch.setattr(build, "SOURCES", [src])
+    monkeypatch.setattr(build, "HEADERS", [])
+    cxx = build.find_compiler()
+    a = build.library_path(cxx)
+    src.write_text('extern "C" int tandem_probe() { return 2; }\n')
+    b = build.library_path(cxx)
     monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-DTANDEM_TEST"])
-    b = build.library_path(build.find_compiler())
-    assert a != b and a.parent == b.parent == tmp_path / "cpu_kernels"
+    c = build.library_path(cxx)
+    assert len({a, b, c}) == 3 and a.parent == c.parent == tmp_path / "cpu_kernels"
     path = build.build()
-    assert path == b and path.exists()
-    assert build.build() == path                  # second call: cached, no rebuild
+    assert path == c and path.exists()
+    assert ctypes.CDLL(str(path)).tandem_probe() == 2
+    built_at = path.stat().st_mtime_ns
+    assert build.build() == path and path.stat().st_mtime_ns == built_at   # cached: no rebuild
 
 
 def test_auto_backend_falls_back_to_torch_when_the_build_fails(monkeypatch, tmp_path, caplog):
