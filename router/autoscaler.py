@@ -81,7 +81,8 @@ class RayPoolController:
         self.server = server
         self.events: list[PoolEvent] = []
         self._pending: dict[asyncio.Task, str] = {}     # start task -> pool
-        self._draining: dict[str, asyncio.Task] = {}    # worker id -> retire task
+        # worker id -> (pool, retire task), until the retirement has completed
+        self._draining: dict[str, tuple[str, asyncio.Task]] = {}
         self._joined: dict[str, float] = {}
         self._started = time.monotonic()
         self._devices = devices_per_worker(server.config)
@@ -101,8 +102,9 @@ class RayPoolController:
             out[pool] = PoolSize(
                 ready=sum(1 for w in live if not w.draining and w.worker_id not in self._draining),
                 pending=sum(1 for p in self._pending.values() if p == pool),
-                draining=sum(1 for wid in self._draining
-                             if any(w.worker_id == wid for w in live)),
+                # Until its retirement completes (deregistered, actor shut down), not
+                # only while the registry still lists it: the pool is still changing.
+                draining=sum(1 for p, _ in self._draining.values() if p == pool),
                 devices_per_worker=self._devices[pool])
         return out
 
@@ -144,7 +146,8 @@ class RayPoolController:
             # autoscaler added last); the least loaded among equals.
             serving.sort(key=lambda w: (-_index(w.worker_id), _load(w)))
             for w in serving[:min(excess, len(serving) - 1)]:
-                self._draining[w.worker_id] = asyncio.ensure_future(self._retire(w.worker_id, pool))
+                self._draining[w.worker_id] = (
+                    pool, asyncio.ensure_future(self._retire(w.worker_id, pool)))
                 self._event("draining", pool, w.worker_id)
 
     def _started_one(self, task: asyncio.Task) -> None:
@@ -174,7 +177,8 @@ class RayPoolController:
         """Cancel pending starts and wait for retirements in progress."""
         for task in list(self._pending):
             task.cancel()
-        await asyncio.gather(*self._pending, *self._draining.values(), return_exceptions=True)
+        await asyncio.gather(*self._pending, *(t for _, t in self._draining.values()),
+                             return_exceptions=True)
 
 
 def _load(w) -> int:
