@@ -62,7 +62,7 @@ void decode_one_generic(T* out, const T* q, const T* kc, const T* vc, const int3
 }
 
 #if defined(__AVX512F__)
-constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 2 is best)
+constexpr int64_t kAhead = 2;   // prefetch distance in blocks (1..6 measured: 1-2 are best)
 
 // In place: rows r < `rows` of `x` (row r at x + r * stride, `len` valid floats)
 // become their exact float32 softmax.
@@ -91,7 +91,8 @@ inline void softmax_rows512(float* x, int64_t rows, int64_t len, int64_t stride)
 }
 
 // The value pass of decode_one_*: out[h*G + g] = sum_t p[g][t] V[t] for the G query
-// heads of KV head h, float32 accumulators, blocks prefetched kAhead ahead. `p`
+// heads of KV head h, float32 accumulators; as each V row is read, the row at the
+// same offset kAhead blocks ahead is prefetched (see next_16_keys). `p`
 // holds G rows of `stride` softmax weights. GT / CT: the group size and head_dim /
 // 16 fixed at compile time (0: the runtime `g_size`, `d / 16`); fixed, the loops
 // unroll and the G x CT accumulators live in registers, where runtime bounds left
@@ -112,10 +113,11 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t off0, in
         const T* base = vc + static_cast<int64_t>(table[blk]) * bs * row + h * d;
         const int64_t j0 = blk == 0 ? off0 : 0;
         const int64_t n = blk == nblk - 1 ? end - blk * bs : bs;
-        if (blk + kAhead < nblk)
-            prefetch_rows(vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d, bs, row, d);
+        const T* ahead = blk + kAhead < nblk
+            ? vc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d : nullptr;
         const float* pb = p + blk * bs - off0;
         for (int64_t j = j0; j < n; ++j) {
+            if (ahead != nullptr) prefetch_rows(ahead + j * row, 1, row, d);
             __m512 pj[GT ? GT : kMaxGroup];
             for (int64_t g = 0; g < g_size; ++g) pj[g] = _mm512_set1_ps(pb[g * stride + j]);
             for (int64_t c = 0; c < chunks; ++c) {
@@ -136,8 +138,12 @@ void weighted_values(T* out, const T* vc, const int32_t* table, int64_t off0, in
 
 // The K rows of head `h` for tokens t0 .. t0 + 15 (lanes past `len` repeat the
 // first: scored, then ignored by the softmax), walking the block table from
-// (blk, off), which it advances; when a new block begins, the block kAhead
-// further on is prefetched (`end`: the table position after the last token).
+// (blk, off), which it advances; each key's row in the block kAhead further on
+// is prefetched as the key is taken (`end`: the table position after the last
+// token). One row per key spreads the prefetches over the pass: a whole block's
+// rows at once, at its start (the earlier way: 32 lines in bfloat16, more than a
+// core has line fill buffers), was 7-8% slower at 64 sequences (bfloat16, AMX
+// host, `decode_attention_cpu.py --against`).
 template <typename T>
 inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_t len,
                          int64_t end, int64_t t0, int64_t& blk, int64_t& off, int64_t h,
@@ -146,14 +152,14 @@ inline void next_16_keys(const T** kp, const T* kc, const int32_t* table, int64_
     for (int64_t j = 0; j < 16; ++j) {
         if (j < n) {
             kp[j] = kc + (static_cast<int64_t>(table[blk]) * bs + off) * row + h * d;
+            if ((blk + kAhead) * bs < end)
+                prefetch_rows(kc + (static_cast<int64_t>(table[blk + kAhead]) * bs + off) * row + h * d,
+                              1, row, d);
             if (++off == bs) { off = 0; ++blk; }
         } else {
             kp[j] = kp[0];
         }
     }
-    if (off == 0 && (blk + kAhead) * bs < end)
-        prefetch_rows(kc + static_cast<int64_t>(table[blk + kAhead]) * bs * row + h * d,
-                      std::min<int64_t>(bs, 16), row, d);
 }
 
 // AVX-512 version of decode_one_generic for head_dim % 16 == 0 and G <= kMaxGroup:
