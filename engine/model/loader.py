@@ -9,6 +9,7 @@ layer's method re-lay its weights out, build the RoPE table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,6 +24,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model.linear import process_weights_after_loading
 from tandem.engine.model.registry import MODEL_REGISTRY
 from tandem.engine.quantization.checkpoint import linear_method_for
+from tandem.engine.runtime.huge_pages import HugePagesForNewMemory
 
 if TYPE_CHECKING:
     from tandem.engine.parallel.communicator import Communicator
@@ -144,7 +146,9 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
 
     The module is created on the ``meta`` device (no random init), materialised on
     ``device`` in ``dtype``, filled strictly from the checkpoint, and then each
-    linear layer's method prepares its weights for its kernel.
+    linear layer's method prepares its weights for its kernel. On the CPU the
+    memory the weights took is then backed by transparent huge pages
+    (:class:`~tandem.engine.runtime.huge_pages.HugePagesForNewMemory`).
 
     Args:
         files: a resolved :class:`~tandem.engine.model.model_files.ModelFiles`.
@@ -197,16 +201,19 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
                            "split as tensor_parallel_size says, the flag changes nothing",
                            files.path, cfg.architecture)
         model = cls(cfg, linear_method, **kwargs)
-    _materialize(model, device, dtype)
-    for module in model.modules():
-        # Packed layers hold no float parameter for .to(dtype) to convert: tell them
-        # the dtype their outputs (and any dense fallback) take.
-        if hasattr(module, "params_dtype"):
-            module.params_dtype = dtype
-    weights.load_weights(model, tensors)
-    if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
-        model.model.embed_tokens.share_with(model.lm_head)
-    process_weights_after_loading(model, batch_invariant, activation_quantization)
+    # On the CPU the weights end in huge pages (a decode step reads all of them).
+    on_cpu = torch.device(device).type == "cpu"
+    with HugePagesForNewMemory() if on_cpu else contextlib.nullcontext():
+        _materialize(model, device, dtype)
+        for module in model.modules():
+            # Packed layers hold no float parameter for .to(dtype) to convert: tell
+            # them the dtype their outputs (and any dense fallback) take.
+            if hasattr(module, "params_dtype"):
+                module.params_dtype = dtype
+        weights.load_weights(model, tensors)
+        if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
+            model.model.embed_tokens.share_with(model.lm_head)
+        process_weights_after_loading(model, batch_invariant, activation_quantization)
     model.init_rope(device)
     model.eval()
     return model, cfg

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import math
-import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +10,7 @@ import torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv.kv_connector import KVConnector, KVSave
 from tandem.engine.model.layers import DecoderForCausalLM
+from tandem.engine.runtime.huge_pages import zeros_in_huge_pages
 from tandem.engine.scheduling.request import Request, TokenLogprobs
 from tandem.engine.sampling.grammar import StructuredOutputManager
 from tandem.engine.sampling.sampler import SampleResult, Sampler, gather_logprobs
@@ -21,41 +19,11 @@ from tandem.kernels import int4_kv
 from tandem.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 
-_HUGE_PAGE = 2 << 20
-
 PROMPT_LOGITS_SLICE_BYTES = 64 << 20
 """Prompt logprobs: float32 logits computed per slice of rows (64 MiB: 341 rows at
 SmolLM2's 49,152-token vocabulary, 130 at Llama 3's 128,256; their log_softmax
 takes as much again), so a 2,048-token prefill chunk (402 MiB of logits at 49,152)
 never holds its ``[T, V]`` logits at once."""
-
-
-def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor in its own anonymous mapping, 2 MiB aligned and
-    advised for transparent huge pages (``MADV_HUGEPAGE``).
-
-    Decode attention reads blocks scattered over the whole KV cache; with 4 KiB
-    pages nearly every block costs TLB misses (decode attention over randomly
-    placed blocks, 64 sequences x 30 layers: 34.6 ms with 4 KiB pages, 31.1 ms
-    with huge pages). Falls back to ``torch.zeros`` for small tensors or where
-    ``madvise`` is unavailable. The mapping lives as long as the tensor; all of it
-    is committed at once, like ``torch.zeros``.
-    """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:   # THP disabled in this kernel: plain pages, still correct
-        pass
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    offset = -address % _HUGE_PAGE
-    tensor = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
-    # Fault every page in now (the mapping reads as zeros already): first touches
-    # later, with compaction to find huge pages, would stall the first steps.
-    return tensor.zero_()
 
 
 class KVCache:

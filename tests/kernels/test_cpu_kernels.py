@@ -360,7 +360,7 @@ def test_packed_linear_equals_f_linear(tokens):
 
 
 def test_kv_cache_tensor_in_huge_pages_is_zeroed_and_aligned():
-    from tandem.engine.runtime.model_runner import zeros_in_huge_pages
+    from tandem.engine.runtime.huge_pages import zeros_in_huge_pages
 
     t = zeros_in_huge_pages((3, 2, 100, 16, 3, 64), torch.bfloat16)   # 3.5 MiB
     assert t.is_contiguous() and t.data_ptr() % (2 << 20) == 0

@@ -1,0 +1,107 @@
+"""The loaded weights in transparent huge pages or in 4 KiB pages: the offline
+engine's decode step, both in one process.
+
+Two engines of the same model are built in one process, the first with
+``TANDEM_HUGE_PAGES=0`` (its weights stay in 4 KiB pages), the second as by
+default (the memory its load added collapsed into 2 MiB pages,
+:mod:`tandem.engine.runtime.huge_pages`); both KV caches are in huge pages
+either way. For each batch size in ``--num-seqs``, both engines get the same random
+``--prompt-len``-token prompts (greedy, EOS ignored), prefill them, and then decode
+in turn, ``--block`` steps at a time for ``--blocks`` blocks each, so that the
+host's drifting speed falls on both; the median step of each is reported, with the
+greedy outputs checked equal (the pages hold the same bytes).
+
+    .venv/bin/python benchmarks/huge_page_weights.py --out benchmarks/results/huge_page_weights.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import isa_flags  # noqa: E402
+from serving_overhead import random_prompts  # noqa: E402
+
+
+def anon_huge_mib() -> float:
+    """This process's anonymous memory in huge pages (smaps_rollup), MiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages")) / 1024
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    kw = dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
+              max_num_seqs=max(args.num_seqs))
+    huge0 = anon_huge_mib()
+    os.environ["TANDEM_HUGE_PAGES"] = "0"
+    small = LLM(None, **kw).engine
+    huge1 = anon_huge_mib()
+    del os.environ["TANDEM_HUGE_PAGES"]
+    huge = LLM(None, **kw).engine
+    huge2 = anon_huge_mib()
+    engines = {"4 KiB pages": small, "huge pages": huge}
+    rows = []
+    for n in args.num_seqs:
+        total = args.block * args.blocks + 8
+        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
+        prompts = random_prompts(n, args.prompt_len, n)
+        reqs = {name: [r for pr in prompts for r in eng.add_request(pr, params)]
+                for name, eng in engines.items()}
+        for name, eng in engines.items():
+            while not all(r.output_token_ids for r in reqs[name]):
+                eng.step()
+        steps: dict[str, list[float]] = {name: [] for name in engines}
+        for i in range(2 * args.blocks):
+            name = list(engines)[i % 2]
+            for _ in range(args.block):
+                t0 = time.perf_counter()
+                engines[name].step()
+                steps[name].append(time.perf_counter() - t0)
+        for name, eng in engines.items():
+            while eng.has_unfinished_requests():
+                eng.step()
+        equal = ([r.output_token_ids for r in reqs["4 KiB pages"]]
+                 == [r.output_token_ids for r in reqs["huge pages"]])
+        rows.append({"num_seqs": n, "outputs_equal": equal,
+                     **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}})
+
+    print(f"{args.dtype}, {threads} threads; anonymous huge pages: {huge0:.0f} MiB at start, "
+          f"{huge1:.0f} after the first engine, {huge2:.0f} after the second\n")
+    print("| sequences | 4 KiB pages: step ms | huge pages: step ms | outputs equal |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['num_seqs']} | {r['4 KiB pages step ms']:.1f} | "
+              f"{r['huge pages step ms']:.1f} | {r['outputs_equal']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "command": sys.argv, "dtype": args.dtype, "threads": threads,
+            "cpu_flags": isa_flags(), "anon_huge_pages_mib": [huge0, huge1, huge2],
+            "prompt_len": args.prompt_len, "block": args.block, "blocks": args.blocks,
+            "rows": rows}, indent=1) + "\n")
+    return 0 if all(r["outputs_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
