@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mmap
 import platform
 
 import pytest
@@ -54,11 +55,14 @@ def _huge_kib_in(start: int, end: int) -> int:
 
 @pytest.mark.skipif(_thp_mode() == "never" or not _kernel_at_least(6, 1),
                     reason="needs transparent huge pages and MADV_COLLAPSE (Linux 6.1+)")
-def test_memory_allocated_in_the_block_ends_in_huge_pages_with_its_data():
-    g = torch.Generator().manual_seed(0)
-    with HugePagesForNewMemory() as hp:
-        weight = torch.randn(4096, 4096, generator=g)        # 64 MiB: always its own mapping
+def test_memory_mapped_in_the_block_ends_in_huge_pages_with_its_data():
     expected = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))
+    with HugePagesForNewMemory() as hp:
+        # A mapping of its own: a tensor from malloc may reuse heap memory an earlier
+        # test freed (not new, so left as it is), as in a long-lived process.
+        buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        weight = torch.frombuffer(buf, dtype=torch.float32).view(4096, 4096)
+        weight.copy_(expected)
     assert torch.equal(weight, expected)                    # collapsing moved no data
     start = weight.data_ptr()
     assert hp.collapsed >= 30 * HUGE_PAGE
