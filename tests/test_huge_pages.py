@@ -73,8 +73,10 @@ def test_memory_mapped_in_the_block_ends_in_huge_pages_with_its_data():
 def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
     with HugePagesForNewMemory() as hp:
-        weight = torch.ones(4096, 4096)
+        buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        weight = torch.frombuffer(buf, dtype=torch.float32).view(4096, 4096)
+        weight.fill_(1.0)
     assert not hp.enabled and hp.collapsed == 0
     assert weight.sum().item() == 4096 * 4096
-    if _thp_mode() == "madvise":     # nothing else gives this mapping huge pages
+    if _thp_mode() == "madvise":     # nothing else gives this new mapping huge pages
         assert _huge_kib_in(weight.data_ptr(), weight.data_ptr() + weight.numel() * 4) == 0
