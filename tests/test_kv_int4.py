@@ -25,7 +25,7 @@ from tandem.kernels import reference as ref
 from tandem.kernels.attention_backend import (AttentionMetadata, TorchAttentionBackend,
                                               decode_attention_cpu)
 from tandem.kvtransfer.layout import KVLayout, KVLayoutMismatchError
-from tests.test_disagg_engine import _prefill, _reserve, _run
+from tests.test_disagg_engine import _prefill, _reserve, _run_until
 
 U8 = torch.uint8
 # Bytes per block of the default model: 30 layers x K,V x 16 tokens x 3 heads x ...
@@ -605,7 +605,7 @@ def _remote_prefill(producer, consumer, prompt, rid):
     done = _prefill(producer, rid, prompt, GREEDY, ticket)
     assert done.status is RequestStatus.FINISHED_LENGTH
     consumer.start_decode(rid, done.output_token_ids[0])
-    _run(consumer, lambda: req.is_finished)
+    _run_until(consumer, lambda: req.is_finished)     # waits for the layers, however slow
     return req, len(ticket["dst_block_ids"])
 
 

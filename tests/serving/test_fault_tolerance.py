@@ -246,7 +246,7 @@ def test_zombie_prefill_writes_nothing_after_its_transfer_was_given_up(cluster, 
     # pair first (then nothing more arrives). Either way nothing reached the cache:
     # the outputs above are unchanged, and tests/test_kv_fencing.py pins the drop of
     # late layers exactly, in one process.
-    deadline, late = time.monotonic() + 15, 0
+    deadline, late = time.monotonic() + 5, 0       # reported, not asserted: a short look
     while time.monotonic() < deadline and not late:
         late = sum(c["kv_layers_dropped"] for c in decode_counts()) - dropped
         time.sleep(0.5)
