@@ -90,6 +90,21 @@ class AttentionBackend(ABC):
     """Whether :meth:`attention` takes ``softcap`` (Gemma 2's attention logit
     soft-capping)."""
 
+    def decode_from_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        head_dim: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None, *, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor | None:
+        """A layer's whole attention from its fused QKV projection ``[T, (Hq + 2 Hkv)
+        D]`` -- RoPE, the cache write and attention -- in one call where the backend
+        has a faster path for the step (``[T, Hq D]``, the same values as
+        :meth:`rotary_embedding` then :meth:`attention`); None where it has not, and
+        the caller takes the general path. Arguments as in :meth:`attention` and
+        :meth:`rotary_embedding`. This base has no such path."""
+        return None
+
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -154,6 +154,12 @@ class Attention(nn.Module):
         """``h`` ``[T, H]`` -> ``[T, H]``; ``cos_sin_cache`` is this layer's RoPE table."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)                                   # [T, (Hq + 2 Hkv) D]
+        if self.q_norm is None:                  # the backend's fast path, where it has one
+            o = backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                        positions, cos_sin_cache, key_cache, value_cache, meta,
+                                        self.scale, k_scale, v_scale, **self.options)
+            if o is not None:
+                return self.o_proj(o)                            # [T, H]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:                              # per head: over D
             q = backend.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight,

@@ -22,12 +22,21 @@ from tandem.kernels.cpu.build import load_library
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+_FNS: dict[tuple[str, torch.dtype], object] = {}
+"""The kernels looked up so far, by (name, dtype): called on every layer of every step."""
+
+
 def _fn(name: str, dtype: torch.dtype):
+    fn = _FNS.get((name, dtype))
+    if fn is not None:
+        return fn
     try:
-        return getattr(load_library(), f"tandem_{name}_{_SUFFIX[dtype]}")
+        fn = getattr(load_library(), f"tandem_{name}_{_SUFFIX[dtype]}")
     except KeyError:
         raise ValueError(f"{name}: dtype {dtype} is not supported on CPU "
                          f"(float32, bfloat16)") from None
+    _FNS[(name, dtype)] = fn
+    return fn
 
 
 def _rows(x: torch.Tensor, what: str) -> int:
@@ -183,6 +192,86 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), b, hq, hkv, d, bs, scale, window or 0, softcap or 0.0,
         torch.get_num_threads())
+    return out
+
+
+class DecodeStep:
+    """What every layer's :func:`decode_from_qkv` of one all-decode step shares: the
+    step's cache slots, block tables and context lengths, checked and converted once
+    per step instead of once per layer.
+
+    Args:
+        slot_mapping: ``[B]`` cache slots of the step's tokens (any integer dtype).
+        block_tables: ``[B, max_blocks]`` int32.
+        seq_lens: ``[B]`` int32 context lengths (tokens), each >= 1.
+
+    Raises:
+        ValueError: tables or lengths not int32.
+    """
+
+    __slots__ = ("_slots", "_tables", "_lens", "slots", "tables", "table_stride", "lens",
+                 "num_seqs", "num_threads")
+
+    def __init__(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor):
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise ValueError("block_tables/seq_lens: must be int32")
+        self._slots = slot_mapping.to(torch.int64).contiguous()
+        self._tables = block_tables.contiguous()
+        self._lens = seq_lens.contiguous()
+        self.slots, self.lens = self._slots.data_ptr(), self._lens.data_ptr()
+        self.tables, self.table_stride = self._tables.data_ptr(), self._tables.stride(0)
+        self.num_seqs = self._lens.shape[0]
+        self.num_threads = torch.get_num_threads()
+
+
+def decode_from_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, step: DecodeStep,
+                    scale: float, *, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """One layer's attention for a step of decodes only, from the fused QKV
+    projection: RoPE on Q and K in place (:func:`rotary_embedding`), K and V written
+    to the cache (:func:`reshape_and_cache`), then :func:`paged_decode_attention` --
+    the same three kernels, called with the step's shared pointers (``step``) and no
+    per-call tensor checks: bit for bit what the three calls give, with less host
+    work per layer.
+
+    Args:
+        qkv: ``[B, (Hq + 2 Hkv) D]`` contiguous, float32 or bfloat16 (one token per
+            sequence); its Q and K parts are rotated in place.
+        positions: ``[B]`` int64 positions (rows of ``cos_sin_cache``).
+        cos_sin_cache: float32 ``[max_position, D]``, contiguous.
+        key_cache, value_cache: ``[NB, BS, Hkv, D]`` in ``qkv``'s dtype, contiguous.
+        step: the step's :class:`DecodeStep`.
+        window, softcap: as in :func:`paged_decode_attention`.
+
+    Returns:
+        ``[B, Hq D]`` in ``qkv``'s dtype.
+
+    Raises:
+        ValueError: a dtype other than float32 / bfloat16.
+    """
+    dtype = qkv.dtype
+    rotary, write, decode = (_fn(name, dtype) for name in
+                             ("rotary_embedding", "reshape_and_cache", "decode_attention"))
+    b = step.num_seqs
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    row = qkv.stride(0)
+    q_ptr = qkv.data_ptr()
+    k_ptr = q_ptr + q_size * qkv.element_size()
+    v_ptr = k_ptr + kv_size * qkv.element_size()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    nt = step.num_threads
+    rotary(positions.data_ptr(), q_ptr, row, num_heads, k_ptr, row, num_kv_heads, head_dim,
+           cos_sin_cache.data_ptr(), b, nt)
+    kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
+    write(k_ptr, row, v_ptr, row, kc, vc, step.slots, b, kv_size)
+    out = torch.empty(b, q_size, dtype=dtype)
+    decode(out.data_ptr(), q_size, q_ptr, row, kc, vc, step.tables, step.table_stride,
+           step.lens, b, num_heads, num_kv_heads, head_dim, key_cache.shape[1], scale,
+           window or 0, softcap or 0.0, nt)
     return out
 
 
@@ -353,7 +442,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = None if residual is None else residual.contiguous()
     _fn("rms_norm", x.dtype)(
         out.data_ptr(), x.data_ptr(), None if res is None else res.data_ptr(),
-        None if res_out is None else res_out.data_ptr(), weight.to(x.dtype).data_ptr(),
+        None if res_out is None else res_out.data_ptr(),
+        (weight if weight.dtype == x.dtype else weight.to(x.dtype)).data_ptr(),
         x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out if residual is None else (out, res_out)
 

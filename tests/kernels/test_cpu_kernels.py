@@ -272,6 +272,107 @@ def test_silu_and_mul(dtype):
     assert_matches(ops.silu_and_mul(x), ref.silu_and_mul_ref(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, 2.0)])
+def test_decode_from_qkv_equals_the_three_kernels(paged_kv, dtype, window, softcap):
+    """One all-decode layer through ``decode_from_qkv`` (the step's pointers prepared
+    once in a ``DecodeStep``) gives bit for bit what rotary_embedding,
+    reshape_and_cache and paged_decode_attention give: the output, the rotated QKV
+    and every byte of both caches."""
+    lens = [1, 5, 16, 17, 100, 33]                 # contexts with this step's token
+    hq, hkv, d, bs = 9, 3, 64, 16
+    kc, vc, _, _, tables = paged_kv(lens, hkv, d, bs, dtype, torch.device("cpu"))
+    kc, vc = kc.nan_to_num(0.5), vc.nan_to_num(-0.5)   # compared bytewise below
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
+                          for i, n in enumerate(lens)])
+    positions = torch.tensor([n - 1 for n in lens])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cos_sin = ref.rope_cos_sin_cache(d, 512, 10000.0)
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g).to(dtype)
+    scale = d ** -0.5
+
+    qkv_a, kc_a, vc_a = qkv.clone(), kc.clone(), vc.clone()
+    q, k, v = qkv_a.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+    ops.rotary_embedding(positions, q, k, cos_sin)
+    ops.reshape_and_cache(k, v, kc_a, vc_a, slots)
+    want = ops.paged_decode_attention(q, kc_a, vc_a, tables, seq_lens, scale, window=window,
+                                      softcap=softcap)
+
+    qkv_b, kc_b, vc_b = qkv.clone(), kc.clone(), vc.clone()
+    step = ops.DecodeStep(slots, tables, seq_lens)
+    got = ops.decode_from_qkv(qkv_b, hq, hkv, d, positions, cos_sin, kc_b, vc_b, step, scale,
+                              window=window, softcap=softcap)
+    assert got.shape == (len(lens), hq * d) and got.dtype == dtype
+    assert torch.equal(got, want.reshape(len(lens), hq * d))
+    assert torch.equal(qkv_b, qkv_a)
+    assert torch.equal(kc_b, kc_a) and torch.equal(vc_b, vc_a)
+    assert not torch.equal(kc_b, kc)               # the step's K was written
+
+
+def test_decode_step_wants_int32_tables_and_lengths():
+    with pytest.raises(ValueError, match="block_tables/seq_lens: must be int32"):
+        ops.DecodeStep(torch.zeros(2, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64),
+                       torch.ones(2, dtype=torch.int32))
+
+
+def test_cpu_backend_takes_its_decode_path_only_for_all_decode_steps_in_the_model_dtype():
+    """The backend's fast path answers for a step of decodes with a cache in the
+    model's dtype and declines (None: the general path runs) a step with a prompt
+    chunk, an fp8 cache, or a float16 model."""
+    from tandem.kernels.attention_backend import AttentionMetadata
+    from tandem.kernels.cpu.backend import CpuAttentionBackend
+
+    backend = CpuAttentionBackend()
+    hq, hkv, d, bs = 4, 2, 32, 16
+    cache = torch.zeros(4, bs, hkv, d)
+    cos_sin = ref.rope_cos_sin_cache(d, 64, 10000.0)
+
+    def meta(query_lens):
+        n = len(query_lens)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return AttentionMetadata(
+            slot_mapping=torch.arange(qsl[-1]), block_tables=torch.arange(n, dtype=torch.int32
+                                                                          ).view(n, 1),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32), query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(query_lens), num_decodes=sum(q == 1 for q in query_lens),
+            max_seq_len=max(query_lens))
+
+    def call(m, qkv, key_cache):
+        return backend.decode_from_qkv(qkv, hq, hkv, d, torch.zeros(qkv.shape[0], dtype=torch.int64),
+                                       cos_sin, key_cache, key_cache.clone(), m, d ** -0.5)
+
+    qkv = torch.randn(2, (hq + 2 * hkv) * d)
+    assert call(meta([1, 1]), qkv, cache).shape == (2, hq * d)
+    assert call(meta([1, 3]), torch.randn(4, (hq + 2 * hkv) * d), cache) is None
+    assert call(meta([1, 1]), qkv, cache.to(torch.float8_e4m3fn)) is None
+    assert call(meta([1, 1]), qkv.half(), cache.half()) is None
+
+
+def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
+    """The real model, bfloat16 and float32, the CPU backend: greedy tokens and their
+    logprobs are the same whether decode steps take the backend's decode path or the
+    general one (the path switched off on the engine's backend instance)."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for dtype in ("float32", "bfloat16"):
+        llm = (LLM(dtype=dtype, num_blocks=32, weights_from=f32_weights) if dtype == "float32"
+               else LLM(dtype=dtype, num_blocks=32))
+        backend = llm.engine.backend
+        assert backend.name == "cpu"
+        fast = [o.outputs[0] for o in llm.generate(prompts, params)]
+        backend.decode_from_qkv = lambda *args, **kwargs: None
+        general = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert [o.token_ids for o in fast] == [o.token_ids for o in general]
+        assert [o.logprobs for o in fast] == [o.logprobs for o in general]
+
+
 def test_unsupported_dtype_is_rejected():
     with pytest.raises(ValueError, match="float16"):
         ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.float16))
