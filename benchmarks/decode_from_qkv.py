@@ -1,0 +1,100 @@
+"""The CPU backend's decode path from the fused QKV (``decode_from_qkv``) against the
+general path, per layer: the offline engine's decode step, both in one process.
+
+Two engines share the model's weights (``weights_from``); on the first, the
+backend's ``decode_from_qkv`` is switched off, so its decode steps take the general
+path (the Q/K/V split, then :func:`ops.rotary_embedding`,
+:func:`ops.reshape_and_cache` and :func:`ops.paged_decode_attention`, each
+checking and converting its tensors in every layer); the second runs as by default
+(the same three kernels from one call per layer, with the step's slots, tables and
+lengths prepared once per step). For each batch size in ``--num-seqs`` both engines
+get the same random ``--prompt-len``-token prompts (greedy, EOS ignored), prefill
+them, and then decode in turn, ``--block`` steps at a time for ``--blocks`` blocks
+each, so that the host's drifting speed falls on both; the median step of each is
+reported, with the greedy outputs checked equal.
+
+    .venv/bin/python benchmarks/decode_from_qkv.py --out benchmarks/results/decode_from_qkv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import isa_flags  # noqa: E402
+from serving_overhead import random_prompts  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    kw = dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
+              max_num_seqs=max(args.num_seqs))
+    fast = LLM(None, **kw)
+    general = LLM(None, weights_from=fast, **kw)
+    if general.engine.backend.name != "cpu":
+        print(f"the engine's backend is {general.engine.backend.name!r}, not the CPU one")
+        return 1
+    general.engine.backend.decode_from_qkv = lambda *a, **k: None
+    engines = {"general": general.engine, "decode_from_qkv": fast.engine}
+    rows = []
+    for n in args.num_seqs:
+        total = args.block * args.blocks + 8
+        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
+        prompts = random_prompts(n, args.prompt_len, n)
+        reqs = {name: [r for pr in prompts for r in eng.add_request(pr, params)]
+                for name, eng in engines.items()}
+        for name, eng in engines.items():
+            while not all(r.output_token_ids for r in reqs[name]):
+                eng.step()
+        steps: dict[str, list[float]] = {name: [] for name in engines}
+        for i in range(2 * args.blocks):
+            name = list(engines)[i % 2]
+            for _ in range(args.block):
+                t0 = time.perf_counter()
+                engines[name].step()
+                steps[name].append(time.perf_counter() - t0)
+        for name, eng in engines.items():
+            while eng.has_unfinished_requests():
+                eng.step()
+        equal = ([r.output_token_ids for r in reqs["general"]]
+                 == [r.output_token_ids for r in reqs["decode_from_qkv"]])
+        rows.append({"num_seqs": n, "outputs_equal": equal,
+                     **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}})
+
+    print(f"{args.dtype}, {threads} threads\n")
+    print("| sequences | general path: step ms | decode_from_qkv: step ms | outputs equal |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['num_seqs']} | {r['general step ms']:.1f} | "
+              f"{r['decode_from_qkv step ms']:.1f} | {r['outputs_equal']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "command": sys.argv, "dtype": args.dtype, "threads": threads,
+            "cpu_flags": isa_flags(), "prompt_len": args.prompt_len, "block": args.block,
+            "blocks": args.blocks, "rows": rows}, indent=1) + "\n")
+    return 0 if all(r["outputs_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
