@@ -342,8 +342,9 @@ def test_cpu_backend_takes_its_decode_path_only_for_all_decode_steps_in_the_mode
             max_seq_len=max(query_lens))
 
     def call(m, qkv, key_cache):
-        return backend.decode_from_qkv(qkv, hq, hkv, d, torch.zeros(qkv.shape[0], dtype=torch.int64),
-                                       cos_sin, key_cache, key_cache.clone(), m, d ** -0.5)
+        positions = torch.zeros(qkv.shape[0], dtype=torch.int64)
+        return backend.decode_from_qkv(qkv, hq, hkv, d, positions, cos_sin, key_cache,
+                                       key_cache.clone(), m, d ** -0.5)
 
     qkv = torch.randn(2, (hq + 2 * hkv) * d)
     assert call(meta([1, 1]), qkv, cache).shape == (2, hq * d)
