@@ -153,13 +153,13 @@ class Attention(nn.Module):
                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``h`` ``[T, H]`` -> ``[T, H]``; ``cos_sin_cache`` is this layer's RoPE table."""
         t = h.shape[0]
-        qkv = self.qkv_proj(h)                                   # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj.forward(h)                           # [T, (Hq + 2 Hkv) D]
         if self.q_norm is None:                  # the backend's fast path, where it has one
             o = backend.decode_from_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                         positions, cos_sin_cache, key_cache, value_cache, meta,
                                         self.scale, k_scale, v_scale, **self.options)
             if o is not None:
-                return self.o_proj(o)                            # [T, H]
+                return self.o_proj.forward(o)                    # [T, H]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:                              # per head: over D
             q = backend.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight,
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         q, k = backend.rotary_embedding(positions, q, k, cos_sin_cache)
         o = backend.attention(q, k, v, key_cache, value_cache, meta, self.scale,
                               k_scale, v_scale, **self.options)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -200,9 +200,9 @@ class GatedMLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        gate_up = self.gate_up_proj(h)                                       # [T, 2F]
+        gate_up = self.gate_up_proj.forward(h)                               # [T, 2F]
         act = backend.gelu_tanh_and_mul(gate_up) if self.gelu else backend.silu_and_mul(gate_up)
-        return self.down_proj(act)                                           # [T, H]
+        return self.down_proj.forward(act)                                   # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -239,6 +239,11 @@ class DecoderForCausalLM(nn.Module):
     :meth:`attention_options`, and how its decoder differs through the class
     attributes below; everything else (embedding, tied or untied output projection,
     GGUF blocks, the forward pass) is this class's.
+
+    Inside the decoder layers, modules are called through ``forward``: no hooks run
+    on them (``nn.Module.__call__``'s hook dispatch costs ~2 us a call, six calls a
+    layer, every step); the model itself and its ``lm_head`` are called as modules
+    and take hooks (tensor parallelism's runner announces each step there).
 
     Args:
         cfg: the model's :class:`ModelConfig`.
@@ -514,23 +519,23 @@ class DecoderForCausalLM(nn.Module):
                 v_scale = None if kv_scales is None else kv_scales[i, 1]
             attn = layer.self_attn
             if attn.local_rope:
-                h = attn(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                         self.local_cos_sin_cache, k_scale, v_scale)
+                h = attn.forward(h, positions, kv_caches[i, 0], kv_caches[i, 1], meta,
+                                 backend, self.local_cos_sin_cache, k_scale, v_scale)
             else:
-                h = attn(h, rope_rows, kv_caches[i, 0], kv_caches[i, 1], meta, backend,
-                         rope_table, k_scale, v_scale)
+                h = attn.forward(h, rope_rows, kv_caches[i, 0], kv_caches[i, 1], meta,
+                                 backend, rope_table, k_scale, v_scale)
             if layer.sandwich:
                 h = backend.rms_norm(h, layer.post_attention_layernorm.weight,
                                      layer.post_attention_layernorm.eps)
                 h, residual = backend.rms_norm(h, layer.pre_feedforward_layernorm.weight,
                                                layer.pre_feedforward_layernorm.eps, residual)
-                h = layer.mlp(h, backend)
+                h = layer.mlp.forward(h, backend)
                 h = backend.rms_norm(h, layer.post_feedforward_layernorm.weight,
                                      layer.post_feedforward_layernorm.eps)
             else:
                 h, residual = backend.rms_norm(h, layer.post_attention_layernorm.weight,
                                                layer.post_attention_layernorm.eps, residual)
-                h = layer.mlp(h, backend)
+                h = layer.mlp.forward(h, backend)
             if after_layer is not None:
                 after_layer(i)
         h, _ = backend.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
