@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from serving_overhead import random_prompts  # noqa: E402
+from huge_page_weights import alternated_decode_steps  # noqa: E402
 
 
 def main() -> int:
@@ -44,7 +42,6 @@ def main() -> int:
     import torch
 
     from tandem.engine.llm import LLM
-    from tandem.engine.sampling.sampling_params import SamplingParams
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -57,30 +54,8 @@ def main() -> int:
         return 1
     general.engine.backend.decode_from_qkv = lambda *a, **k: None
     engines = {"general": general.engine, "decode_from_qkv": fast.engine}
-    rows = []
-    for n in args.num_seqs:
-        total = args.block * args.blocks + 8
-        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
-        prompts = random_prompts(n, args.prompt_len, n)
-        reqs = {name: [r for pr in prompts for r in eng.add_request(pr, params)]
-                for name, eng in engines.items()}
-        for name, eng in engines.items():
-            while not all(r.output_token_ids for r in reqs[name]):
-                eng.step()
-        steps: dict[str, list[float]] = {name: [] for name in engines}
-        for i in range(2 * args.blocks):
-            name = list(engines)[i % 2]
-            for _ in range(args.block):
-                t0 = time.perf_counter()
-                engines[name].step()
-                steps[name].append(time.perf_counter() - t0)
-        for name, eng in engines.items():
-            while eng.has_unfinished_requests():
-                eng.step()
-        equal = ([r.output_token_ids for r in reqs["general"]]
-                 == [r.output_token_ids for r in reqs["decode_from_qkv"]])
-        rows.append({"num_seqs": n, "outputs_equal": equal,
-                     **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}})
+    rows = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
+            for n in args.num_seqs]
 
     print(f"{args.dtype}, {threads} threads\n")
     print("| sequences | general path: step ms | decode_from_qkv: step ms | outputs equal |")

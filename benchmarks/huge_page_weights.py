@@ -35,6 +35,40 @@ def anon_huge_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages")) / 1024
 
 
+def alternated_decode_steps(engines: dict, num_seqs: int, prompt_len: int, block: int,
+                            blocks: int) -> dict:
+    """Two offline engines (``{name: LLMEngine}``) given the same ``num_seqs`` random
+    ``prompt_len``-token prompts (greedy, EOS ignored), prefilled, then decoding in
+    turn, ``block`` steps at a time for ``blocks`` blocks each (the host's drifting
+    speed falls on both), then run to the end.
+
+    Returns:
+        ``{"num_seqs", "outputs_equal", "<name> step ms": median step, ...}``.
+    """
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=block * blocks + 8, ignore_eos=True)
+    prompts = random_prompts(num_seqs, prompt_len, num_seqs)
+    reqs = {name: [r for pr in prompts for r in eng.add_request(pr, params)]
+            for name, eng in engines.items()}
+    for name, eng in engines.items():
+        while not all(r.output_token_ids for r in reqs[name]):
+            eng.step()
+    steps: dict[str, list[float]] = {name: [] for name in engines}
+    for i in range(2 * blocks):
+        name = list(engines)[i % 2]
+        for _ in range(block):
+            t0 = time.perf_counter()
+            engines[name].step()
+            steps[name].append(time.perf_counter() - t0)
+    for eng in engines.values():
+        while eng.has_unfinished_requests():
+            eng.step()
+    a, b = ([r.output_token_ids for r in rs] for rs in reqs.values())
+    return {"num_seqs": num_seqs, "outputs_equal": a == b,
+            **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="bfloat16")
@@ -48,7 +82,6 @@ def main() -> int:
     import torch
 
     from tandem.engine.llm import LLM
-    from tandem.engine.sampling.sampling_params import SamplingParams
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -62,30 +95,8 @@ def main() -> int:
     huge = LLM(None, **kw).engine
     huge2 = anon_huge_mib()
     engines = {"4 KiB pages": small, "huge pages": huge}
-    rows = []
-    for n in args.num_seqs:
-        total = args.block * args.blocks + 8
-        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
-        prompts = random_prompts(n, args.prompt_len, n)
-        reqs = {name: [r for pr in prompts for r in eng.add_request(pr, params)]
-                for name, eng in engines.items()}
-        for name, eng in engines.items():
-            while not all(r.output_token_ids for r in reqs[name]):
-                eng.step()
-        steps: dict[str, list[float]] = {name: [] for name in engines}
-        for i in range(2 * args.blocks):
-            name = list(engines)[i % 2]
-            for _ in range(args.block):
-                t0 = time.perf_counter()
-                engines[name].step()
-                steps[name].append(time.perf_counter() - t0)
-        for name, eng in engines.items():
-            while eng.has_unfinished_requests():
-                eng.step()
-        equal = ([r.output_token_ids for r in reqs["4 KiB pages"]]
-                 == [r.output_token_ids for r in reqs["huge pages"]])
-        rows.append({"num_seqs": n, "outputs_equal": equal,
-                     **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}})
+    rows = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
+            for n in args.num_seqs]
 
     print(f"{args.dtype}, {threads} threads; anonymous huge pages: {huge0:.0f} MiB at start, "
           f"{huge1:.0f} after the first engine, {huge2:.0f} after the second\n")
