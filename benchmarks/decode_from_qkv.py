@@ -20,33 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from huge_page_weights import alternated_decode_steps  # noqa: E402
+from huge_page_weights import (alternated_decode_steps, race_arguments,  # noqa: E402
+                               race_engine_kwargs)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--block", type=int, default=10)
-    p.add_argument("--blocks", type=int, default=6)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-
-    import torch
+    args = race_arguments(p, [1, 16, 64])
+    threads, kw = race_engine_kwargs(args)
 
     from tandem.engine.llm import LLM
 
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    kw = dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
-              max_num_seqs=max(args.num_seqs))
     fast = LLM(None, **kw)
     general = LLM(None, weights_from=fast, **kw)
     if general.engine.backend.name != "cpu":

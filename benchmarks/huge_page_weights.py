@@ -35,6 +35,29 @@ def anon_huge_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages")) / 1024
 
 
+def race_arguments(p: argparse.ArgumentParser, num_seqs: list[int]) -> argparse.Namespace:
+    """The options of an alternated decode-step race (``--dtype``, ``--num-seqs``,
+    ``--prompt-len``, ``--block``, ``--blocks``, ``--out``), parsed."""
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=num_seqs)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+def race_engine_kwargs(args: argparse.Namespace) -> tuple[int, dict]:
+    """``(threads, LLM keyword arguments)`` of a race's engines: every core this
+    process may use, prefix caching off, room for the largest batch."""
+    import torch
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads, dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
+                         max_num_seqs=max(args.num_seqs))
+
+
 def alternated_decode_steps(engines: dict, num_seqs: int, prompt_len: int, block: int,
                             blocks: int) -> dict:
     """Two offline engines (``{name: LLMEngine}``) given the same ``num_seqs`` random
@@ -71,22 +94,11 @@ def alternated_decode_steps(engines: dict, num_seqs: int, prompt_len: int, block
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--block", type=int, default=10)
-    p.add_argument("--blocks", type=int, default=6)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-
-    import torch
+    args = race_arguments(p, [1, 64])
+    threads, kw = race_engine_kwargs(args)
 
     from tandem.engine.llm import LLM
 
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    kw = dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
-              max_num_seqs=max(args.num_seqs))
     huge0 = anon_huge_mib()
     os.environ["TANDEM_HUGE_PAGES"] = "0"
     small = LLM(None, **kw).engine
