@@ -40,7 +40,9 @@ from bench_peers import HF_MODEL, VLLM_PYTHON, isa_flags, run_vllm_offline  # no
 
 class Breakdown:
     """Wall time per step kind (``mixed``: holds prefill tokens, ``decode``: only
-    decodes) and, within each, per attention-backend call and in the linear layers.
+    decodes) and, within each, per attention-backend call and in the linear layers
+    (a decode step's attention, RoPE and cache write are one ``decode_from_qkv``
+    call on the CPU backend; a step it declines counts its few microseconds there).
     Instrumentation adds a little time of its own; totals are for orientation."""
 
     def __init__(self, llm):
@@ -50,7 +52,8 @@ class Breakdown:
         engine = llm.engine
         runner, backend = engine.runner, engine.backend
         self._wrap(runner, "execute", "step", on_enter=self._classify)
-        for name in ("attention", "rms_norm", "rotary_embedding", "silu_and_mul"):
+        for name in ("attention", "decode_from_qkv", "rms_norm", "rotary_embedding",
+                     "silu_and_mul"):
             self._wrap(backend, name, name)
         for module in engine.model.modules():   # the layers' and the output projection
             if hasattr(module, "in_features") and hasattr(module, "out_features"):

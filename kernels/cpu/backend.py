@@ -84,8 +84,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         general path checks and converts them in every layer: ~2.5 ms of a 31-34 ms
         16-sequence bfloat16 step of the default model here). The same kernels as
         :meth:`attention` takes for such a step, so the same values bit for bit; None
-        for any other step (prefill chunks, a quantized cache)."""
+        for any other step (prefill chunks, a quantized cache), and for a window
+        below 1 or a cap not above 0, which the general path refuses by name."""
         if (meta.num_decodes != meta.num_seqs or key_cache.dtype != qkv.dtype
+                or (window is not None and window < 1)
+                or (softcap is not None and not softcap > 0)
                 or qkv.dtype not in (torch.float32, torch.bfloat16)
                 or not qkv.is_contiguous() or cos_sin_cache.dtype != torch.float32
                 or not (cos_sin_cache.is_contiguous() and key_cache.is_contiguous()

@@ -320,7 +320,7 @@ def test_decode_step_wants_int32_tables_and_lengths():
 def test_cpu_backend_takes_its_decode_path_only_for_all_decode_steps_in_the_model_dtype():
     """The backend's fast path answers for a step of decodes with a cache in the
     model's dtype and declines (None: the general path runs) a step with a prompt
-    chunk, an fp8 cache, or a float16 model."""
+    chunk, an fp8 cache, a float16 model, or a window or cap the general path refuses."""
     from tandem.kernels.attention_backend import AttentionMetadata
     from tandem.kernels.cpu.backend import CpuAttentionBackend
 
@@ -351,6 +351,10 @@ def test_cpu_backend_takes_its_decode_path_only_for_all_decode_steps_in_the_mode
     assert call(meta([1, 3]), torch.randn(4, (hq + 2 * hkv) * d), cache) is None
     assert call(meta([1, 1]), qkv, cache.to(torch.float8_e4m3fn)) is None
     assert call(meta([1, 1]), qkv.half(), cache.half()) is None
+    for bad in ({"window": 0}, {"softcap": 0.0}):    # the general path names them
+        assert backend.decode_from_qkv(qkv, hq, hkv, d, torch.zeros(2, dtype=torch.int64),
+                                       cos_sin, cache, cache.clone(), meta([1, 1]), 0.1,
+                                       **bad) is None
 
 
 def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
