@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from huge_page_weights import (alternated_decode_steps, race_arguments,  # noqa: E402
-                               race_engine_kwargs)
+from decode_race import (alternated_decode_steps, race_arguments,  # noqa: E402
+                         race_engine_kwargs)
 
 
 def main() -> int:

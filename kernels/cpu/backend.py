@@ -55,7 +55,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # and loads the kernels, raising CpuKernelsUnavailable where they cannot be).
         self._prefill_dtypes = {dt for dt in (torch.bfloat16, torch.float32)
                                 if ops.has_prefill_attention(dt, 64)}
-        # (the step's metadata, its ops.DecodeStep): reused by every layer of the step.
+        # (the step's metadata, its ops.DecodeStep or None where the step is not all
+        # decodes): decided and prepared by the step's first layer, reused by the rest.
         self._decode_step: tuple | None = None
 
     @staticmethod
@@ -86,7 +87,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         :meth:`attention` takes for such a step, so the same values bit for bit; None
         for any other step (prefill chunks, a quantized cache), and for a window
         below 1 or a cap not above 0, which the general path refuses by name."""
-        if (meta.num_decodes != meta.num_seqs or key_cache.dtype != qkv.dtype
+        cached = self._decode_step
+        if cached is None or cached[0] is not meta:     # once per step: all decodes?
+            cached = (meta, ops.DecodeStep(meta.slot_mapping, meta.block_tables, meta.seq_lens)
+                      if meta.num_decodes == meta.num_seqs else None)
+            self._decode_step = cached
+        step = cached[1]
+        if (step is None or key_cache.dtype != qkv.dtype
                 or (window is not None and window < 1)
                 or (softcap is not None and not softcap > 0)
                 or qkv.dtype not in (torch.float32, torch.bfloat16)
@@ -94,12 +101,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 or not (cos_sin_cache.is_contiguous() and key_cache.is_contiguous()
                         and value_cache.is_contiguous())):
             return None
-        cached = self._decode_step
-        if cached is None or cached[0] is not meta:
-            cached = (meta, ops.DecodeStep(meta.slot_mapping, meta.block_tables, meta.seq_lens))
-            self._decode_step = cached
         return ops.decode_from_qkv(qkv, num_heads, num_kv_heads, head_dim, positions,
-                                   cos_sin_cache, key_cache, value_cache, cached[1], scale,
+                                   cos_sin_cache, key_cache, value_cache, step, scale,
                                    window=window, softcap=softcap)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
