@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -156,8 +157,6 @@ def check_model_path(flag: str, model: str | None) -> None:
     Raises:
         ValueError: one line naming ``flag`` and the path, and what is wrong there.
     """
-    import os
-
     from tandem.engine.model.model_files import resolve_model
 
     try:
@@ -556,28 +555,41 @@ def _run_until_signal(server, banner, args) -> int:
 
     async def run() -> None:
         await server.start()
-        extra = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
-            if server.metrics_port else ""
-        print(banner(server) + extra, flush=True)
         stop = asyncio.Event()
 
         def on_signal() -> None:
             if stop.is_set():       # a second Ctrl-C: the bounded stop goes on
-                print("tandem: still shutting down (requests, workers, then Redis; "
-                      "bounded)", flush=True)
+                still_stopping()
             stop.set()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM):     # before the banner: a Ctrl-C
+            loop.add_signal_handler(sig, on_signal)     # right after it stops cleanly
+        extra = f", metrics on http://{args.host}:{server.metrics_port}/metrics" \
+            if server.metrics_port else ""
+        print(banner(server) + extra, flush=True)
         await stop.wait()
         print("tandem: shutting down", flush=True)
         await server.stop()
 
+    def still_stopping(*_) -> None:
+        # os.write, not print: this also runs as a plain signal handler, which may
+        # interrupt a print to the same stream.
+        os.write(sys.stdout.fileno(), b"tandem: still shutting down (requests, workers, "
+                 b"then Redis; bounded)\n")
+
     try:
         asyncio.run(run())
     finally:
-        # The loop's handlers are gone with it: a Ctrl-C now would raise
-        # KeyboardInterrupt in the interpreter's exit (Ray's atexit shutdown).
+        # The loop's handlers are gone with it, and Ray's own shutdown (its local
+        # processes: a second or two) still follows: run it here, where a Ctrl-C is
+        # acknowledged rather than raised as KeyboardInterrupt mid-cleanup. Past
+        # this point (the interpreter's exit, which resets Python-level handlers) a
+        # Ctrl-C is ignored.
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, still_stopping)
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
@@ -602,8 +614,6 @@ def stream_over_grpc(endpoint: str, prompts: list[str], args, chat: bool, out=No
     ``args`` may carry the client flags (``api_key``, ``tls``, ``ssl_ca``,
     ``ssl_certfile``, ``ssl_keyfile``); without ``api_key``, $TANDEM_API_KEY is sent.
     """
-    import os
-
     import grpc
 
     from tandem.router.auth import API_KEY_ENV
