@@ -5,7 +5,8 @@ A decode step's attention must read every cached K and V row of the batch once:
 ``B x L x Hkv x D x 2`` elements per layer. This times
 ``tandem.kernels.cpu.ops.paged_decode_attention`` over ``--layers`` separate layer
 caches in turn (so the rows come from memory, as in a model's step, not from a
-cache warmed by the previous call), with block tables in a random order (as a
+cache warmed by the previous call; one tensor in transparent huge pages, as the
+engine's), with block tables in a random order (as a
 long-running block pool hands them out), and reports milliseconds per layer and
 the achieved GB/s of K/V reads, beside the machine's read bandwidth (a 1 GiB
 ``sum``, best of 5) measured in the same process.
@@ -44,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
 
+from tandem.engine.runtime.huge_pages import zeros_in_huge_pages  # noqa: E402
 from tandem.kernels.cpu import build, ops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,8 +95,12 @@ def run(dtype: torch.dtype, batch: int, ctx: int, hq: int, hkv: int, d: int, bs:
     g = torch.Generator().manual_seed(seed)
     per_seq = (ctx + bs - 1) // bs
     nb = batch * per_seq + 8
-    kcs = [torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(layers)]
-    vcs = [torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(layers)]
+    # One tensor for all layers in transparent huge pages, as the engine's cache
+    # (KVCache: zeros_in_huge_pages), so that TLB misses count as they do there.
+    cache = zeros_in_huge_pages((layers, 2, nb, bs, hkv, d), dtype)
+    for layer in range(layers):
+        cache[layer].copy_(torch.randn(2, nb, bs, hkv, d, generator=g))
+    kcs, vcs = list(cache[:, 0]), list(cache[:, 1])
     tables = torch.randperm(nb, generator=g)[:batch * per_seq].to(torch.int32).view(batch, per_seq)
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
