@@ -434,6 +434,14 @@ class EngineConfig:
             fixed-order pass over its cached context. A request's tokens then do not
             depend on batch composition, chunking, prefix-cache hits or preemption
             (see docs/batch_invariance.md).
+        small_batch_linear: bfloat16 on a CPU with AMX: dense linear layers also keep
+            their weight in 16-column panels, and inputs of at most 128 rows (decode
+            steps) multiply on AMX tiles reading it
+            (:func:`tandem.kernels.cpu.linear.amx_linear`, 1.1-1.4x oneDNN's speed
+            there); longer inputs (prompts) keep oneDNN. Costs a second copy of those weights. None
+            (default): on while that copy takes at most a tenth of the machine's
+            memory; True / False: on / off. Nothing elsewhere (float32, GPUs,
+            quantized layers, CPUs without AMX, ``batch_invariant``).
         speculative: speculative decoding (:class:`SpeculativeConfig`); None: off.
             Only decode steps speculate: a prefill worker ignores it.
         activation_quantization: ``none``: quantized linear layers multiply the
@@ -469,6 +477,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     batch_invariant: bool = False
+    small_batch_linear: bool | None = None
     speculative: SpeculativeConfig | None = None
     activation_quantization: str = "none"
     tensor_parallel_size: int = 1
@@ -497,6 +506,9 @@ class EngineConfig:
         if self.activation_quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"activation_quantization: {self.activation_quantization!r} runs on "
                              f"the CPU only, not {self.device!r}")
+        if self.small_batch_linear not in (None, True, False):
+            raise ValueError(f"small_batch_linear: expected None, True or False, got "
+                             f"{self.small_batch_linear!r}")
         if self.batch_invariant:
             if not self.device.startswith("cpu"):
                 raise ValueError(f"batch_invariant: runs on the CPU only, not {self.device!r}")

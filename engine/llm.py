@@ -49,6 +49,8 @@ class LLM:
             among the ranks, each rank's process setting its own).
         batch_invariant: see :class:`EngineConfig` (outputs independent of batch
             composition; CPU).
+        small_batch_linear: see :class:`EngineConfig` (decode-sized linear layers on
+            AMX tiles, from a second copy of the weights; None: while it fits).
         speculative_config: speculative decoding, a
             :class:`~tandem.engine.config.SpeculativeConfig` or a dict of its fields
             (vLLM style: ``{"method": "ngram", "num_speculative_tokens": 4}``);
@@ -76,7 +78,7 @@ class LLM:
                  num_host_blocks: int | None = None, batch_invariant: bool = False,
                  speculative_config: "SpeculativeConfig | dict | None" = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto",
-                 activation_quantization: str = "none",
+                 activation_quantization: str = "none", small_batch_linear: bool | None = None,
                  weights_from: "LLM | None" = None, tensor_parallel_size: int = 1,
                  enable_expert_parallel: bool = False, moe_dispatch: str = "all_reduce"):
         if isinstance(speculative_config, dict):
@@ -96,7 +98,7 @@ class LLM:
             quantization=quantization, max_model_len=max_model_len, num_threads=num_threads,
             activation_quantization=activation_quantization,
             batch_invariant=batch_invariant, speculative=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
+            small_batch_linear=small_batch_linear, tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=enable_expert_parallel, moe_dispatch=moe_dispatch,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -138,7 +138,8 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 def load_model(files, dtype: torch.dtype, device: torch.device, quantization: str = "none",
                batch_invariant: bool = False, activation_quantization: str = "none",
                comm: "Communicator | None" = None,
-               enable_expert_parallel: bool = False) -> tuple[nn.Module, ModelConfig]:
+               enable_expert_parallel: bool = False,
+               small_batch_linear: bool | None = False) -> tuple[nn.Module, ModelConfig]:
     """Build the model from a GGUF file or a Hugging Face checkpoint directory.
 
     The class is the registered one of the checkpoint's architecture
@@ -166,6 +167,8 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
             spread whole over the ranks instead of each split
             (``EngineConfig.enable_expert_parallel``); ignored for dense models (a
             warning says so).
+        small_batch_linear: ``EngineConfig.small_batch_linear`` (see
+            :func:`~tandem.engine.model.linear.process_weights_after_loading`).
 
     Returns:
         ``(model, config)``; the model is in eval mode with its RoPE table built.
@@ -213,7 +216,8 @@ def load_model(files, dtype: torch.dtype, device: torch.device, quantization: st
         weights.load_weights(model, tensors)
         if cfg.tie_word_embeddings and hasattr(model.model.embed_tokens, "share_with"):
             model.model.embed_tokens.share_with(model.lm_head)
-        process_weights_after_loading(model, batch_invariant, activation_quantization)
+        process_weights_after_loading(model, batch_invariant, activation_quantization,
+                                      small_batch_linear)
     model.init_rope(device)
     model.eval()
     return model, cfg

@@ -127,7 +127,8 @@ def run_worker(init: WorkerInit) -> None:
         model, cfg = load_model(resolve_model(config.model), config.torch_dtype, device,
                                 config.quantization, config.batch_invariant,
                                 config.activation_quantization, comm=comm,
-                                enable_expert_parallel=config.enable_expert_parallel)
+                                enable_expert_parallel=config.enable_expert_parallel,
+                                small_batch_linear=config.small_batch_linear)
         set_moe_dispatch(model, config.moe_dispatch)
     except BaseException as exc:
         store.set(f"loaded/{rank}", f"{type(exc).__name__}: {exc}")

@@ -230,6 +230,7 @@ class AWQLinearMethod(LinearMethodBase):
             torch.zeros(groups, n, dtype=params_dtype), requires_grad=False))
         layer.packed_weight = None
         layer.invariant_weight = None
+        layer.panel_weight = None
 
     # -- loading -----------------------------------------------------------------------------
     def load_weight(self, layer: Linear, param_name: str, loaded: torch.Tensor,

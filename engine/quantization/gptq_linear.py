@@ -149,6 +149,7 @@ class GPTQLinearMethod(LinearMethodBase):
         layer.register_buffer("int4_perm", None, persistent=False)
         layer.packed_weight = None
         layer.invariant_weight = None
+        layer.panel_weight = None
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         if param_name not in _PACKED:

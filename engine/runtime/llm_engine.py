@@ -91,11 +91,13 @@ class LLMEngine:
         if weights_from is not None:
             wc = weights_from.config
             if (weights_from.model_files, wc.dtype, weights_from.device, wc.quantization,
-                    wc.batch_invariant, wc.activation_quantization) != \
+                    wc.batch_invariant, wc.activation_quantization, wc.small_batch_linear) != \
                     (self.model_files, config.dtype, self.device, config.quantization,
-                     config.batch_invariant, config.activation_quantization):
+                     config.batch_invariant, config.activation_quantization,
+                     config.small_batch_linear):
                 raise ValueError("weights_from: model, dtype, device, quantization, "
-                                 "batch_invariant and activation_quantization must match")
+                                 "batch_invariant, activation_quantization and "
+                                 "small_batch_linear must match")
             self.model, self.model_config = weights_from.model, weights_from.model_config
             tokenizer = tokenizer or weights_from.tokenizer
         try:
@@ -103,7 +105,8 @@ class LLMEngine:
                 self.model, self.model_config = load_model(
                     self.model_files, config.torch_dtype, self.device, config.quantization,
                     config.batch_invariant, config.activation_quantization, comm=comm,
-                    enable_expert_parallel=config.enable_expert_parallel)
+                    enable_expert_parallel=config.enable_expert_parallel,
+                    small_batch_linear=config.small_batch_linear)
                 set_moe_dispatch(self.model, config.moe_dispatch)
             self.backend = get_attention_backend(config.attention_backend, self.device,
                                                  config.torch_dtype, config.batch_invariant)

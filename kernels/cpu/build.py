@@ -172,6 +172,10 @@ _UNSUFFIXED = {
     "fp8_e4m3_encode": ([_PTR, _PTR, _I64], None),
     "fp8_e4m3_decode": ([_PTR, _PTR, _I64, _INT], None),
     "float_to_fp16": ([_PTR, _PTR, _I64], None),
+    # bfloat16 linear on AMX tiles (csrc/amx_linear.cpp): usable(in_features), then
+    # out, out row stride, x, x row stride, panel weight, M, N, K, threads.
+    "amx_linear_usable": ([_I64], _INT),
+    "amx_linear_bf16": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], None),
 }
 # Kernels that exist only where the CPU has them: for bfloat16 with AVX-512 BF16, for
 # float32 with AVX-512F (``tandem_has_{name}_{suffix}`` says).

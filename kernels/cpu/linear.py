@@ -11,6 +11,10 @@ faster (results equal to float32 rounding, not bit-identical: another summation
 order). Uses torch's ``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``
 ops, the same ones torch.compile's CPU backend emits; where they are missing, or
 this CPU lacks their path for the dtype, nothing is packed.
+
+Also here: the batch-invariant linear kernel (:func:`invariant_linear`) and, for
+decode-sized bfloat16 inputs on AMX CPUs, :func:`amx_linear`, both over the same
+16-column panel layout (:func:`pack_invariant_weight`).
 """
 
 from __future__ import annotations
@@ -186,3 +190,70 @@ def _linear_fn(dtype: torch.dtype):
 
     return getattr(load_library(), "tandem_linear_f32" if dtype == torch.float32
                    else "tandem_linear_bf16")
+
+
+# -- small batches on AMX tiles (csrc/amx_linear.cpp) --------------------------------------
+AMX_LINEAR_MAX_ROWS = 128
+"""Rows up to which :func:`amx_linear` is used instead of oneDNN's packed matmul:
+with the weights coming from memory (a step's layers in turn) it read them 1.1-1.4x
+faster from 1 to 128 rows, level at 192-1024, and 1.7x slower at 2048 (its tiles
+of x no longer in L2) on a 2-core AMX host (``benchmarks/amx_linear.py``)."""
+
+
+@functools.cache
+def amx_linear_usable(in_features: int) -> bool:
+    """Whether :func:`amx_linear` runs here for ``in_features``: the compiled kernels
+    load, the CPU has AMX-BF16 (the build's ``-march``), the OS granted this process
+    AMX tile state, and ``in_features`` is a multiple of 32 (a whole tile of k)."""
+    if not invariant_linear_available():
+        return False
+    from tandem.kernels.cpu.build import load_library
+
+    return bool(load_library().tandem_amx_linear_usable(in_features))
+
+
+def amx_linear(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x W^T`` in bfloat16 on AMX tiles (TDPBF16PS), reading the weight in the
+    16-column panels of :func:`pack_invariant_weight` (``[P, K / 2, 16, 2]``: 16
+    k-pair rows of a panel are one 1 KiB B tile): ``[T, K]`` -> ``[T, N]``.
+
+    Every output is a float32 sum of bfloat16 products, rounded to bfloat16 once;
+    the order of the sum is the tile unit's (oneDNN's AMX kernels give the same bits
+    at decode sizes, not always beyond). Meant for small ``T`` (see
+    :data:`AMX_LINEAR_MAX_ROWS`): a decode step's matmul is reading its weight, and
+    this reads it front to back, 1 KiB tiles prefetched four steps ahead.
+
+    Args:
+        x: ``[T, K]`` bfloat16 CPU, rows may be strided, the last dim contiguous.
+        panel_weight: :func:`pack_invariant_weight` of a bfloat16 ``[N, K]`` weight.
+        out_features: ``N``.
+
+    Raises:
+        ValueError: dtype, device or shape mismatch, or :func:`amx_linear_usable` is
+            false for ``K``.
+    """
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
+            panel_weight.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
+                         f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    t, k = x.shape
+    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
+        raise ValueError(f"x: in_features {k} does not fit the panel weight "
+                         f"{tuple(panel_weight.shape)}")
+    if not amx_linear_usable(k):
+        raise ValueError(f"x: no AMX linear kernel here for in_features {k} (needs an "
+                         "AMX-BF16 CPU and in_features % 32 == 0)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(t, out_features)
+    if t:
+        _amx_linear_fn()(out.data_ptr(), out_features, x.data_ptr(), x.stride(0),
+                         panel_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _amx_linear_fn():
+    from tandem.kernels.cpu.build import load_library
+
+    return load_library().tandem_amx_linear_bf16

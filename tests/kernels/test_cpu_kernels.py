@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.engine.config import EngineConfig
 from tandem.kernels import reference as ref
 from tandem.kernels.cpu import build, ops
+from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable, pack_invariant_weight,
+                                       packed_linear)
 
 try:
     build.load_library()
@@ -376,6 +379,73 @@ def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
         general = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert [o.token_ids for o in fast] == [o.token_ids for o in general]
         assert [o.logprobs for o in fast] == [o.logprobs for o in general]
+        if dtype == "bfloat16" and amx_linear_usable(576):
+            _check_small_batch_linear(llm, prompts, params, fast)
+
+
+def _check_small_batch_linear(llm, prompts, params, with_panels):
+    """bfloat16 on an AMX host, small_batch_linear left to its default: the decode
+    steps' linear layers ran on amx_linear (every dense layer holds a panel copy; a
+    decode-sized input takes it, a prompt-sized one oneDNN), and with the copies
+    hidden (oneDNN throughout) the greedy tokens are the same, logprobs within
+    bfloat16 rounding."""
+    from tandem.engine.model.linear import Linear
+    from tandem.kernels.cpu.linear import AMX_LINEAR_MAX_ROWS
+
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.panel_weight is not None for m in layers)
+    layer = layers[0]
+    for rows in (1, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, layer.in_features).bfloat16()
+        want = (amx_linear(x, layer.panel_weight, layer.out_features)
+                if rows <= AMX_LINEAR_MAX_ROWS else packed_linear(x, layer.packed_weight))
+        assert torch.equal(layer.quant_method.apply(layer, x), want)
+    saved = [m.panel_weight for m in layers]
+    for m in layers:
+        m.panel_weight = None
+    try:
+        onednn = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finally:
+        for m, w in zip(layers, saved):
+            m.panel_weight = w
+    assert [o.token_ids for o in with_panels] == [o.token_ids for o in onednn]
+    for a, b in zip(with_panels, onednn):
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.05
+
+
+amx_only = pytest.mark.skipif(
+    not __import__("tandem.kernels.cpu.linear", fromlist=["x"]).amx_linear_usable(64),
+    reason="no AMX-BF16 on this CPU (or the OS refused tile state)")
+
+
+@amx_only
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (17, 96, 576), (33, 960, 576), (5, 576, 1536)])
+def test_amx_linear_matches_the_float32_product(m, n, k):
+    """Every output within one bfloat16 rounding of the float32 product of the same
+    bfloat16 inputs: partial row tiles (17, 33 rows), an odd panel count and a last
+    panel of 8 columns (40), several k tiles; strided rows of x give the same bits."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    big = torch.randn(m, k + 64, generator=g).bfloat16()
+    x = big[:, :k]                                     # rows strided
+    out = amx_linear(x, pack_invariant_weight(w), n)
+    want = x.float() @ w.float().t()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(amx_linear(x.contiguous(), pack_invariant_weight(w), n), out)
+
+
+@amx_only
+def test_amx_linear_refusals():
+    w = pack_invariant_weight(torch.randn(32, 64).bfloat16())
+    assert not amx_linear_usable(48) and amx_linear_usable(64)
+    with pytest.raises(ValueError, match="x: expected a 2-D bfloat16"):
+        amx_linear(torch.randn(2, 64), w, 32)
+    with pytest.raises(ValueError, match="x: in_features 96"):
+        amx_linear(torch.randn(2, 96).bfloat16(), w, 32)
+    with pytest.raises(ValueError, match="small_batch_linear"):
+        EngineConfig(small_batch_linear="yes")
 
 
 def test_unsupported_dtype_is_rejected():

@@ -26,6 +26,10 @@
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // Ask for the `rows` rows of d elements (stride `row`) of the next block early:
@@ -44,6 +48,19 @@ inline void prefetch_rows(const T* p, int64_t rows, int64_t row, int64_t d) {
 namespace tandem_cpu {
 
 using bf16 = uint16_t;
+
+#if defined(__AMX_TILE__)
+// Linux hands a process AMX tile state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it the first tile instruction
+// raises SIGILL. Asked once per process; false where the kernel refuses.
+inline bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+#endif
 
 // IEEE fp16 (little-endian, at any alignment) -> float32: F16C where the CPU has it.
 inline float fp16_to_float(const uint8_t* p) {

@@ -5,11 +5,6 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace tandem_cpu {
 namespace {
 
@@ -177,17 +172,6 @@ inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 constexpr int64_t kAmxKeys = 32;   // keys per step: two 16-key tiles of repack_kv
-
-// Linux hands a process AMX tile state only on request (arch_prctl
-// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it the first tile instruction
-// raises SIGILL. Asked once per process; false where the kernel refuses.
-bool amx_permitted() {
-    static const bool ok = [] {
-        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-}
 
 // Palette 1, every tile used as 16 rows of 64 bytes: tmm0-1 the scores of 32 keys,
 // tmm2 a query block, tmm4-5 K tiles (later tmm4 a P.V product), tmm6 P, tmm7 V.

@@ -1,0 +1,160 @@
+"""Decode-sized linear layers on AMX tiles (``amx_linear``) against oneDNN's packed
+matmul, bfloat16, on an AMX host: the kernels alone, then the offline engine's
+decode step.
+
+Kernels: SmolLM2-135M's four linear layers of a decoder layer (QKV 960 x 576, O
+576 x 576, gate-up 3072 x 576, down 576 x 1536), 30 layers of separate random
+weights (so that every call reads its weight from memory, as in a step), each
+size of ``--rows`` through both, rounds alternated; milliseconds for the 30 layers
+and the weight GB/s.
+
+Engine: one engine with ``small_batch_linear=True``, a second sharing its
+weights; the second's decode steps run with the layers' panel copies hidden (so
+oneDNN's matmul), both decode the same prompts in turn (``decode_race.py``).
+The outputs are not required to be equal (the two sum in different orders): the
+share of equal greedy tokens is reported.
+
+    .venv/bin/python benchmarks/amx_linear.py --out benchmarks/results/amx_linear_amx.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import isa_flags  # noqa: E402
+from decode_race import alternated_decode_steps, race_engine_kwargs  # noqa: E402
+
+from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable,  # noqa: E402
+                                       pack_invariant_weight, pack_weight, packed_linear)
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K) of one layer
+
+
+def kernel_rows(rows: list[int], layers: int, rounds: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=g).bfloat16() * 0.05 for n, k in SHAPES]
+               for _ in range(layers)]
+    onednn = [[pack_weight(w) for w in layer] for layer in weights]
+    panels = [[pack_invariant_weight(w) for w in layer] for layer in weights]
+    nbytes = sum(n * k * 2 for n, k in SHAPES) * layers
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in SHAPES}
+
+        def run_onednn():
+            for layer in onednn:
+                for (n, k), w in zip(SHAPES, layer):
+                    packed_linear(xs[k], w)
+
+        def run_amx():
+            for layer in panels:
+                for (n, k), w in zip(SHAPES, layer):
+                    amx_linear(xs[k], w, n)
+        times: dict[str, list[float]] = {"onednn": [], "amx": []}
+        run_onednn(), run_amx()
+        for _ in range(rounds):
+            for name, fn in (("onednn", run_onednn), ("amx", run_amx)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        close = max((amx_linear(xs[k], panels[0][i], n).float()
+                     - packed_linear(xs[k], onednn[0][i]).float()).abs().max().item()
+                    for i, (n, k) in enumerate(SHAPES))
+        out.append({"rows": m, "onednn_ms": med["onednn"] * 1e3, "amx_ms": med["amx"] * 1e3,
+                    "onednn_gb_s": nbytes / med["onednn"] / 1e9,
+                    "amx_gb_s": nbytes / med["amx"] / 1e9, "max_abs_diff": close})
+    return out
+
+
+class _Hidden:
+    """An engine whose steps run with its layers' panel copies hidden (oneDNN)."""
+
+    def __init__(self, engine, layers):
+        self.engine, self.layers = engine, layers
+
+    def step(self):
+        saved = [layer.panel_weight for layer in self.layers]
+        for layer in self.layers:
+            layer.panel_weight = None
+        try:
+            return self.engine.step()
+        finally:
+            for layer, w in zip(self.layers, saved):
+                layer.panel_weight = w
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+class _Shown(_Hidden):
+    """The same wrapper doing the same bookkeeping, the panel copies left in place."""
+
+    def step(self):
+        saved = [layer.panel_weight for layer in self.layers]
+        for layer in self.layers:
+            layer.panel_weight = layer.panel_weight
+        try:
+            return self.engine.step()
+        finally:
+            for layer, w in zip(self.layers, saved):
+                layer.panel_weight = w
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.dtype = "bfloat16"
+    threads, kw = race_engine_kwargs(args)
+    if not amx_linear_usable(576):
+        print("no AMX linear kernel on this machine (needs AMX-BF16)")
+        return 1
+    kernels = kernel_rows(args.rows, args.layers, args.rounds)
+    print(f"bfloat16, {threads} threads, {args.layers} layers of SmolLM2-135M's linear shapes\n")
+    print("| rows | oneDNN ms (GB/s) | amx_linear ms (GB/s) | max abs diff |")
+    print("|---|---|---|---|")
+    for r in kernels:
+        print(f"| {r['rows']} | {r['onednn_ms']:.2f} ({r['onednn_gb_s']:.1f}) | "
+              f"{r['amx_ms']:.2f} ({r['amx_gb_s']:.1f}) | {r['max_abs_diff']:.4f} |")
+
+    from tandem.engine.llm import LLM
+    from tandem.engine.model.linear import Linear
+
+    amx = LLM(None, small_batch_linear=True, **kw)
+    other = LLM(None, small_batch_linear=True, weights_from=amx, **kw)
+    layers = [m for m in amx.engine.model.modules()
+              if isinstance(m, Linear) and m.panel_weight is not None]
+    engines = {"onednn": _Hidden(other.engine, layers), "amx_linear": _Shown(amx.engine, layers)}
+    steps = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
+             for n in args.num_seqs]
+    print(f"\n{len(layers)} layers with a panel copy\n")
+    print("| sequences | oneDNN: step ms | amx_linear: step ms | outputs equal |")
+    print("|---|---|---|---|")
+    for r in steps:
+        print(f"| {r['num_seqs']} | {r['onednn step ms']:.1f} | {r['amx_linear step ms']:.1f} | "
+              f"{r['outputs_equal']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "command": sys.argv, "threads": threads, "cpu_flags": isa_flags(),
+            "kernels": kernels, "decode_steps": steps, "prompt_len": args.prompt_len,
+            "block": args.block, "blocks": args.blocks}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
