@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from decode_race import alternated_decode_steps, race_engine_kwargs  # noqa: E402
+from decode_race import print_race, race, race_engine_kwargs  # noqa: E402
 
 from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable,  # noqa: E402
                                        pack_invariant_weight, pack_weight, packed_linear)
@@ -140,14 +140,9 @@ def main() -> int:
     layers = [m for m in amx.engine.model.modules()
               if isinstance(m, Linear) and m.panel_weight is not None]
     engines = {"onednn": _Hidden(other.engine, layers), "amx_linear": _Shown(amx.engine, layers)}
-    steps = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
-             for n in args.num_seqs]
+    steps = race(engines, args)
     print(f"\n{len(layers)} layers with a panel copy\n")
-    print("| sequences | oneDNN: step ms | amx_linear: step ms | outputs equal |")
-    print("|---|---|---|---|")
-    for r in steps:
-        print(f"| {r['num_seqs']} | {r['onednn step ms']:.1f} | {r['amx_linear step ms']:.1f} | "
-              f"{r['outputs_equal']} |")
+    print_race(steps, {"onednn": "oneDNN", "amx_linear": "amx_linear"})
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": sys.argv, "threads": threads, "cpu_flags": isa_flags(),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from decode_race import (alternated_decode_steps, race_arguments,  # noqa: E402
+from decode_race import (print_race, race, race_arguments,  # noqa: E402
                          race_engine_kwargs)
 
 
@@ -43,15 +43,10 @@ def main() -> int:
         return 1
     general.engine.backend.decode_from_qkv = lambda *a, **k: None
     engines = {"general": general.engine, "decode_from_qkv": fast.engine}
-    rows = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
-            for n in args.num_seqs]
+    rows = race(engines, args)
 
     print(f"{args.dtype}, {threads} threads\n")
-    print("| sequences | general path: step ms | decode_from_qkv: step ms | outputs equal |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['num_seqs']} | {r['general step ms']:.1f} | "
-              f"{r['decode_from_qkv step ms']:.1f} | {r['outputs_equal']} |")
+    print_race(rows, {"general": "general path", "decode_from_qkv": "decode_from_qkv"})
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": sys.argv, "dtype": args.dtype, "threads": threads,

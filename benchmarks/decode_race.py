@@ -71,3 +71,21 @@ def alternated_decode_steps(engines: dict, num_seqs: int, prompt_len: int, block
     a, b = ([r.output_token_ids for r in rs] for rs in reqs.values())
     return {"num_seqs": num_seqs, "outputs_equal": a == b,
             **{f"{k} step ms": statistics.median(v) * 1e3 for k, v in steps.items()}}
+
+
+def race(engines: dict, args: argparse.Namespace) -> list[dict]:
+    """:func:`alternated_decode_steps` for every batch size of ``args.num_seqs``."""
+    return [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
+            for n in args.num_seqs]
+
+
+def print_race(rows: list[dict], labels: dict[str, str]) -> None:
+    """A race's rows as a table: per batch size, each engine's median step (``labels``:
+    ``{engine name: column title}``, in column order) and whether the outputs were
+    equal."""
+    print("| sequences | " + " | ".join(f"{t}: step ms" for t in labels.values())
+          + " | outputs equal |")
+    print("|---|" + "---|" * len(labels) + "---|")
+    for r in rows:
+        print(f"| {r['num_seqs']} | " + " | ".join(f"{r[n + ' step ms']:.1f}" for n in labels)
+              + f" | {r['outputs_equal']} |")

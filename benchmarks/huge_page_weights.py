@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import isa_flags  # noqa: E402
-from decode_race import (alternated_decode_steps, race_arguments,  # noqa: E402
+from decode_race import (print_race, race, race_arguments,  # noqa: E402
                          race_engine_kwargs)
 
 
@@ -49,16 +49,11 @@ def main() -> int:
     huge = LLM(None, **kw).engine
     huge2 = anon_huge_mib()
     engines = {"4 KiB pages": small, "huge pages": huge}
-    rows = [alternated_decode_steps(engines, n, args.prompt_len, args.block, args.blocks)
-            for n in args.num_seqs]
+    rows = race(engines, args)
 
     print(f"{args.dtype}, {threads} threads; anonymous huge pages: {huge0:.0f} MiB at start, "
           f"{huge1:.0f} after the first engine, {huge2:.0f} after the second\n")
-    print("| sequences | 4 KiB pages: step ms | huge pages: step ms | outputs equal |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['num_seqs']} | {r['4 KiB pages step ms']:.1f} | "
-              f"{r['huge pages step ms']:.1f} | {r['outputs_equal']} |")
+    print_race(rows, {"4 KiB pages": "4 KiB pages", "huge pages": "huge pages"})
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": sys.argv, "dtype": args.dtype, "threads": threads,
