@@ -74,16 +74,17 @@ def kernel_rows(rows: list[int], layers: int, rounds: int) -> list[dict]:
     return out
 
 
-class _Hidden:
-    """An engine whose steps run with its layers' panel copies hidden (oneDNN)."""
+class _Panels:
+    """An engine whose steps run with its layers' panel copies hidden (``hide``: so
+    oneDNN's matmul) or left in place; both do the same bookkeeping per step."""
 
-    def __init__(self, engine, layers):
-        self.engine, self.layers = engine, layers
+    def __init__(self, engine, layers, hide: bool):
+        self.engine, self.layers, self.hide = engine, layers, hide
 
     def step(self):
         saved = [layer.panel_weight for layer in self.layers]
-        for layer in self.layers:
-            layer.panel_weight = None
+        for layer, w in zip(self.layers, saved):
+            layer.panel_weight = None if self.hide else w
         try:
             return self.engine.step()
         finally:
@@ -92,20 +93,6 @@ class _Hidden:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-
-class _Shown(_Hidden):
-    """The same wrapper doing the same bookkeeping, the panel copies left in place."""
-
-    def step(self):
-        saved = [layer.panel_weight for layer in self.layers]
-        for layer in self.layers:
-            layer.panel_weight = layer.panel_weight
-        try:
-            return self.engine.step()
-        finally:
-            for layer, w in zip(self.layers, saved):
-                layer.panel_weight = w
 
 
 def main() -> int:
@@ -139,7 +126,8 @@ def main() -> int:
     other = LLM(None, small_batch_linear=True, weights_from=amx, **kw)
     layers = [m for m in amx.engine.model.modules()
               if isinstance(m, Linear) and m.panel_weight is not None]
-    engines = {"onednn": _Hidden(other.engine, layers), "amx_linear": _Shown(amx.engine, layers)}
+    engines = {"onednn": _Panels(other.engine, layers, hide=True),
+               "amx_linear": _Panels(amx.engine, layers, hide=False)}
     steps = race(engines, args)
     print(f"\n{len(layers)} layers with a panel copy\n")
     print_race(steps, {"onednn": "oneDNN", "amx_linear": "amx_linear"})

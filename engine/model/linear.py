@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, amx_linear, amx_linear_usable,
-                                       invariant_linear, invariant_linear_available,
-                                       pack_invariant_weight, pack_weight, packed_linear,
-                                       packing_available)
+from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, amx_linear_unchecked,
+                                       amx_linear_usable, invariant_linear,
+                                       invariant_linear_available, pack_invariant_weight,
+                                       pack_weight, packed_linear, packing_available)
 
 
 class LinearMethodBase(ABC):
@@ -162,7 +162,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
       bfloat16 weights, 4-5x torch's emulated bfloat16 GEMM on AVX2);
     - and with ``layer.small_batch_linear`` (``EngineConfig.small_batch_linear``) on
       an AMX host, inputs of at most :data:`~tandem.kernels.cpu.linear.AMX_LINEAR_MAX_ROWS`
-      rows (decode steps) through :func:`~tandem.kernels.cpu.linear.amx_linear`,
+      rows (decode steps) through :func:`~tandem.kernels.cpu.linear.amx_linear`'s kernel,
       which reads a second copy of the weight in 16-column panels 1.1-1.4x faster
       than oneDNN there; larger inputs (prompts) keep oneDNN.
     """
@@ -228,9 +228,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x):
         if layer.invariant_weight is not None:
             return invariant_linear(x, layer.invariant_weight, layer.out_features)
-        panel = getattr(layer, "panel_weight", None)     # None on layers built elsewhere
-        if panel is not None and x.shape[0] <= AMX_LINEAR_MAX_ROWS:
-            return amx_linear(x, panel, layer.out_features)
+        if layer.panel_weight is not None and x.shape[0] <= AMX_LINEAR_MAX_ROWS:
+            return amx_linear_unchecked(x, layer.panel_weight, layer.out_features)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight)
         return F.linear(x, layer.weight)

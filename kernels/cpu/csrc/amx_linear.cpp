@@ -21,21 +21,20 @@
 namespace tandem_cpu {
 namespace {
 
+// How far ahead the weight is prefetched, in k steps of 32 (1 KiB per panel): 4 and
+// 8 measured alike, none read 12-13 instead of 20-24 GB/s (benchmarks/amx_linear.py).
+constexpr int64_t kAheadSteps = 4;
+
 // Palette 1: tmm0-3 C (row tile r, panel p at 2r + p), tmm4-5 A, tmm6-7 B; all 16
 // rows of 64 bytes.
-#ifndef TANDEM_AMX_AHEAD
-#define TANDEM_AMX_AHEAD 4
-#endif
-constexpr int64_t kAheadSteps = TANDEM_AMX_AHEAD;
-
 struct alignas(64) LinearTiles {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
     uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// Rows [r0, r0 + rows) of C tile `c` (16 x 16 float32 in `buf`) -> bfloat16 columns
-// [n0, n0 + 16) of out, those below n.
+// The first `rows` rows of a stored C tile (16 x 16 float32 in `buf`) -> bfloat16
+// columns [n0, n0 + 16) of out's rows, those below n.
 inline void store_tile(bf16* out, int64_t os, const float* buf, int64_t rows, int64_t n0,
                        int64_t n) {
     if (n0 >= n) return;
