@@ -2,14 +2,15 @@
 
 A 2-rank engine (rank 1 a real subprocess) and a 1-rank engine in this process,
 their connectors joined by real Gloo pairs, one per (prefill rank, decode rank)
-whose KV heads overlap (kvtransfer/sharded.py): SmolLM2's 3 KV heads are 0-1 on
-rank 0 and 2 on rank 1. Prefill on 2 ranks and decode on 1, the reverse, and the
-2-rank engine sending to itself (rank 0 to rank 0, rank 1 to rank 1) each give the
-greedy tokens of one unsharded engine; the handshake rides on pair (0, 0); an
-abort while a sharded consumer's ranks are receiving frees every block once all
-ranks' parts ended; a head split that does not match the pairs offered is refused
-by name. fp8 and int4 caches travel between sharded and unsharded engines too
-(fp8: the scales' checksum over all the model's KV heads).
+whose KV heads overlap (kvtransfer/sharded.py): the engines run a tiny random Llama
+with the default model's 3 KV heads (tests/test_tensor_parallel_models.py's
+``save_tiny_kv_checkpoint``), 0-1 on rank 0 and 2 on rank 1. Prefill on 2 ranks and
+decode on 1, the reverse, and the 2-rank engine sending to itself (rank 0 to rank 0,
+rank 1 to rank 1) each give the greedy tokens of one unsharded engine; the handshake
+rides on pair (0, 0); an abort while a sharded consumer's ranks are receiving frees
+every block once all ranks' parts ended; a head split that does not match the pairs
+offered is refused by name. fp8 and int4 caches travel between sharded and
+unsharded engines too (fp8: the scales' checksum over all the model's KV heads).
 """
 
 from __future__ import annotations
@@ -46,8 +47,15 @@ def _wire(prefill: LLMEngine, prefill_id: str, decode: LLMEngine, decode_id: str
 
 
 @pytest.fixture(scope="module")
-def engines(f32_weights):
-    base = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+def tiny_kv(tmp_path_factory) -> str:
+    from tests.test_tensor_parallel_models import save_tiny_kv_checkpoint
+
+    return save_tiny_kv_checkpoint(tmp_path_factory.mktemp("tiny-kv"))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_kv):
+    base = LLM(tiny_kv, dtype="float32", num_blocks=64)
     sharded = LLMEngine(dataclasses.replace(base.config, tensor_parallel_size=2),
                         kv_transport="gloo", transfer_timeout_s=20.0)
     single = LLMEngine(base.config, weights_from=base.engine, kv_transport="gloo",
@@ -212,7 +220,7 @@ def _parts_only_at_near_ties(got: list[list[int]], reference: list[tuple],
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int4"])
 def test_a_quantized_kv_cache_travels_between_sharded_and_unsharded_workers(kv_cache_dtype,
-                                                                          f32_weights):
+                                                                          tiny_kv):
     """fp8 (e4m3) caches: the 2-rank worker's layout carries the checksum of all
     three KV heads' scales (rank 1's head 2 gathered to rank 0), equal to one rank's,
     so both directions shake hands, and a peer with other scales is refused by name.
@@ -225,8 +233,7 @@ def test_a_quantized_kv_cache_travels_between_sharded_and_unsharded_workers(kv_c
     tests/test_tensor_parallel_models.py, "quantized KV caches with 2 ranks")."""
     from tandem.engine.runtime.kv_scales import scales_checksum
 
-    one_rank = LLM(dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype,
-                   weights_from=f32_weights)
+    one_rank = LLM(tiny_kv, dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     sharded = LLMEngine(dataclasses.replace(one_rank.config, tensor_parallel_size=2),
                         kv_transport="gloo", transfer_timeout_s=20.0)
     single = LLMEngine(one_rank.config, weights_from=one_rank.engine, kv_transport="gloo",
@@ -234,8 +241,8 @@ def test_a_quantized_kv_cache_travels_between_sharded_and_unsharded_workers(kv_c
     try:
         if kv_cache_dtype == "fp8_e4m3":
             assert sharded.kv_cache.tensor.dtype == torch.float8_e4m3fn
-            assert tuple(sharded.kv_cache.scales.shape) == (30, 2, 2)    # rank 0's heads
-            whole = scales_checksum(one_rank.engine.kv_cache.scales)      # [30, 2, 3]
+            assert tuple(sharded.kv_cache.scales.shape) == (2, 2, 2)     # rank 0's heads
+            whole = scales_checksum(one_rank.engine.kv_cache.scales)      # [2, 2, 3]
             assert sharded.kv_connector.layout()["kv_scales_checksum"] == whole
             assert whole != scales_checksum(sharded.kv_cache.scales)
             other = {**single.kv_connector.layout(), "kv_scales_checksum": "0" * 16}

@@ -14,8 +14,10 @@ default model's GGUF blocks, tiny GPTQ and AWQ checkpoints) against one rank: th
 same greedy tokens, each rank's bytes exactly one rank's cut, logprobs within the
 float32 summation order of the row-parallel sums; quantized MoE experts (GPTQ, AWQ,
 GGUF) spread over the ranks likewise. Last, other features on 2 ranks against one
-rank: n-gram and draft-model speculative decoding, fp8 and int4 KV caches (each
-rank's own heads' scales and open-block K store) under swaps, forks and prefix hits.
+rank: n-gram speculative decoding (the default model, whose copying the drafts need);
+on a tiny random Llama with the default model's attention shape, draft-model
+speculative decoding and fp8 and int4 KV caches (each rank's own heads' scales and
+open-block K store) under swaps, forks and prefix hits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,43 @@ def _prompts(vocab: int = 512) -> list[list[int]]:
     """5, 40 and 70 tokens: within one 16-token block, and across 3 and 5 blocks."""
     rng = random.Random(0)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 40, 70)]
+
+
+def save_tiny_kv_checkpoint(path) -> str:
+    """A tiny random Llama (tests/models/conftest.py) with the default model's attention
+    shape, for the KV cache tests: head_dim 64, 9 query heads on 3 KV heads (2 ranks
+    hold KV heads 0-1 and 2), hidden 576, 2 layers, vocabulary 512. Its tokenizer gives
+    one token per character (code points 3..511, others ``<unk>``), so that the fp8
+    calibration text reads as the ~780 varied tokens it is, not as one repeated
+    ``<unk>``; and each layer's KV heads have their K and V projections scaled apart
+    (x1/4, x1, x4, in another order per layer and for V), so that every (layer, K/V,
+    head) calibrates a scale of its own. Returns the directory."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.models.conftest import VOCAB, save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(path, "LlamaConfig", hidden_size=576, num_attention_heads=9,
+                                 num_key_value_heads=3, head_dim=64,
+                                 max_position_embeddings=1024)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for j, proj in enumerate((layer.self_attn.k_proj, layer.self_attn.v_proj)):
+                for h, w in enumerate(proj.weight.view(3, 64, -1)):
+                    w *= 4.0 ** ((h + i + j) % 3 - 1)
+    model.save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(i): i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<unk>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_kv(tmp_path_factory) -> str:
+    """:func:`save_tiny_kv_checkpoint`, written once for the module."""
+    return save_tiny_kv_checkpoint(tmp_path_factory.mktemp("tiny-kv"))
 
 
 # case -> (transformers config class, overrides of tests/models/conftest.py's BASE
@@ -472,19 +511,23 @@ def test_ngram_speculative_decoding_tp2_equals_tp1(f32_weights):
     assert tp2.engine.parallel.worker_exit_codes == [0]
 
 
-def test_draft_model_speculative_decoding_tp2_equals_tp1(f32_weights):
-    """A draft model (the target's own file: self-drafting) on a sharded target: the
-    draft runs whole on rank 0 in its own cache (a copy of the weights, not the
-    shard), the verification through the sharded runner; greedy and seeded tokens
-    are one rank's with the same draft."""
+def test_draft_model_speculative_decoding_tp2_equals_tp1(tiny_kv):
+    """A draft model (the target's own file: self-drafting) on a sharded target, a tiny
+    random Llama with 3 KV heads (:func:`save_tiny_kv_checkpoint`): the draft runs
+    whole on rank 0 in its own cache (a copy of the weights, not the shard), the
+    verification through the sharded runner; greedy and seeded tokens are one rank's
+    with the same draft, and the greedy ones one rank's without drafts."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     spec = {"method": "draft_model", "num_speculative_tokens": 3}
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
-    tp1 = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights, speculative_config=spec)
+    plain = LLM(tiny_kv, dtype="float32", num_blocks=64)
+    tp1 = LLM(tiny_kv, dtype="float32", num_blocks=64, weights_from=plain,
+              speculative_config=spec)
     want, want_seeded = _ids(tp1.generate(prompts, greedy)), _ids(tp1.generate(prompts, seeded))
-    assert want[0][:8] == [7042, 30, 198, 198, 504, 2988, 314, 42]     # one rank's, no drafts
-    tp2 = LLM(dtype="float32", tensor_parallel_size=2, num_blocks=64, speculative_config=spec)
+    assert want == _ids(plain.generate(prompts, greedy))             # one rank's, no drafts
+    tp2 = LLM(tiny_kv, dtype="float32", tensor_parallel_size=2, num_blocks=64,
+              speculative_config=spec)
     try:
         proposer = tp2.engine.proposer
         assert proposer.self_draft and proposer.model is not tp2.engine.model
@@ -505,12 +548,15 @@ def test_draft_model_speculative_decoding_tp2_equals_tp1(f32_weights):
 #
 # A quantized cache turns the last-bit differences of the row-parallel sums into a whole
 # quantization step wherever a value sits at a rounding boundary, and that difference
-# then spreads through the later layers (fp8, "Water boils at": rank 0's codes equal one
-# rank's up to layer 14, then 593 of 23,039 differ). So the tokens may part from one
-# rank's, but only at a near tie of one rank's own distribution (there: top-2 logprobs
-# -1.146 and -1.157 at token 4), as int4's do with one rank when only the batch changes.
-# That is what the tests check, for every prompt: the same tokens up to where they part,
-# and there one rank's best two within NEAR_TIE; and most prompts the same throughout.
+# then spreads through the later layers (on the default model, fp8, "Water boils at":
+# rank 0's codes equal one rank's up to layer 14, then 593 of 23,039 differ). So the
+# tokens may part from one rank's, but only at a near tie of one rank's own distribution
+# (there: top-2 logprobs -1.146 and -1.157 at token 4), as int4's do with one rank when
+# only the batch changes. That is what the tests check, for every prompt: the same
+# tokens up to where they part, and there one rank's best two within NEAR_TIE; and most
+# prompts the same throughout. They run the tiny random Llama of
+# :func:`save_tiny_kv_checkpoint` (the default model's 3 KV heads, 0-1 on rank 0, each
+# (layer, K/V, head) with an fp8 scale of its own; one token per character).
 
 NEAR_TIE = 0.25
 """Largest gap (nats) between one rank's best two logprobs where two ranks' greedy
@@ -519,12 +565,13 @@ tokens may part with a quantized KV cache; a wrong shard parts far from any tie.
 KV_PROMPTS = PROMPTS + ["Water boils at", "import numpy as np", "My favourite food is"]
 
 
-def _kv_engines(f32_weights, kv_cache_dtype: str):
-    """One rank and two, the default model in float32 with a quantized KV cache of 12
-    blocks (the 7 prompts need 21: swap preemptions) and swap space."""
+def _kv_engines(path: str, kv_cache_dtype: str):
+    """One rank and two on checkpoint ``path`` in float32 with a quantized KV cache of
+    12 blocks (the 7 prompts, a token per character, need about 25: swap preemptions)
+    and swap space."""
     kw = dict(dtype="float32", num_blocks=12, preemption_mode="swap", num_host_blocks=32,
               kv_cache_dtype=kv_cache_dtype)
-    return LLM(weights_from=f32_weights, **kw), LLM(tensor_parallel_size=2, **kw)
+    return LLM(path, **kw), LLM(path, tensor_parallel_size=2, **kw)
 
 
 def _kv_runs(tp1, tp2, forks: list[int], min_same: int):
@@ -557,14 +604,14 @@ def _kv_runs(tp1, tp2, forks: list[int], min_same: int):
     assert kv.num_free_blocks == kv.num_usable_blocks
 
 
-def test_fp8_kv_cache_tp2_equals_tp1(f32_weights):
+def test_fp8_kv_cache_tp2_equals_tp1(tiny_kv):
     """fp8 (e4m3) KV cache on 2 ranks: each rank calibrates with the others (the
     sharded forward's all-reduces) and keeps its own heads' scales, rank 0's exactly
     one rank's scales of KV heads 0-1; the tokens are one rank's (see above)."""
-    tp1, tp2 = _kv_engines(f32_weights, "fp8_e4m3")
+    tp1, tp2 = _kv_engines(tiny_kv, "fp8_e4m3")
     try:
         assert tp2.engine.kv_cache.tensor.dtype == torch.float8_e4m3fn
-        assert tuple(tp2.engine.kv_cache.scales.shape) == (30, 2, 2)
+        assert tuple(tp2.engine.kv_cache.scales.shape) == (2, 2, 2)
         assert torch.equal(tp2.engine.kv_cache.scales, tp1.engine.kv_cache.scales[:, :, :2])
         _kv_runs(tp1, tp2, forks=[0, 6], min_same=len(KV_PROMPTS) // 2 + 1)
     finally:
@@ -572,13 +619,13 @@ def test_fp8_kv_cache_tp2_equals_tp1(f32_weights):
     assert tp2.engine.parallel.worker_exit_codes == [0]
 
 
-def test_int4_kv_cache_tp2_equals_tp1(f32_weights):
+def test_int4_kv_cache_tp2_equals_tp1(tiny_kv):
     """int4 KV cache on 2 ranks: each rank packs its own heads' rows and keeps its
     own open-block K store, whose entries follow rank 0's (the block pool's calls
     replayed; rank 1 recomputes each step's write plan and raises unless it is rank
     0's) through swaps, copy-on-write and prefix hits; the tokens are one rank's
     (see above)."""
-    tp1, tp2 = _kv_engines(f32_weights, "int4")
+    tp1, tp2 = _kv_engines(tiny_kv, "int4")
     try:
         assert tp2.engine.kv_cache.open_keys.shape[3] == 2          # rank 0's 2 KV heads
         _kv_runs(tp1, tp2, forks=[4, 5], min_same=1)

@@ -57,15 +57,15 @@ def test_round_to_e4m3_matches_torch_on_every_boundary(device):
     eps = torch.finfo(torch.float32).eps
     x = torch.cat([grid, mids, mids * (1 + eps), mids * (1 - eps), grid * (1 - 4 * eps),
                    torch.tensor([1e-7, -3e-4, 0.0, -0.0, 447.9, 449.0, -1e4, 3e5])])
-    n = x.numel() - x.numel() % 8
-    key = x[:n].view(-1, 2, 4).to(device)                  # [T, Hkv=2, D=4]
+    # Every value, padded with zeros to whole rows: [T, Hkv=2, D=64], one program a row.
+    key = torch.cat([x, x.new_zeros(-x.numel() % 128)]).view(-1, 2, 64).to(device)
     t = key.shape[0]
-    cache = torch.zeros(t, 1, 2, 4, dtype=FP8, device=device)
+    cache = torch.zeros(t, 1, 2, 64, dtype=FP8, device=device)
     ones = torch.ones(2, device=device)
     reshape_and_cache(key, key, cache, cache.clone(), torch.arange(t, device=device),
                       ones, ones)
     want = quantize_fp8_e4m3_ref(key, ones).view(torch.uint8)
-    assert torch.equal(cache.view(t, 2, 4).view(torch.uint8), want)
+    assert torch.equal(cache.view(t, 2, 64).view(torch.uint8), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

@@ -72,7 +72,14 @@ def int4_paged_kv(seq_lens, hkv, d, bs, dtype, device, seed=0, no_entry=()):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("hkv,group,d,bs", [(2, 3, 64, 16), (1, 2, 40, 32), (3, 1, 32, 128)])
 def test_decode_attention_reads_int4(device, dtype, hkv, group, d, bs, num_splits):
-    # full blocks only, an open last block with and without a store entry, one token
+    """Full blocks only, an open last block with and without a store entry, one token.
+    The 128-token blocks of head_dim 32 (one per-channel parameter byte per row: each
+    fp16 of a channel's step and offset spans two rows) with a group of 1 are index
+    paths that no dtype enters: under the interpreter they run in float32 only, the
+    dtypes' own paths (the store read in the dtype, K/V rounded to it, bfloat16 upcast)
+    being those of the other two shapes."""
+    if device.type == "cpu" and bs == 128 and dtype != torch.float32:
+        pytest.skip("interpreter: the 128-token blocks in float32 only (see the docstring)")
     seq_lens = [2 * bs, 300, 1, 2 * bs + 3]
     kc, vc, tables, store, entries, kr, vr = int4_paged_kv(seq_lens, hkv, d, bs, dtype, device,
                                                            no_entry=(3,))

@@ -1,5 +1,7 @@
-"""A small random Llama decoder run through the triton and torch backends step by step."""
+"""A small random Llama decoder run through the triton and torch backends step by step,
+and whole engines on a tiny random checkpoint with either backend."""
 
+import pytest
 import torch
 
 from tandem.engine.config import ModelConfig
@@ -57,61 +59,72 @@ def test_decoder_steps_match_torch_backend(device):
             torch.testing.assert_close(caches["triton"], caches["torch"], atol=1e-5, rtol=1e-5)
 
 
-def test_engine_greedy_unchanged_with_triton_backend(f32_weights):
-    """The real default model: the engine's greedy tokens with the Triton backend
-    (interpreted on CPU) equal those of the torch backend, batched prefill + decode."""
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny random Llama with the default model's attention shape (head_dim 64, 9
+    query heads on 3 KV heads) in 2 layers, its KV heads' fp8 scales apart
+    (tests/test_tensor_parallel_models.py's ``save_tiny_kv_checkpoint``)."""
+    from tests.test_tensor_parallel_models import save_tiny_kv_checkpoint
+
+    return save_tiny_kv_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _engines(path: str, **kw):
+    """The torch backend's engine and the Triton backend's, each loading ``path`` (and
+    calibrating its own fp8 scales)."""
     from tandem.engine.llm import LLM
+
+    ref = LLM(path, dtype="float32", num_blocks=16, attention_backend="torch", **kw)
+    tri = LLM(path, dtype="float32", num_blocks=16, attention_backend="triton", **kw)
+    assert tri.engine.backend.name == "triton"
+    return ref, tri
+
+
+def test_engine_greedy_unchanged_with_triton_backend(tiny_llama):
+    """A tiny random Llama with the default model's attention shape: the engine's
+    greedy tokens with the Triton backend (interpreted on CPU) equal those of the
+    torch backend, batched prefill + decode."""
     from tandem.engine.sampling.sampling_params import SamplingParams
 
-    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch", weights_from=f32_weights)
-    tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton", weights_from=ref)
-    assert tri.engine.backend.name == "triton"
-    prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
+    ref, tri = _engines(tiny_llama)
+    prompts = [[1, 409, 198, 195, 95], [504, 357, 282, 469, 314, 74, 30, 216, 33]]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)   # prefill + a decode step
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
     assert got == want
 
 
-def test_engine_greedy_unchanged_with_triton_backend_on_fp8_kv(f32_weights):
-    """``kv_cache_dtype fp8_e4m3`` on the real default model: the Triton kernels write
-    and read the fp8 cache (interpreted on CPU) and give the torch backend's greedy
-    tokens, with the same calibrated scales and the same cache bytes."""
-    from tandem.engine.llm import LLM
+def test_engine_greedy_unchanged_with_triton_backend_on_fp8_kv(tiny_llama):
+    """``kv_cache_dtype fp8_e4m3`` on a tiny random Llama with the default model's
+    attention shape: the Triton kernels write and read the fp8 cache (interpreted on
+    CPU) and give the torch backend's greedy tokens, with the same calibrated scales
+    and the same cache bytes."""
     from tandem.engine.sampling.sampling_params import SamplingParams
 
-    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch",
-              kv_cache_dtype="fp8_e4m3", weights_from=f32_weights)
-    tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton",
-              kv_cache_dtype="fp8_e4m3", weights_from=ref)
-    assert tri.engine.backend.name == "triton"
+    ref, tri = _engines(tiny_llama, kv_cache_dtype="fp8_e4m3")
     caches = [llm.engine.kv_cache for llm in (ref, tri)]
     assert all(c.tensor.dtype == torch.float8_e4m3fn for c in caches)
     assert torch.equal(caches[0].scales, caches[1].scales)
-    prompts = [[1, 4093, 198, 19556, 905], [504, 3575, 282, 4649, 314, 7042, 30, 216, 33]]
+    prompts = [[1, 409, 198, 195, 95], [504, 357, 282, 469, 314, 74, 30, 216, 33]]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
     assert got == want
 
 
-def test_engine_greedy_unchanged_with_triton_backend_on_int4_kv(f32_weights):
-    """``kv_cache_dtype int4`` on the real default model: the Triton kernels read the
-    int4 rows and the open-block K store (interpreted on CPU), and give the torch
-    backend's greedy tokens, over a 15-token prompt whose decode step fills its block
-    (the block's K rewritten per channel and read back per channel in that step's
-    attention) and a short prompt whose open block is read from the store."""
-    from tandem.engine.llm import LLM
+def test_engine_greedy_unchanged_with_triton_backend_on_int4_kv(tiny_llama):
+    """``kv_cache_dtype int4`` on a tiny random Llama with the default model's
+    attention shape: the Triton kernels read the int4 rows and the open-block K store
+    (interpreted on CPU), and give the torch backend's greedy tokens, over a 15-token
+    prompt whose decode step fills its block (the block's K rewritten per channel and
+    read back per channel in that step's attention) and a short prompt whose open
+    block is read from the store."""
     from tandem.engine.sampling.sampling_params import SamplingParams
 
-    ref = LLM(dtype="float32", num_blocks=16, attention_backend="torch",
-              kv_cache_dtype="int4", weights_from=f32_weights)
-    tri = LLM(dtype="float32", num_blocks=16, attention_backend="triton",
-              kv_cache_dtype="int4", weights_from=ref)
-    assert tri.engine.backend.name == "triton"
+    ref, tri = _engines(tiny_llama, kv_cache_dtype="int4")
     assert tri.engine.kv_cache.tensor.dtype == torch.uint8
-    prompts = [[1, 4093, 198, 19556, 905],
-               [504, 3575, 282, 4649, 314, 7042, 30, 216, 33, 28, 2056, 314, 253, 1345, 282]]
+    prompts = [[1, 409, 198, 195, 95],
+               [504, 357, 282, 469, 314, 74, 30, 216, 33, 28, 256, 314, 253, 345, 282]]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params)]
