@@ -38,8 +38,8 @@ def _serve(**kw) -> Client:
     return Client(start_server(serve_config("disaggregated", transfer_timeout_s=3.0, **kw)))
 
 
-def _baseline(client: Client) -> dict[str, list[int]]:
-    streams = [Stream(client.server.address, p, N) for p in PROMPTS]
+def _baseline(client: Client, prompts: list[str] = PROMPTS) -> dict[str, list[int]]:
+    streams = [Stream(client.server.address, p, N) for p in prompts]
     for s in streams:
         s.join(300)
     assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == N for s in streams)
@@ -145,7 +145,7 @@ def test_external_redis_lost_requests_still_served_then_state_reasserted(externa
     srv = client.server.server
     ttl = srv.config.lease_ttl_s
     assert ttl < LEASE_TTL_S and srv.redis is None
-    baseline = _baseline(client)
+    baseline = _baseline(client, PROMPTS[:4])          # the prompts this test sends
     gens = {w.worker_id: w.generation for w in srv.registry.workers()}
     restarts = len(srv.supervisor.recoveries)
     streams = [Stream(client.server.address, p, N) for p in PROMPTS[:4]]
