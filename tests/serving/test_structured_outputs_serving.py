@@ -151,14 +151,23 @@ def test_openai_sdk_json_schema_regex_and_choice(api, cluster):
     counts = cluster.wait_idle()
     assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values())
     # Both workers compiled (or found cached) each of the 8 grammars: the prefill worker
-    # samples the first token under it, the decode worker goes on from there.
-    m = _scrape(cluster)
-    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-        labels = (("model_name", "SmolLM2-135M-Instruct"), ("role", role), ("worker", wid))
-        compiles = m[("tandem:structured_output_compiles_total", labels)]
-        hits = m[("tandem:structured_output_cache_hits_total", labels)]
+    # samples the first token under it, the decode worker goes on from there. (The
+    # counts come with the workers' stats rounds: scraped until they are in, or 30 s.)
+    def grammar_counts(m: dict) -> list[tuple]:
+        out = []
+        for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+            labels = (("model_name", "SmolLM2-135M-Instruct"), ("role", role), ("worker", wid))
+            out.append((wid, m.get(("tandem:structured_output_compiles_total", labels), 0),
+                        m.get(("tandem:structured_output_cache_hits_total", labels), 0),
+                        m.get(("tandem:structured_output_compile_seconds_total", labels), 0)))
+        return out
+
+    def complete(m: dict) -> bool:
+        return all(compiles >= 1 and compiles + hits >= 8 and seconds > 0
+                   for _, compiles, hits, seconds in grammar_counts(m))
+    for wid, compiles, hits, seconds in grammar_counts(_scrape(cluster, until=complete)):
         assert compiles >= 1 and compiles + hits >= 8, (wid, compiles, hits)
-        assert m[("tandem:structured_output_compile_seconds_total", labels)] > 0
+        assert seconds > 0, wid
 
 
 REGEXES = [(r"\(0[1-9]\) [0-9]{3}-[0-9]{4}", "What is your phone number?"),
@@ -208,18 +217,25 @@ def test_openai_sdk_20_schemas_regexes_and_choices_greedy_and_sampled(api, clust
 def _must(ok, constraint, text) -> None:
     assert ok, (constraint, text)
 
-def _scrape(cluster) -> dict:
+def _scrape(cluster, until, timeout_s: float = 30.0) -> dict:
+    """The HTTP front end's ``/metrics`` as ``{(name, labels): value}``, scraped again
+    every 0.1 s until ``until(metrics)`` holds or ``timeout_s`` has passed (the
+    workers' counters reach the router with their stats rounds); the last scrape."""
     import time
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    time.sleep(1.5)          # one more stats round from every worker
     url = f"http://127.0.0.1:{cluster.server.server.http_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for fam in text_string_to_metric_families(text) for s in fam.samples}
+        if until(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
 
 
 def test_bad_constraints_are_refused_by_name(api, cluster):

@@ -42,16 +42,26 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
+_REFERENCES: dict[tuple, list[list[int]]] = {}
+"""The reference tokens of each prompt set already computed in this process: every
+module that imports the ``reference`` fixture (test_tensor_parallel_disagg_served.py
+too) gets its own instance of it, and the offline engine's run is the same for all."""
+
+
 @pytest.fixture(scope="module")
 def reference(prompt_ids, f32_weights) -> list[list[int]]:
-    """Each prompt's greedy tokens from one unsharded engine (offline, this process)."""
+    """Each prompt's greedy tokens from one unsharded engine (offline, this process;
+    run once per process for these prompts, see :data:`_REFERENCES`)."""
     from tandem.engine.llm import LLM
     from tandem.engine.sampling.sampling_params import SamplingParams
 
-    llm = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                        SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    key = tuple(map(tuple, prompt_ids))
+    if key not in _REFERENCES:
+        llm = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                            SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True))
+        _REFERENCES[key] = [list(o.outputs[0].token_ids) for o in outs]
+    return [list(tokens) for tokens in _REFERENCES[key]]
 
 
 @pytest.fixture(scope="module")
