@@ -57,11 +57,19 @@ def _run_probe(args: list[str], tmp_path, extra_env: dict | None = None) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# Plugins the in-process check has no use for: their imports (hypothesis,
+# schemathesis and what they pull in) were about 1.5 s of CPU in each run. Without
+# them the check is, if anything, stricter: fewer modules are imported before it
+# looks the names up.
+_UNUSED_PLUGINS = ("schemathesis", "hypothesispytest", "anyio")
+
+
 def _run_pytest(mode: str, tmp_path) -> subprocess.CompletedProcess:
     """A pytest run of this file's in-process check under import mode ``mode``."""
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         *(arg for name in _UNUSED_PLUGINS for arg in ("-p", f"no:{name}")),
          f"--import-mode={mode}", "tests/test_import_paths.py::test_installed_package_wins_with_the_root_first_on_sys_path"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

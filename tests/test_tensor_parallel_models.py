@@ -50,19 +50,20 @@ def _prompts(vocab: int = 512) -> list[list[int]]:
 def save_tiny_kv_checkpoint(path) -> str:
     """A tiny random Llama (tests/models/conftest.py) with the default model's attention
     shape, for the KV cache tests: head_dim 64, 9 query heads on 3 KV heads (2 ranks
-    hold KV heads 0-1 and 2), hidden 576, 2 layers, vocabulary 512. Its tokenizer gives
-    one token per character (code points 3..511, others ``<unk>``), so that the fp8
-    calibration text reads as the ~780 varied tokens it is, not as one repeated
-    ``<unk>``; and each layer's KV heads have their K and V projections scaled apart
-    (x1/4, x1, x4, in another order per layer and for V), so that every (layer, K/V,
-    head) calibrates a scale of its own. Returns the directory."""
+    hold KV heads 0-1 and 2), hidden 576 and FFN 1536 as the default model's, but 2
+    layers and a vocabulary of 512. Its tokenizer gives one token per character (code
+    points 3..511, others ``<unk>``), so that the fp8 calibration text reads as the
+    ~780 varied tokens it is, not as one repeated ``<unk>``; and each layer's KV heads
+    have their K and V projections scaled apart (x1/4, x1, x4, in another order per
+    layer and for V), so that every (layer, K/V, head) calibrates a scale of its own.
+    Returns the directory."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from tests.models.conftest import VOCAB, save_tiny_checkpoint
 
-    model = save_tiny_checkpoint(path, "LlamaConfig", hidden_size=576, num_attention_heads=9,
-                                 num_key_value_heads=3, head_dim=64,
+    model = save_tiny_checkpoint(path, "LlamaConfig", hidden_size=576, intermediate_size=1536,
+                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                  max_position_embeddings=1024)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):

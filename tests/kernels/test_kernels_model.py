@@ -61,9 +61,9 @@ def test_decoder_steps_match_torch_backend(device):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    """A tiny random Llama with the default model's attention shape (head_dim 64, 9
-    query heads on 3 KV heads) in 2 layers, its KV heads' fp8 scales apart
-    (tests/test_tensor_parallel_models.py's ``save_tiny_kv_checkpoint``)."""
+    """A tiny random Llama with the default model's widths (hidden 576, FFN 1536,
+    head_dim 64, 9 query heads on 3 KV heads) in 2 layers, its KV heads' fp8 scales
+    apart (tests/test_tensor_parallel_models.py's ``save_tiny_kv_checkpoint``)."""
     from tests.test_tensor_parallel_models import save_tiny_kv_checkpoint
 
     return save_tiny_kv_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

@@ -260,8 +260,10 @@ def test_model_info_health_reflection(disagg):
 @pytest.mark.parametrize("mode", ["disagg", "coloc"])
 def test_c03_stop_string_spanning_tokens(mode, request):
     client = request.getfixturevalue(mode)
-    base = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=40, stream=False))
+    # Only the text up to the stop string's end (character 17) is compared below.
+    base = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=20, stream=False))
     text = base[0].text
+    assert len(text) >= 17, text
     stop = text[10:17]
     for stream in (True, False):
         resp = client.generate(greedy_req(prompt="A B C D E F G H I J K", max_tokens=128,
@@ -521,9 +523,16 @@ def test_disaggregated_workers_lending_idle_cores_serve_the_same_tokens(ray_sess
         for w in client.workers():
             assert w.info["cpus"] == cores           # not pinned
         prompts, reference = parity
+        # All eight prompts are held to these tokens on the pinned cluster
+        # (test_greedy_parity_over_grpc[disagg]); what lending changes is the cores
+        # each worker steps on, its own share plus the idle one's. Short chat and raw
+        # prompts beside the longest, whose prefill keeps the prefill worker busy
+        # while the decode worker starts on the others.
+        keep = [0, 4, 5, 7]
+        prompts, reference = [prompts[i] for i in keep], [reference[i] for i in keep]
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda p: client.generate(greedy_req(ids=p)), prompts))
-        for i, (resp, ref) in enumerate(zip(outs, reference)):
+        for i, (resp, ref) in zip(keep, zip(outs, reference)):
             assert token_ids_of(resp) == ref, f"prompt {i}"
         counts = client.wait_idle()
         assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts.values()), counts
