@@ -388,7 +388,8 @@ def _add_conditional_disaggregation_args(p: argparse.ArgumentParser) -> None:
                         "disaggregation; default: always on the prefill worker)")
     p.add_argument("--prefer-local-prefill", action="store_true",
                    help="disaggregated: prefill a request on its decode worker while that "
-                        "worker has no decode batch, or when its prefix cache holds all of the "
+                        "worker has no decode batch and the prefill worker no more prompt "
+                        "tokens in flight than it, or when its prefix cache holds all of the "
                         "prompt but one block (no KV cache moves; default: always on the "
                         "prefill worker)")
 

@@ -71,7 +71,8 @@ class ServeConfig:
             many prompt tokens in flight (conditional disaggregation; None: always
             remote). See :class:`~tandem.router.orchestrator.Orchestrator`.
         prefer_local_prefill: disaggregated: a request whose decode worker has
-            no decode batch, or holds all of its prompt but one block in its
+            no decode batch (and fewer prompt tokens in flight than a busy
+            prefill worker), or holds all of its prompt but one block in its
             prefix cache, is prefilled there (no decode step waits behind its
             prompt, its KV cache does not move); see the
             :class:`~tandem.router.orchestrator.Orchestrator`.

@@ -141,10 +141,12 @@ class Orchestrator:
         prefer_local_prefill: conditional disaggregation's other half: a
             request is prefilled on its decode worker where that delays no
             decode step by more than a block's tokens: while the worker has no
-            decode batch (nothing on it but prompts it prefills itself,
-            :meth:`_decode_idle`: no decode step waits, and the KV handoff, the
-            whole difference between disaggregated and colocated TTFT at one
-            stream, is skipped), or when the worker's prefix cache holds all of
+            decode batch (nothing on it but prompts whose first token is not
+            back, :meth:`_decode_idle`: no decode step waits, and the KV
+            handoff, the whole difference between disaggregated and colocated
+            TTFT at one stream, is skipped) and the prefill worker has no prompt
+            in flight or more prompt tokens in flight than the decode worker
+            computes itself, or when the worker's prefix cache holds all of
             the prompt but at most one block (:meth:`_cached_on`; NVIDIA
             Dynamo's rule, which weighs the prompt's uncached part): sending it
             away would recompute it and move KV the worker has already.
@@ -266,9 +268,18 @@ class Orchestrator:
         prompt logprobs, no prefill worker alive: degraded, not refused; or the
         prefill worker picked has ``max_prefill_queue_tokens`` in flight already,
         more than ``decode`` has; or ``prefer_local_prefill`` and ``decode`` has no
-        decode batch, :meth:`_decode_idle`, or holds the prompt,
-        :meth:`_cached_on`; ``request_id``, the request's internal id, already
-        registered on ``decode``, is not counted there).
+        decode batch, :meth:`_decode_idle`, while the prefill worker has no prompt
+        in flight or more prompt tokens than ``decode`` computes itself; or
+        ``decode`` holds the prompt, :meth:`_cached_on`; ``request_id``, the
+        request's internal id, already registered on ``decode``, is not counted
+        there).
+
+        The idle rule in steps: a burst that reaches idle workers is prefilled on
+        the decode worker whole, as a colocated worker would (with core lending it
+        steps on the idle prefill worker's cores too); once the prefill worker has
+        prompts in flight, further ones go to whichever of the two has fewer prompt
+        tokens in flight, so that a burst arriving just after one prompt was sent
+        away is shared between the two instead of queued behind it.
 
         Prompt logprobs come from the logits of every prompt position, which only
         the engine that runs the prompt has; the KV transfer carries KV and the
@@ -285,8 +296,10 @@ class Orchestrator:
             return None
         limit, queued = self.max_prefill_queue_tokens, prefill.inflight_prefill_tokens
         if (limit is not None and queued >= limit and decode.inflight_prefill_tokens < queued) \
-                or (self.prefer_local_prefill and (self._decode_idle(decode, request_id)
-                                                   or self._cached_on(decode, v.prompt_token_ids))):
+                or (self.prefer_local_prefill
+                    and ((self._decode_idle(decode, request_id)
+                          and (not queued or decode.inflight_prefill_tokens < queued))
+                         or self._cached_on(decode, v.prompt_token_ids))):
             if self.metrics:
                 self.metrics.prefilled_locally()
             return None
@@ -294,13 +307,12 @@ class Orchestrator:
 
     def _decode_idle(self, decode: WorkerHandle, request_id: str | None) -> bool:
         """``decode`` has no decode batch: every other request of this router on it
-        is a prompt it prefills itself whose first token is not back, and its
-        latest step output reports no more requests running, waiting or swapped
-        than those (other routers' included). A burst that reaches an idle
-        decode worker is prefilled there whole, as a colocated worker would,
-        until its first token is out; a request that only missed the worker's
-        latest step output counts through this router's own count."""
-        local = decode.inflight_local_prefills
+        is a prompt whose first token is not back, computed there or waiting for
+        its KV cache from a prefill worker, and its latest step output reports no
+        more requests running, waiting or swapped than those (other routers'
+        included). A request that only missed the worker's latest step output
+        counts through this router's own count."""
+        local = decode.inflight_local_prefills + decode.inflight_remote_prefills
         if self.cluster.num_requests_on(decode.worker_id, besides=request_id) != local:
             return False
         s = decode.stats
@@ -426,6 +438,10 @@ class Orchestrator:
         local = 0 if att.prefill is not None else len(v.prompt_token_ids)
         att.decode.inflight_prefill_tokens += local
         att.decode.inflight_local_prefills += bool(local)
+        # The decode worker waits for this prompt's KV: no decode batch of it yet
+        # (prefer_local_prefill weighs that, _decode_idle).
+        remote = att.prefill is not None
+        att.decode.inflight_remote_prefills += remote
         try:
             att.added = asyncio.ensure_future(self._add(att.decode, reqs))
             if att.prefill is not None:          # the first attempt: reqs is the one request
@@ -440,6 +456,9 @@ class Orchestrator:
                 trace.dispatched = time.monotonic()
             if att.prefill is not None:
                 async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
+                    if remote:
+                        att.decode.inflight_remote_prefills -= 1
+                        remote = False
                     yield ev
             while not all(s.finished for s in samples):
                 item = await queue.get()
@@ -454,6 +473,7 @@ class Orchestrator:
         finally:
             att.decode.inflight_prefill_tokens -= local
             att.decode.inflight_local_prefills -= bool(local)
+            att.decode.inflight_remote_prefills -= remote
 
     @staticmethod
     def _resumed_sample(v: ValidatedRequest, rid: str, s: SampleStream, router_id: str,

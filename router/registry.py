@@ -43,6 +43,9 @@ class WorkerHandle:
             prefills, where the router prefilled locally (``max_prefill_queue_tokens``).
         inflight_local_prefills: a decode worker's own prefills among them: this
             router's requests on it whose prompt it computes, first token not back.
+        inflight_remote_prefills: this router's requests on a decode worker whose
+            prompt a prefill worker computes, first token not back: they wait for
+            their KV cache, no decode step of theirs yet.
         alive: False once a call to it failed because it is gone.
         generation: its incarnation number in the cluster state (0 without one):
             a restarted worker has a larger one; KV transfers carry it (fencing).
@@ -61,6 +64,7 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     inflight_prefill_tokens: int = 0
     inflight_local_prefills: int = 0
+    inflight_remote_prefills: int = 0
     alive: bool = True
     generation: int = 0
     draining: bool = False

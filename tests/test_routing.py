@@ -292,6 +292,42 @@ def test_prefer_local_prefill_only_while_the_decode_worker_has_no_decode_batch(
         assert when_idle._pick_prefill(v, decode) is prefill
 
 
+@pytest.mark.parametrize("waiting_kv,own_prompts,queued,running,local", [
+    (1, 0, 256, 0, True),      # one prompt sent away, nothing to decode: the next one stays
+    (1, 1, 256, 0, False),     # as many tokens on both: the prefill worker's turn
+    (2, 1, 512, 0, True),      # the prefill worker's queue the longer: the decode worker's
+    (1, 0, 0, 0, True),        # its KV is on the way, the prefill worker idle again
+    (1, 0, 256, 1, False),     # beside a decode batch no prompt stays
+    (0, 1, 256, 0, False)])    # another router's prompt on the prefill worker, as many here
+def test_prefer_local_prefill_shares_a_burst_with_a_busy_prefill_worker(
+        waiting_kv, own_prompts, queued, running, local):
+    """Requests waiting for their KV cache from the prefill worker are no decode batch:
+    while the decode worker has none, a prompt goes to whichever of the two workers has
+    fewer prompt tokens in flight (the prefill worker idle: the decode worker)."""
+    from tandem.engine.sampling.sampling_params import SamplingParams
+    from tandem.router.cluster import Cluster
+    from tandem.router.orchestrator import Orchestrator
+    from tandem.router.validation import ValidatedRequest
+
+    registry = InProcessRegistry()
+    prefill = D("prefill-0", role="prefill")
+    decode = D("decode-0", running=running, waiting=waiting_kv + own_prompts)
+    registry.add(prefill)
+    registry.add(decode)
+    prefill.inflight_prefill_tokens = queued
+    decode.inflight_remote_prefills = waiting_kv
+    decode.inflight_local_prefills = own_prompts
+    decode.inflight_prefill_tokens = 256 * own_prompts
+    cluster = Cluster(registry, LeastLoadedPolicy(), router_id="router-a")
+    for i in range(waiting_kv + own_prompts + running):
+        cluster.register(f"other-{i}", decode)
+    cluster.register("rid", decode)
+    v = ValidatedRequest("r", tuple(P(256)), SamplingParams(max_tokens=4), 0, False)
+    orch = Orchestrator(cluster, tokenizer=None, prefer_local_prefill=True)
+    assert orch._pick_prefill(v, decode, "rid") is (None if local else prefill)
+    assert Orchestrator(cluster, tokenizer=None)._pick_prefill(v, decode, "rid") is prefill
+
+
 @pytest.mark.parametrize("cached_tokens,local", [
     (64, True),         # all of it: nothing to compute but its last token
     (60, True),         # all but one block (4 tokens)

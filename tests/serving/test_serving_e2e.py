@@ -150,6 +150,48 @@ def test_prefer_local_prefill_keeps_prompts_off_a_busy_decode_worker_unless_cach
     assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts_after.values())
 
 
+def test_prefer_local_prefill_shares_prompts_with_a_busy_prefill_worker(
+        disagg, tokenizer, hf_greedy):
+    """``prefer_local_prefill``: a prompt that arrives while the decode worker only
+    waits for another prompt's KV cache (no decode batch) and the prefill worker
+    computes that one, is prefilled on the decode worker, not queued behind it.
+    Both answers are the reference's; the router's in-flight counts return to zero."""
+    import concurrent.futures
+
+    sent_away = tokenizer.encode("A long note on tides, read by no other test. " * 40)
+    kept = tokenizer.encode("A short note on moss, read by no other test.")
+    reference = [hf_greedy(p, NUM_TOKENS) for p in (sent_away, kept)]
+    server = disagg.server.server
+    orchestrator = server.orchestrator
+    prefill, decode = server.cluster.prefill[0], server.cluster.decode[0]
+    metric = ("tandem:local_prefills_total", "tandem:kv_transfer_seconds_count")
+
+    def counts():
+        text = disagg.metrics_text()
+        return [_counter(text, name) for name in metric]
+    disagg.wait_idle()
+    local0, remote0 = counts()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            # Sent away while the rule is off (an idle decode worker would keep it).
+            first = pool.submit(disagg.generate, greedy_req(ids=sent_away))
+            deadline = time.monotonic() + 30
+            while not prefill.inflight_prefill_tokens:
+                assert time.monotonic() < deadline and not first.done(), "never sent away"
+                time.sleep(0.002)
+            orchestrator.prefer_local_prefill = True
+            second = pool.submit(disagg.generate, greedy_req(ids=kept))
+            assert token_ids_of(second.result(120)) == reference[1]
+            assert token_ids_of(first.result(120)) == reference[0]
+        finally:
+            orchestrator.prefer_local_prefill = False
+    assert counts() == [local0 + 1, remote0 + 1]
+    counts_after = disagg.wait_idle()
+    assert all(c["num_free_blocks"] == c["num_blocks"] for c in counts_after.values())
+    assert (decode.inflight_remote_prefills, decode.inflight_local_prefills,
+            decode.inflight_prefill_tokens, prefill.inflight_prefill_tokens) == (0, 0, 0, 0)
+
+
 def test_prefill_kv_really_moved(disagg, tokenizer):
     counts = disagg.block_counts()
     before, decode_before = counts["prefill-0"]["kv_transfer_bytes"], counts["decode-0"]
