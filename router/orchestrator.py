@@ -456,10 +456,11 @@ class Orchestrator:
                 trace.dispatched = time.monotonic()
             if att.prefill is not None:
                 async for ev in self._remote_prefill(reqs[0], att, samples, queue, trace):
-                    if remote:
-                        att.decode.inflight_remote_prefills -= 1
-                        remote = False
                     yield ev
+                # Its prefill is over, remote or (after a failed transfer) on the
+                # decode worker: from here on it is decoded.
+                att.decode.inflight_remote_prefills -= remote
+                remote = False
             while not all(s.finished for s in samples):
                 item = await queue.get()
                 _raise_if_lost(item)
