@@ -328,6 +328,17 @@ class SchedulerConfig:
             recompute costs ``tokens to recompute / recompute_tokens_per_s``.
         swap_bytes_per_s: the cost model's device<->host copy speed (bytes/s):
             a swap costs ``bytes out and back in / swap_bytes_per_s``.
+        burst_prefill_tokens: how a burst of new prompts is split over steps
+            (tokens per decoding sequence; None: not split, only the token budget
+            limits a step). A step that already holds prompt tokens admits
+            another new prompt only while its prompt tokens stay within
+            ``burst_prefill_tokens x (the step's decoding sequences + 1)``. With
+            few sequences decoding, a step is cheap to repeat: the burst's first
+            prompts get their first token a step sooner instead of waiting for the
+            whole burst's prefill. With many, every extra step holds them all
+            back, and the burst goes in as the budget allows. A prompt alone is
+            never held back, and a prompt is never cut by this rule (only by the
+            budget).
 
     The two speeds' defaults were measured for the default model in float32 on
     a 2-core CPU by ``benchmarks/kv_pressure.py`` (it prints both: 730 tokens/s
@@ -342,8 +353,12 @@ class SchedulerConfig:
     preemption_mode: str = "auto"
     recompute_tokens_per_s: float = 700.0
     swap_bytes_per_s: float = 2.5e9
+    burst_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.burst_prefill_tokens is not None and self.burst_prefill_tokens < 1:
+            raise ValueError(f"burst_prefill_tokens: must be >= 1 or None, "
+                             f"got {self.burst_prefill_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

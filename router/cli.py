@@ -22,6 +22,11 @@ import sys
 import time
 
 
+DEFAULT_BURST_PREFILL_TOKENS = 256
+"""``tandem serve``'s ``--burst-prefill-tokens``: measured in benchmarks/README.md
+("Splitting a burst of prompts over steps")."""
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face checkpoint dir (default: SmolLM2-135M-Instruct)")
@@ -148,7 +153,9 @@ def _engine_config(args):
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill))
+                                  enable_chunked_prefill=not args.no_chunked_prefill,
+                                  burst_prefill_tokens=getattr(args, "burst_prefill_tokens",
+                                                               None) or None))
 
 
 _GGUF_MAGIC = b"GGUF"
@@ -266,6 +273,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"],
                    help="disaggregated: prefill workers compute prompts and send their KV to "
                         "decode workers; colocated: every worker does both")
+    p.add_argument("--burst-prefill-tokens", type=int, default=DEFAULT_BURST_PREFILL_TOKENS,
+                   help="split a burst of new prompts over the steps of a worker that decodes: "
+                        "a step that holds prompt tokens admits another new prompt only while "
+                        "they stay within this many per decoding sequence + 1, so the first "
+                        "prompts of a burst answer a step sooner (0: no split, the token budget "
+                        "alone decides; prefill workers never split; see "
+                        "SchedulerConfig.burst_prefill_tokens)")
     p.add_argument("--host", default="127.0.0.1", help="the address the router's ports bind")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (disaggregated)")
@@ -480,11 +494,15 @@ def _serve_config(args):
     prefill_tp, decode_tp = _tensor_parallel_sizes(args)
     engine = dataclasses.replace(_engine_config(args), tensor_parallel_size=decode_tp)
     prefill_engine = None
-    if args.prefill_block_size is not None or prefill_tp != decode_tp:
+    if (args.prefill_block_size is not None or prefill_tp != decode_tp
+            or engine.scheduler.burst_prefill_tokens is not None):
+        # A prefill worker never decodes: the burst rule would prefill its prompts one
+        # by one; its steps take prompts as the budget allows.
         prefill_engine = dataclasses.replace(
             engine, tensor_parallel_size=prefill_tp,
             cache=dataclasses.replace(engine.cache, block_size=args.prefill_block_size
-                                      or engine.cache.block_size))
+                                      or engine.cache.block_size),
+            scheduler=dataclasses.replace(engine.scheduler, burst_prefill_tokens=None))
     return ServeConfig(mode=args.mode, host=args.host, port=args.port,
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,

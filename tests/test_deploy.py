@@ -831,6 +831,19 @@ def tensor_parallel_errors(argv: list[str], cfg, groups: list[dict]) -> list[str
     return errors
 
 
+@pytest.mark.parametrize("flags,decode,prefill", [
+    ([], 256, None), (["--burst-prefill-tokens", "128"], 128, None),
+    (["--burst-prefill-tokens", "0"], None, None)])
+def test_serve_splits_bursts_on_workers_that_decode_only(flags, decode, prefill, monkeypatch):
+    """`tandem serve` splits bursts of prompts on decode and colocated workers (256 tokens
+    per decoding sequence unless told otherwise, 0 turns it off); its prefill workers,
+    which never decode, take prompts as the token budget allows."""
+    cfg = parse_serve(flags, monkeypatch)
+    assert cfg.engine.scheduler.burst_prefill_tokens == decode
+    assert (cfg.prefill_engine or cfg.engine).scheduler.burst_prefill_tokens == prefill
+    assert (cfg.prefill_engine or cfg.engine).cache == cfg.engine.cache
+
+
 def _ray_serve_argv(ray_cluster: dict) -> list[str]:
     return serve_command("\n".join(ray_cluster["head_start_ray_commands"]))
 

@@ -66,14 +66,14 @@ class FakeRunner:
 
 
 def make(num_blocks: int, num_host_blocks: int, mode: str, *, budget: int = 64,
-         max_num_seqs: int = 64, caching: bool = True, bytes_per_block: int = 100
-         ) -> tuple[Scheduler, FakeRunner]:
+         max_num_seqs: int = 64, caching: bool = True, bytes_per_block: int = 100,
+         burst_prefill_tokens: int | None = None) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks)
     # 100 bytes per block over 1 MB/s vs 100 tokens/s: a swap costs less unless most
     # of the request's KV is a shared cached prefix.
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              preemption_mode=mode, recompute_tokens_per_s=100,
-                             swap_bytes_per_s=1e6)
+                             swap_bytes_per_s=1e6, burst_prefill_tokens=burst_prefill_tokens)
     sch = Scheduler(config, kv, max_model_len=num_blocks * BS, bytes_per_block=bytes_per_block)
     return sch, FakeRunner(kv)
 
@@ -166,6 +166,49 @@ def test_random_workloads_keep_outputs_and_kv(seed, num_blocks, num_host_blocks,
     for kind, n in (("swap", sch.num_swap_preemptions),
                     ("recompute", sch.num_recompute_preemptions)):
         event(f"{kind} preemptions: {min(n, 3)}{'+' if n >= 3 else ''}")
+
+
+@pytest.mark.parametrize("burst_prefill_tokens", [1, 6, 16])
+def test_outputs_identical_with_bursts_split(burst_prefill_tokens):
+    """Splitting bursts of prompts over steps changes when requests run, never what
+    they produce, under KV pressure too."""
+    specs = workload(seed=5, num_requests=14)
+    baseline, _ = run_all(*make(256, 0, "recompute"), build(specs), max_steps=10_000)
+    sch, runner = make(20, 8, "auto", budget=24, burst_prefill_tokens=burst_prefill_tokens)
+    got, _ = run_all(sch, runner, build(specs), max_steps=3_000)
+    assert got == baseline
+
+
+def test_a_burst_is_split_by_the_decoding_sequences():
+    """burst_prefill_tokens = 8: a step admits another new prompt only while its
+    prompt tokens stay within 8 x (decoding sequences + 1); the first prompt of a
+    step always goes in, whole if the budget allows."""
+    sch, runner = make(64, 0, "recompute", budget=64, burst_prefill_tokens=8)
+    sch.add_request(new_request("d", list(range(10, 22)), 20))  # 12 tokens: alone, whole
+    out = step(sch, runner)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 12)]
+    for i in range(4):                                            # a burst of 4 x 8 tokens
+        sch.add_request(new_request(f"p{i}", list(range(30 + 10 * i, 38 + 10 * i)), 5))
+    # 1 decoding: room for 16 prompt tokens, so 2 prompts.
+    out = step(sch, runner)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("d", 1), ("p0", 8), ("p1", 8)]
+    # 3 decoding: room for 32, the other 2 together.
+    out = step(sch, runner)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("d", 1), ("p0", 1), ("p1", 1), ("p2", 8), ("p3", 8)]
+    # Without the rule the budget alone decides: the whole burst in one step.
+    sch, runner = make(64, 0, "recompute", budget=64)
+    sch.add_request(new_request("d", list(range(10, 22)), 20))
+    step(sch, runner)
+    for i in range(4):
+        sch.add_request(new_request(f"p{i}", list(range(30 + 10 * i, 38 + 10 * i)), 5))
+    assert len(step(sch, runner).scheduled) == 5
+
+
+def test_burst_prefill_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="burst_prefill_tokens"):
+        SchedulerConfig(burst_prefill_tokens=0)
 
 
 # -- exact queue behaviour ------------------------------------------------------------------

@@ -222,6 +222,7 @@ class Scheduler:
         self._preempt_for_priority(out)
         budget = self.token_budget
         running_preempted = False
+        num_decoding = num_prefill_tokens = 0     # this step's (burst_prefill_tokens)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -229,6 +230,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if num_new == 1:
+                num_decoding += 1
+            else:
+                num_prefill_tokens += num_new
             spec, draft_probs = self._spec_tokens(req, num_new, budget)
             num_new += len(spec)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
@@ -256,7 +261,9 @@ class Scheduler:
             elif req.needs_remote_kv:
                 num_new = self._reserve_remote(req, out)
             else:
-                num_new = self._admit(req, budget, out)
+                room = self._burst_room(num_prefill_tokens, num_decoding)
+                num_new = self._admit(req, budget, out, room)
+                num_prefill_tokens += num_new or 0
             if num_new is None:
                 break
             budget -= num_new
@@ -327,10 +334,23 @@ class Scheduler:
         out.kv_loads_to_start.append(req)
         return 0
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Start a waiting request's (next) prefill chunk; returns its tokens (None: no room)."""
+    def _burst_room(self, num_prefill_tokens: int, num_decoding: int) -> int | None:
+        """Prompt tokens a new prompt may add to a step that holds ``num_prefill_tokens``
+        of them beside ``num_decoding`` decodes (``SchedulerConfig.burst_prefill_tokens``);
+        None: no limit."""
+        per_seq = self.config.burst_prefill_tokens
+        if per_seq is None or num_prefill_tokens == 0:
+            return None
+        return per_seq * (num_decoding + 1) - num_prefill_tokens
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput,
+               room: int | None = None) -> int | None:
+        """Start a waiting request's (next) prefill chunk; returns its tokens (None: no
+        room: blocks, or ``room``, the prompt tokens this step may still take whole)."""
         blocks, num_cached = self._computed_blocks(req)
         num_new = req.num_tokens - num_cached
+        if room is not None and num_new > room:
+            return None
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return None
