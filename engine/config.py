@@ -337,8 +337,9 @@ class SchedulerConfig:
             prompts get their first token a step sooner instead of waiting for the
             whole burst's prefill. With many, every extra step holds them all
             back, and the burst goes in as the budget allows. A prompt alone is
-            never held back, and a prompt is never cut by this rule (only by the
-            budget).
+            never held back, a prompt is never cut by this rule (only by the
+            budget), and a burst whose prompt tokens exceed the budget is left to
+            the budget, which spreads it over steps already.
 
     The two speeds' defaults were measured for the default model in float32 on
     a 2-core CPU by ``benchmarks/kv_pressure.py`` (it prints both: 730 tokens/s

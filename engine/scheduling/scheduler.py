@@ -28,6 +28,12 @@ Three queues, each in :attr:`Request.sort_key` order (priority, then arrival):
    ends the step's admissions: no request overtakes an earlier one of the same
    priority, so a swapped (or recompute-preempted) request resumes before any
    request that arrived after it.
+   With ``burst_prefill_tokens`` set, a waiting prompt also does not fit when
+   the step already holds prompt tokens and this one would take them past
+   ``burst_prefill_tokens x (the step's decodes + 1)``: a burst of prompts that
+   arrives together is spread over steps, more of it per step the more
+   sequences decode; a burst larger than the budget is left to the budget
+   (serving's default; measured in benchmarks/README.md).
 
 No starvation. A request is preempted only in favour of requests that sort
 before it: in step 2 the victim is the last running request and the one that
@@ -251,6 +257,7 @@ class Scheduler:
 
         # Resume and admit only when the running requests fit: otherwise the
         # blocks just freed would be handed straight back and preempted again.
+        burst = self._burst_tokens()
         while (not running_preempted and budget > 0
                and len(self.running) + len(self.remote_kv) < self.config.max_num_seqs):
             req = self._next_to_start()
@@ -261,7 +268,7 @@ class Scheduler:
             elif req.needs_remote_kv:
                 num_new = self._reserve_remote(req, out)
             else:
-                room = self._burst_room(num_prefill_tokens, num_decoding)
+                room = self._burst_room(burst, num_prefill_tokens, num_decoding)
                 num_new = self._admit(req, budget, out, room)
                 num_prefill_tokens += num_new or 0
             if num_new is None:
@@ -334,12 +341,21 @@ class Scheduler:
         out.kv_loads_to_start.append(req)
         return 0
 
-    def _burst_room(self, num_prefill_tokens: int, num_decoding: int) -> int | None:
+    def _burst_tokens(self) -> int | None:
+        """The prompt tokens waiting to be computed here (None: no burst rule)."""
+        if self.config.burst_prefill_tokens is None:
+            return None
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting
+                   if not r.needs_remote_kv)
+
+    def _burst_room(self, burst: int | None, num_prefill_tokens: int,
+                    num_decoding: int) -> int | None:
         """Prompt tokens a new prompt may add to a step that holds ``num_prefill_tokens``
-        of them beside ``num_decoding`` decodes (``SchedulerConfig.burst_prefill_tokens``);
-        None: no limit."""
+        of them beside ``num_decoding`` decodes, ``burst`` prompt tokens waiting
+        (``SchedulerConfig.burst_prefill_tokens``); None: no limit. A burst larger than
+        the step's budget is spread over steps by the budget already: not limited."""
         per_seq = self.config.burst_prefill_tokens
-        if per_seq is None or num_prefill_tokens == 0:
+        if per_seq is None or num_prefill_tokens == 0 or burst > self.token_budget:
             return None
         return per_seq * (num_decoding + 1) - num_prefill_tokens
 
