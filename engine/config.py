@@ -338,8 +338,8 @@ class SchedulerConfig:
             whole burst's prefill. With many, every extra step holds them all
             back, and the burst goes in as the budget allows. A prompt alone is
             never held back, a prompt is never cut by this rule (only by the
-            budget), and a burst whose prompt tokens exceed the budget is left to
-            the budget, which spreads it over steps already.
+            budget), and a burst whose prompt tokens exceed two steps' budgets is
+            left to the budget, which spreads it over steps already.
 
     The two speeds' defaults were measured for the default model in float32 on
     a 2-core CPU by ``benchmarks/kv_pressure.py`` (it prints both: 730 tokens/s

@@ -183,7 +183,7 @@ def test_a_burst_is_split_by_the_decoding_sequences():
     """burst_prefill_tokens = 8: a step admits another new prompt only while its
     prompt tokens stay within 8 x (decoding sequences + 1); the first prompt of a
     step always goes in, whole if the budget allows; a burst the budget cannot take
-    in one step is left to the budget."""
+    in two steps is left to the budget."""
     sch, runner = make(64, 0, "recompute", budget=64, burst_prefill_tokens=8)
     sch.add_request(new_request("d", list(range(10, 22)), 20))  # 12 tokens: alone, whole
     out = step(sch, runner)
@@ -205,12 +205,12 @@ def test_a_burst_is_split_by_the_decoding_sequences():
     for i in range(4):
         sch.add_request(new_request(f"p{i}", list(range(30 + 10 * i, 38 + 10 * i)), 5))
     assert len(step(sch, runner).scheduled) == 5
-    # A burst larger than the budget is spread over steps by the budget already: the
-    # rule leaves it alone (9 x 8 tokens waiting against a 64-token budget).
+    # A burst larger than two steps' budgets is spread over steps by the budget
+    # already: the rule leaves it alone (17 x 8 tokens waiting, a 64-token budget).
     sch, runner = make(64, 0, "recompute", budget=64, burst_prefill_tokens=8)
     sch.add_request(new_request("d", list(range(10, 22)), 20))
     step(sch, runner)
-    for i in range(9):
+    for i in range(17):
         sch.add_request(new_request(f"p{i}", list(range(30 + 5 * i, 38 + 5 * i)), 5))
     out = step(sch, runner)
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [

@@ -32,8 +32,8 @@ Three queues, each in :attr:`Request.sort_key` order (priority, then arrival):
    the step already holds prompt tokens and this one would take them past
    ``burst_prefill_tokens x (the step's decodes + 1)``: a burst of prompts that
    arrives together is spread over steps, more of it per step the more
-   sequences decode; a burst larger than the budget is left to the budget
-   (serving's default; measured in benchmarks/README.md).
+   sequences decode; a burst larger than two steps' budgets is left to the
+   budget (serving's default; measured in benchmarks/README.md).
 
 No starvation. A request is preempted only in favour of requests that sort
 before it: in step 2 the victim is the last running request and the one that
@@ -353,9 +353,9 @@ class Scheduler:
         """Prompt tokens a new prompt may add to a step that holds ``num_prefill_tokens``
         of them beside ``num_decoding`` decodes, ``burst`` prompt tokens waiting
         (``SchedulerConfig.burst_prefill_tokens``); None: no limit. A burst larger than
-        the step's budget is spread over steps by the budget already: not limited."""
+        two steps' budgets is spread over steps by the budget already: not limited."""
         per_seq = self.config.burst_prefill_tokens
-        if per_seq is None or num_prefill_tokens == 0 or burst > self.token_budget:
+        if per_seq is None or num_prefill_tokens == 0 or burst > 2 * self.token_budget:
             return None
         return per_seq * (num_decoding + 1) - num_prefill_tokens
 
