@@ -35,6 +35,18 @@ from tandem.engine.runtime.worker_common import node_ip_address
 logger = logging.getLogger(__name__)
 
 
+def prefill_engine_config(config: EngineConfig) -> EngineConfig:
+    """``config`` as a prefill worker runs it: without the burst rule
+    (``SchedulerConfig.burst_prefill_tokens``), which spreads prompts over steps by
+    the sequences decoding beside them; a prefill worker never decodes, so the rule
+    would prefill its prompts one by one. Its steps take prompts as the token budget
+    allows."""
+    if config.scheduler.burst_prefill_tokens is None:
+        return config
+    return dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, burst_prefill_tokens=None))
+
+
 class PrefillWorker(EngineWorker):
     """Prefill worker around one :class:`LLMEngine`; what every worker answers the
     same way (``info``, ``fence``, ``poll``, ``stats``, ``abort``, ...) is
@@ -66,6 +78,7 @@ class PrefillWorker(EngineWorker):
                  control: ControlConfig | None = None, weights_from: LLMEngine | None = None,
                  engine_nice: int = 0, ticket_timeout_s: float = 600.0,
                  core_lending: CoreLendingConfig | None = None):
+        config = prefill_engine_config(config)
         self.ticket_timeout_s = ticket_timeout_s
         # request id -> (decode worker id, future of its ticket), while it waits
         self._ticket_waits: dict[str, tuple[str, Future]] = {}

@@ -494,15 +494,11 @@ def _serve_config(args):
     prefill_tp, decode_tp = _tensor_parallel_sizes(args)
     engine = dataclasses.replace(_engine_config(args), tensor_parallel_size=decode_tp)
     prefill_engine = None
-    if (args.prefill_block_size is not None or prefill_tp != decode_tp
-            or engine.scheduler.burst_prefill_tokens is not None):
-        # A prefill worker never decodes: the burst rule would prefill its prompts one
-        # by one; its steps take prompts as the budget allows.
+    if args.prefill_block_size is not None or prefill_tp != decode_tp:
         prefill_engine = dataclasses.replace(
             engine, tensor_parallel_size=prefill_tp,
             cache=dataclasses.replace(engine.cache, block_size=args.prefill_block_size
-                                      or engine.cache.block_size),
-            scheduler=dataclasses.replace(engine.scheduler, burst_prefill_tokens=None))
+                                      or engine.cache.block_size))
     return ServeConfig(mode=args.mode, host=args.host, port=args.port,
                        num_prefill=args.num_prefill, num_decode=args.num_decode, engine=engine,
                        prefill_engine=prefill_engine, kv_transport=args.kv_transport,

@@ -838,10 +838,13 @@ def test_serve_splits_bursts_on_workers_that_decode_only(flags, decode, prefill,
     """`tandem serve` splits bursts of prompts on decode and colocated workers (256 tokens
     per decoding sequence unless told otherwise, 0 turns it off); its prefill workers,
     which never decode, take prompts as the token budget allows."""
+    from tandem.prefill_worker.worker import prefill_engine_config
+
     cfg = parse_serve(flags, monkeypatch)
     assert cfg.engine.scheduler.burst_prefill_tokens == decode
-    assert (cfg.prefill_engine or cfg.engine).scheduler.burst_prefill_tokens == prefill
-    assert (cfg.prefill_engine or cfg.engine).cache == cfg.engine.cache
+    ran = prefill_engine_config(cfg.prefill_engine or cfg.engine)   # what a prefill worker runs
+    assert ran.scheduler.burst_prefill_tokens == prefill
+    assert ran.cache == cfg.engine.cache
 
 
 def _ray_serve_argv(ray_cluster: dict) -> list[str]:
