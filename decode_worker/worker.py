@@ -19,18 +19,111 @@ A plain class with async methods: Ray makes it an actor
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.core_lending import CoreLendingConfig
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
+from tandem.engine.runtime.outputs import AddResult, RequestDelta, WorkerRequest
 from tandem.engine.runtime.worker_common import node_ip_address
 from tandem.engine.scheduling.request import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+EARLY_ADD_TTL_S = 60.0
+"""Seconds :class:`EarlyAdds` keeps an unclaimed add or a call's mark."""
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip (it crosses to the router in an
+    :class:`AddResult`), else a ``RuntimeError`` with its type and first line."""
+    try:
+        pickle.loads(pickle.dumps(exc, protocol=5))
+        return exc
+    except Exception:
+        first = (str(exc).splitlines() or [""])[0]
+        return RuntimeError(f"{type(exc).__name__}: {first}")
+
+
+class EarlyAdds:
+    """Requests a router wrote on its output stream
+    (:mod:`~tandem.engine.runtime.output_stream`), matched with the ``add_request``
+    call the router makes for one when the stream broke before its answer came, so
+    that the request is added once, by whichever of the two comes first.
+
+    A frame starts the add on the engine loop (:meth:`from_stream`); a later call
+    returns that add's result (:meth:`claim`). A call that comes first adds the
+    request itself and leaves a mark that drops the frame if it still comes. Adds
+    no call claims (the usual case: the answer came on the stream) and marks no
+    frame matches (one lost with the connection) are forgotten ``ttl_s`` seconds
+    after they were made (an add not before it ran). Thread-safe: frames come on a
+    stream's reader thread, calls on the actor's event loop.
+
+    Attributes:
+        num_from_stream: adds a frame started (for tests and invariants).
+    """
+
+    def __init__(self, ttl_s: float = EARLY_ADD_TTL_S):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        # key -> (when, the add a frame started; None: the call's mark)
+        self._entries: dict[tuple, tuple[float, Future | None]] = {}
+        self._next_sweep = 0.0
+        self.num_from_stream = 0
+
+    @staticmethod
+    def _key(request: WorkerRequest) -> tuple:
+        return (request.router_id, request.request_id, request.sample_index, request.attempt)
+
+    def _forget_old(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.ttl_s)
+        for key in [k for k, (t, add) in self._entries.items()
+                    if now - t > self.ttl_s and (add is None or add.done())]:
+            del self._entries[key]
+
+    def from_stream(self, request: WorkerRequest, start: Callable[[], Future]) -> bool:
+        """A frame's request: ``start()`` (which queues the add on the engine loop)
+        unless its call came first or a frame for it already did; whether it started."""
+        now = time.monotonic()
+        with self._lock:
+            self._forget_old(now)
+            key = self._key(request)
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry[1] is None:              # its call came first and added it
+                    del self._entries[key]
+                return False
+            self._entries[key] = (now, start())
+            self.num_from_stream += 1
+            return True
+
+    def claim(self, request: WorkerRequest) -> Future | None:
+        """The call of a request its router sent ahead: the add its frame started
+        (then forgotten here), or None after leaving the mark that drops the frame
+        (the call adds the request itself)."""
+        now = time.monotonic()
+        with self._lock:
+            self._forget_old(now)
+            key = self._key(request)
+            entry = self._entries.pop(key, None)
+            if entry is not None and entry[1] is not None:
+                return entry[1]
+            self._entries[key] = (now, None)
+            return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
 
 
 class DecodeWorker(EngineWorker):
@@ -67,6 +160,7 @@ class DecodeWorker(EngineWorker):
             config, kv_transport=kv_transport if role == "decode" else None,
             transfer_timeout_s=transfer_timeout_s, enable_kv_events=True,
             weights_from=weights_from), engine_nice, core_lending=core_lending)
+        self.early_adds = EarlyAdds()
         self.control = start_worker_control(control, worker_id, role, self._static_info(),
                                             self._fence, self.loop)
 
@@ -97,22 +191,57 @@ class DecodeWorker(EngineWorker):
         (``sample_index`` i) runs under its own engine id and its deltas name the
         request and the sample.
 
+        A request the router wrote on its output stream first
+        (``request.sent_on_stream``: the stream broke before the answer came) may
+        have been added from there already (:class:`EarlyAdds`): the call then
+        returns that add's result.
+
         Raises:
             InvalidParameterError: the engine refuses it (field named).
             WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
+        if request.sent_on_stream:
+            started = self.early_adds.claim(request)
+            if started is not None:
+                return await asyncio.wrap_future(started)
         self._fence.check()
         await self.compile_constraint(request.sampling_params)
+        await self._call(self._add_now, request)
+
+    def _add_now(self, request: WorkerRequest) -> None:
+        """Add ``request`` to the engine (on the loop's thread)."""
+        first = self.engine.add_request(
+            list(request.prompt_token_ids), request.sampling_params, request.request_id,
+            request.priority, request.kv_transfer_params, request.output_token_ids,
+            request.output_logprobs, request.sample_index)[0]
+        self.loop.assign(first.request_id, request.router_id)
+        if request.output_token_ids:      # the client has them already
+            self.loop.mark_published(first.request_id, len(request.output_token_ids))
+
+    def _request_from_stream(self) -> Callable[[str, WorkerRequest], None]:
+        return self._add_from_stream
+
+    def _add_from_stream(self, subscriber: str, request: WorkerRequest) -> None:
+        """A request router ``subscriber`` wrote on its output stream: added on the
+        engine loop (fenced as :meth:`add_request` is), and answered with an
+        :class:`AddResult` in that router's outbox, unless a call for it came first
+        (runs on the stream's reader thread). Its own requests only, and none whose
+        grammar must compile first (its call does that)."""
+        if (request.router_id != subscriber
+                or request.sampling_params.structured_outputs is not None):
+            return
 
         def add() -> None:
-            first = self.engine.add_request(
-                list(request.prompt_token_ids), request.sampling_params, request.request_id,
-                request.priority, request.kv_transfer_params, request.output_token_ids,
-                request.output_logprobs, request.sample_index)[0]
-            self.loop.assign(first.request_id, request.router_id)
-            if request.output_token_ids:      # the client has them already
-                self.loop.mark_published(first.request_id, len(request.output_token_ids))
-        await self._call(add)
+            try:
+                self._fence.check()
+                self._add_now(request)
+            except Exception as exc:
+                self.loop.subscribers.answer(subscriber, AddResult(
+                    request.request_id, request.sample_index, request.attempt, portable(exc)))
+                raise
+            self.loop.subscribers.answer(subscriber, AddResult(
+                request.request_id, request.sample_index, request.attempt))
+        self.early_adds.from_stream(request, lambda: self.loop.call(add))
 
     async def start_decode(self, request_id: str, first_token_id: int | None,
                            first_logprobs: TokenLogprobs | None = None) -> RequestDelta | None:
@@ -152,10 +281,13 @@ class DecodeWorker(EngineWorker):
         return await self._call(self.engine.extend_kv_load, request_id, timeout_s)
 
     def _invariant_extras(self) -> dict:
-        """Late KV layers dropped so far (``kv_layers_dropped``), and where remote
+        """Late KV layers dropped so far (``kv_layers_dropped``), requests added from
+        a router's output stream ahead of their call (``adds_from_stream``), and where remote
         prefills' first tokens came from: the KV channel (``first_tokens_from_peer``)
         or the router (``first_tokens_from_router``)."""
         connector = self.engine.kv_connector
         return {"kv_layers_dropped": connector.num_dropped_layers if connector is not None else 0,
+                "adds_from_stream": self.early_adds.num_from_stream,
                 "first_tokens_from_peer": self.engine.num_first_tokens_from_peer,
                 "first_tokens_from_router": self.engine.num_first_tokens_from_caller}
+

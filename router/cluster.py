@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from tandem.control.reservations import InProcessReservations, Reservations
 
 from tandem.engine.runtime.output_stream import OutputStream, OutputStreamError
-from tandem.engine.runtime.outputs import RequestDelta, StepOutput
+from tandem.engine.runtime.outputs import AddResult, RequestDelta, StepOutput, WorkerRequest
 from tandem.router.registry import WorkerHandle, WorkerRegistry
 from tandem.router.routing import RoutingPolicy
 
@@ -98,6 +98,10 @@ class Cluster:
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}            # request id -> decode worker id
         self._pumps: dict[str, asyncio.Task] = {}   # worker id -> pump of its current handle
+        # worker id -> (the incarnation, its output stream while one is open)
+        self._streams: dict[str, tuple[WorkerHandle, OutputStream]] = {}
+        # worker id -> request key -> the future of its AddResult (requests sent on its stream)
+        self._answers: dict[str, dict[tuple, asyncio.Future]] = {}
         self._started = False
         self._refresher: asyncio.Task | None = None
         self._down_waiters: dict[str, list[asyncio.Future]] = {}
@@ -326,12 +330,13 @@ class Cluster:
                                 "lost with a broken output stream"))
                             return
                         frames = stream.frames_before
+                        self._streams[w.worker_id] = (w, stream)
                 if stream is not None:
                     try:
                         steps = await stream.read(STREAM_SILENCE_S)
                     except OutputStreamError as exc:
                         logger.info("%s: %s; reconnecting", w.worker_id, exc)
-                        stream.close()
+                        self._drop_stream(w, stream)
                         stream, next_try = None, 0.0
                         continue
                     if steps is None:
@@ -358,7 +363,39 @@ class Cluster:
                     return
         finally:
             if stream is not None:
-                stream.close()
+                self._drop_stream(w, stream)
+
+    def _drop_stream(self, w: WorkerHandle, stream: OutputStream) -> None:
+        """Close ``stream``; the requests sent on it that have no answer yet fail
+        with :class:`OutputStreamError` (whether the worker read them is unknown)."""
+        stream.close()
+        if self._streams.get(w.worker_id, (None, None))[1] is stream:
+            del self._streams[w.worker_id]
+            for fut in self._answers.pop(w.worker_id, {}).values():
+                if not fut.done():
+                    fut.set_exception(OutputStreamError(
+                        f"{w.worker_id}: the output stream ended before the answer"))
+
+    def add_on_stream(self, w: WorkerHandle, request: WorkerRequest) -> asyncio.Future | None:
+        """Send ``request`` to ``w`` on its output stream (see
+        :mod:`~tandem.engine.runtime.output_stream`): a future of the worker's
+        :class:`AddResult`, or None where ``w`` has no open stream that takes
+        requests (the caller makes the ``add_request`` call). The future fails with
+        :class:`OutputStreamError` if the stream ends first: the request may or may
+        not have been read, and the call, marked ``sent_on_stream``, settles it."""
+        entry = self._streams.get(w.worker_id)
+        if entry is None or entry[0] is not w or not entry[1].takes_requests:
+            return None
+        if not entry[1].send(request):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._answers.setdefault(w.worker_id, {})[AddResult.key_of(request)] = fut
+        return fut
+
+    def forget_answer(self, w: WorkerHandle, request: WorkerRequest) -> None:
+        """Stop waiting for ``request``'s answer on ``w``'s stream (the caller asks
+        by call instead)."""
+        self._answers.get(w.worker_id, {}).pop(AddResult.key_of(request), None)
 
     async def _open_stream(self, w: WorkerHandle) -> OutputStream:
         """``w``'s output stream for this router.
@@ -378,11 +415,17 @@ class Cluster:
         current = self._is_current(w)   # not a replaced (or removed) incarnation
         if steps:
             w.last_output_at = time.monotonic()
-            w.last_step_s = max((s.step_time_s for s in steps if s.step_time_s),
+            w.last_step_s = max((s.step_time_s for s in steps
+                                 if isinstance(s, StepOutput) and s.step_time_s),
                                 default=w.last_step_s)
         for step in steps:
             if not current:
                 break
+            if isinstance(step, AddResult):
+                fut = self._answers.get(w.worker_id, {}).pop(step.key, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(step)
+                continue
             self.registry.update_stats(w.worker_id, step.stats)
             if step.kv_events and self.kv_events_from_steps:
                 self.policy.on_kv_events(w.worker_id, step.kv_events)

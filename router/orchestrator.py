@@ -36,6 +36,7 @@ from typing import AsyncIterator, Awaitable
 
 from tandem.control.journal import InProcessJournal, JournalWriter, RequestJournal
 from tandem.engine.kv.kv_connector import KVTransferParams
+from tandem.engine.runtime.output_stream import OutputStreamError
 from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
 from tandem.kvtransfer.base import KVTransferError
 from tandem.kvtransfer.layout import KVLayoutMismatchError
@@ -43,7 +44,7 @@ from tandem.engine.runtime.worker_common import WorkerFencedError
 from tandem.router.cluster import Cluster, ServerStopping, WorkerHandle, WorkerLost
 from tandem.router.stream import SampleStream, SampleUpdate, new_sample_streams
 from tandem.router.validation import ValidatedRequest
-from tandem.router.worker_client import WorkerDiedError, WorkerError
+from tandem.router.worker_client import WorkerDiedError, WorkerError, as_raised
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ def _ignore_result(fut: asyncio.Future) -> None:
 
 MAX_MIGRATIONS = 3
 """Times a request may move to another decode worker after losing its own."""
+
+ADD_ANSWER_TIMEOUT_S = 10.0
+"""Seconds a request sent on a worker's output stream waits for the worker's answer
+before the router asks by call (which the worker matches with the frame, so the
+request is added once; an engine in a long step answers both after it)."""
 
 FAIL_WITH_SIBLINGS = "fail"
 """``Task.cancel(FAIL_WITH_SIBLINGS)`` of a task running :meth:`Orchestrator.generate`:
@@ -492,7 +498,7 @@ class Orchestrator:
     async def _add(self, w: WorkerHandle, reqs: list[WorkerRequest]) -> None:
         """Add ``reqs`` to ``w``; all or none: if one is refused, those added are
         aborted and the first error is raised."""
-        results = await asyncio.gather(*(w.client.add_request(r) for r in reqs),
+        results = await asyncio.gather(*(self._add_one(w, r) for r in reqs),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -500,6 +506,31 @@ class Orchestrator:
                 if not isinstance(res, BaseException):
                     await self._try(w.client.abort(r.request_id, r.sample_index))
             raise errors[0]
+
+    async def _add_one(self, w: WorkerHandle, r: WorkerRequest) -> None:
+        """Add ``r`` to ``w`` on its output stream where it has one
+        (:meth:`Cluster.add_on_stream`: it reaches the engine in a fraction of a
+        millisecond, the ``add_request`` call in 2-3 ms); by call otherwise, and
+        when the stream ended or stayed silent :data:`ADD_ANSWER_TIMEOUT_S` seconds
+        before the answer came (the worker matches that call with the frame it may
+        have read). A request whose grammar must compile first goes by call.
+
+        Raises:
+            as :meth:`WorkerClient.add_request`.
+        """
+        if r.sampling_params.structured_outputs is None:
+            ahead = dataclasses.replace(r, sent_on_stream=True)
+            answer = self.cluster.add_on_stream(w, ahead)
+            if answer is not None:
+                try:
+                    result = await asyncio.wait_for(asyncio.shield(answer), ADD_ANSWER_TIMEOUT_S)
+                except (OutputStreamError, asyncio.TimeoutError):
+                    self.cluster.forget_answer(w, ahead)
+                    return await w.client.add_request(ahead)
+                if result.error is not None:
+                    raise as_raised(w.worker_id, "add_request", result.error)
+                return None
+        return await w.client.add_request(r)
 
     def _lost(self, w: WorkerHandle, exc: BaseException):
         """A call to the attempt's decode worker found it gone: raise :class:`_WorkerLost`."""

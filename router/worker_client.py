@@ -56,6 +56,15 @@ def summary(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {first[:MAX_SUMMARY_CHARS]}"
 
 
+def as_raised(worker_id: str, method: str, exc: BaseException) -> BaseException:
+    """What the router raises for ``exc``, raised by worker ``worker_id``'s
+    ``method``: ``exc`` itself if it is one of :data:`TYPED_ERRORS`, else a
+    :class:`WorkerError` with its type and first line."""
+    if isinstance(exc, TYPED_ERRORS):
+        return exc
+    return WorkerError(worker_id, method, summary(exc))
+
+
 def _ray_exceptions():
     import ray.exceptions as rex
 
@@ -80,7 +89,7 @@ async def call_worker(worker_id: str, actor: Any, method: str, *args: Any) -> An
         except TYPED_ERRORS:
             raise
         except Exception as exc:
-            raise WorkerError(worker_id, method, summary(exc)) from exc
+            raise as_raised(worker_id, method, exc) from exc
     died, task_error = _ray_exceptions()
     try:
         return await bound.remote(*args)

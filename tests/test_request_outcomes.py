@@ -65,6 +65,9 @@ class _Cluster:
     def unregister(self, rid):
         self.queue = None
 
+    def add_on_stream(self, worker, request):
+        return None                  # no output stream: requests go by call
+
 
     def deliver(self, tokens=(7,), finish_reason=None):
         self.queue.put_nowait(RequestDelta(self.rid, tuple(tokens), finish_reason=finish_reason))

@@ -33,7 +33,7 @@ from tandem.engine.parallel.communicator import RankDiedError
 from tandem.engine.runtime.engine_loop import EngineLoop
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.output_stream import OutputStreamServer
-from tandem.engine.runtime.outputs import StepOutput, WorkerStats
+from tandem.engine.runtime.outputs import StepOutput, WorkerRequest, WorkerStats
 from tandem.engine.runtime.threads import apply_thread_settings
 from tandem.engine.runtime.worker_common import (Fence, block_counts, model_info,
                                                   node_ip_address, pin_cpus)
@@ -191,8 +191,16 @@ class EngineWorker:
             raise RuntimeError(f"{self.worker_id} engine failed: {self.loop.error}")
         if self._output_stream is None:
             self._output_stream = OutputStreamServer(self.loop.poll, node_ip_address(),
-                                                     unread=self.loop.unread)
+                                                     unread=self.loop.unread,
+                                                     on_request=self._request_from_stream())
         return self._output_stream.open(subscriber)
+
+    def _request_from_stream(self) -> Callable[[str, WorkerRequest], None] | None:
+        """What takes the requests routers send on their output streams ahead of
+        ``add_request`` (``on_request`` of
+        :class:`~tandem.engine.runtime.output_stream.OutputStreamServer`); None for a
+        role that adds none that way."""
+        return None
 
     async def stats(self) -> WorkerStats:
         return await self._call(self.engine.stats, self.worker_id, self.role)

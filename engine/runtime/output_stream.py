@@ -14,16 +14,18 @@ Setup rides on the (authenticated) worker call: :meth:`OutputStreamServer.open`
 returns the address and a fresh random token for one subscriber; the router
 connects, sends the token, and the worker answers with an HMAC-SHA256 of it, so
 each side knows the other had the token (nothing else reaches the worker from
-the connection, and the router reads nothing before that proof). The token works
-once.
+the connection before the token, and the router reads nothing before that proof;
+the frames that follow are pickles, trusted as the worker call that issued the
+token is). The token works once.
 
 The worker's answer is the proof followed by an 8-byte little-endian count: the
 frames with outputs it had sent (handed to the kernel) to this subscriber on its
 earlier streams. Then frames, worker to router only: an 8-byte little-endian length and
-a pickle (protocol 5) of ``list[StepOutput]``, the list that
+a pickle (protocol 5) of the list that
 :meth:`EngineLoop.poll <tandem.engine.runtime.engine_loop.EngineLoop.poll>`
-returned; an empty list every :data:`HEARTBEAT_S` seconds while nothing is
-published (the router's sign that the worker is alive; not counted).
+returned (step outputs, and the answers to requests sent on the stream); an
+empty list every :data:`HEARTBEAT_S` seconds while nothing is published (the
+router's sign that the worker is alive; not counted).
 
 Failures: the worker closes the connection when its engine loop failed or when
 it shuts down; the router then opens a new stream at once, and that call fails
@@ -32,10 +34,24 @@ A batch whose send fails goes back to the front of the outbox (the router's
 next stream or poll reads it). A connection that breaks while the worker lives
 (a reset, a router that closed its end) may still take outputs with it: a batch
 handed to the kernel that the router never read. A router that reconnects
-compares the worker's count with the frames it read (the worker first ends the old stream and
-waits for its thread, so the count is final); if they differ, outputs are lost
+compares the worker's count with the frames it read (the worker first ends the
+old stream and waits for its thread, so the count is final); if they differ, outputs are lost
 and the router treats the worker as lost (its requests resume elsewhere from
 their journaled tokens, as for a dead worker), never streaming with a gap.
+
+Requests on the stream: a worker built with ``on_request`` also reads frames from
+the router once the handshake is done, the same framing the other way (an 8-byte
+length and a pickle of a :class:`~tandem.engine.runtime.outputs.WorkerRequest`, at
+most :data:`MAX_REQUEST_FRAME_BYTES`), and adds each request it reads; its answer,
+an :class:`~tandem.engine.runtime.outputs.AddResult` (added, or the error adding
+it raised), comes back in the router's outbox, ahead of the request's first
+delta. A request takes a fraction of a millisecond this way; as a Ray actor call
+(``add_request``) it took 2-3 ms to reach the engine, and the call's work on the
+worker's threads then ran beside the prompt's prefill on the same cores. When the
+connection breaks before a request's answer came, the router cannot tell whether
+the worker read it: it makes the ``add_request`` call, marked ``sent_on_stream``,
+and the worker matches that call with the frame if one came (the request is added
+once; :class:`~tandem.decode_worker.worker.EarlyAdds`).
 """
 
 from __future__ import annotations
@@ -50,7 +66,7 @@ import socket
 import threading
 from typing import Callable
 
-from tandem.engine.runtime.outputs import StepOutput
+from tandem.engine.runtime.outputs import AddResult, StepOutput, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +78,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 """Seconds a connection has to present its token (worker) or the proof (router)."""
 CONNECT_TIMEOUT_S = 2.0
 """Seconds the router waits for the worker to accept its connection."""
+
+MAX_REQUEST_FRAME_BYTES = 64 << 20
+"""The largest request frame a worker reads (bytes); a longer one ends the connection."""
 
 _LABEL = b"tandem-output-stream"
 _LEN = 8
@@ -87,11 +106,15 @@ class OutputStreamServer:
         host: the address to listen on (the worker's node address).
         unread: ``unread(subscriber, steps)`` puts back what a send failed to deliver
             (the engine loop's), so the subscriber's next stream or poll has it.
+        on_request: ``on_request(subscriber, request)``, called on a connection's
+            reader thread with each request its router sends ahead of the call that
+            adds it (see the module docstring); None: nothing is read from routers.
     """
 
-    def __init__(self, poll: Callable[[float, str], list[StepOutput]], host: str,
-                 unread: Callable[[str, list[StepOutput]], None]):
-        self._poll, self._unread = poll, unread
+    def __init__(self, poll: Callable[[float, str], list[StepOutput | AddResult]], host: str,
+                 unread: Callable[[str, list[StepOutput]], None],
+                 on_request: Callable[[str, WorkerRequest], None] | None = None):
+        self._poll, self._unread, self._on_request = poll, unread, on_request
         self._sock = socket.create_server((host, 0))
         self.host, self.port = host, self._sock.getsockname()[1]
         self._lock = threading.Lock()
@@ -104,11 +127,13 @@ class OutputStreamServer:
 
     def open(self, subscriber: str) -> dict:
         """A one-time rendezvous for ``subscriber``'s stream: ``{"host", "port",
-        "token"}`` (the token as hex)."""
+        "token", "requests"}`` (the token as hex; ``requests``: whether this worker
+        reads requests from the stream)."""
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
             self._tokens[token] = subscriber
-        return {"host": self.host, "port": self.port, "token": token.hex()}
+        return {"host": self.host, "port": self.port, "token": token.hex(),
+                "requests": self._on_request is not None}
 
     @property
     def num_streams(self) -> int:
@@ -160,6 +185,9 @@ class OutputStreamServer:
                 conn.settimeout(None)         # a slow router blocks its own stream only
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.sendall(_proof(token) + taken.to_bytes(_LEN, "little"))
+                if self._on_request is not None:
+                    threading.Thread(target=self._read_requests, args=(conn, subscriber),
+                                     name="output-stream-requests", daemon=True).start()
                 self._push(conn, subscriber)
             except OSError:
                 pass                          # the router went away or we shut down
@@ -187,6 +215,28 @@ class OutputStreamServer:
                     self._frames[subscriber] = self._frames.get(subscriber, 0) + 1
 
 
+    def _read_requests(self, conn: socket.socket, subscriber: str) -> None:
+        """Hand each request frame of ``conn`` to ``on_request`` until the connection
+        ends; a frame over the size limit, or one that is not a request, ends it."""
+        try:
+            while True:
+                size = int.from_bytes(_recv_exactly(conn, _LEN), "little")
+                if size > MAX_REQUEST_FRAME_BYTES:
+                    raise ValueError(f"a request frame of {size} bytes")
+                request = pickle.loads(_recv_exactly(conn, size))
+                if not isinstance(request, WorkerRequest):
+                    raise ValueError(f"a frame with a {type(request).__name__}")
+                try:
+                    self._on_request(subscriber, request)
+                except Exception as exc:     # the request's call decides; never the stream
+                    logger.warning("request %s from the stream: %s", request.request_id, exc)
+        except OSError:
+            pass                             # closed: the push thread ends the stream
+        except Exception as exc:
+            logger.warning("output stream of %s ends: %s", subscriber, exc)
+            _shut(conn)
+
+
 def _shut(s: socket.socket) -> None:
     try:
         s.shutdown(socket.SHUT_RDWR)
@@ -209,6 +259,8 @@ class OutputStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
+        self.takes_requests = False
+        """Whether the worker reads requests from this stream (:meth:`send`)."""
         self.frames_before = 0
         """Frames with outputs the worker had sent to this subscriber on all its
         earlier streams when this one started (a reconnecting router compares it with
@@ -231,6 +283,7 @@ class OutputStream:
             raise OutputStreamError(f"cannot connect to the worker's output stream: "
                                     f"{exc!r}") from exc
         stream = cls(reader, writer)
+        stream.takes_requests = bool(rendezvous.get("requests"))
         try:
             sock = writer.get_extra_info("socket")
             if sock is not None:
@@ -248,8 +301,8 @@ class OutputStream:
         stream.frames_before = int.from_bytes(answer[len(proof):], "little")
         return stream
 
-    async def read(self, timeout_s: float) -> list[StepOutput] | None:
-        """The next frame's step outputs (an empty list is a heartbeat); None if
+    async def read(self, timeout_s: float) -> list[StepOutput | AddResult] | None:
+        """The next frame's step outputs and answers (an empty list is a heartbeat); None if
         nothing came within ``timeout_s`` seconds (the stream stays usable).
 
         Raises:
@@ -266,6 +319,17 @@ class OutputStream:
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise OutputStreamError(f"output stream frame cut short: {exc!r}") from exc
         return pickle.loads(payload)
+
+    def send(self, request: WorkerRequest) -> bool:
+        """Write ``request`` to the worker (without waiting: the connection's buffer
+        takes it); whether it was written (False once the connection is closing).
+        Its answer comes in a later frame from a worker built with ``on_request``;
+        nothing from one without."""
+        if self._writer.is_closing():
+            return False
+        payload = pickle.dumps(request, protocol=5)
+        self._writer.write(len(payload).to_bytes(_LEN, "little") + payload)
+        return True
 
     def close(self) -> None:
         self._writer.close()

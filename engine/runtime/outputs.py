@@ -39,6 +39,10 @@ class WorkerRequest:
             is (a sample resumed alone after a migration; its seed stream is
             sample ``sample_index``'s); 0 otherwise. The worker runs it under the
             engine id :func:`~tandem.engine.scheduling.request.sample_request_id`.
+        sent_on_stream: the router wrote this request on the worker's output stream
+            before this call, which it makes only when the stream broke before the
+            worker's :class:`AddResult` came (the worker may have added it from
+            there already; see :mod:`~tandem.engine.runtime.output_stream`).
     """
 
     request_id: str
@@ -51,6 +55,7 @@ class WorkerRequest:
     router_id: str = ""
     attempt: int = 0
     sample_index: int = 0
+    sent_on_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,34 @@ class WorkerStats:
     structured_output_compiles: int = 0
     structured_output_cache_hits: int = 0
     structured_output_compile_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """A worker's answer to a request its router sent on the output stream
+    (:mod:`~tandem.engine.runtime.output_stream`): it is added, or why not. Sent
+    to that router only, ahead of any step output with the request's deltas.
+
+    Attributes:
+        request_id, sample_index, attempt: the :class:`WorkerRequest`'s.
+        error: what adding it raised (the exception ``add_request`` would have
+            raised: ``InvalidParameterError``, ``WorkerFencedError``, ...); None:
+            added.
+    """
+
+    request_id: str
+    sample_index: int = 0
+    attempt: int = 0
+    error: BaseException | None = None
+
+    @staticmethod
+    def key_of(request: WorkerRequest) -> tuple[str, int, int]:
+        """The key that matches an answer with its request."""
+        return (request.request_id, request.sample_index, request.attempt)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.request_id, self.sample_index, self.attempt)
 
 
 @dataclass(frozen=True)

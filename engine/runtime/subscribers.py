@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from tandem.engine.runtime.outputs import StepOutput
+from tandem.engine.runtime.outputs import AddResult, StepOutput
 
 DEFAULT = ""
 
@@ -140,6 +140,15 @@ class Subscribers:
         for name, box in boxes:
             mine = tuple(by_owner.get(name, ()))
             box.steps.put(step if len(mine) == len(step.deltas) else replace(step, deltas=mine))
+
+    def answer(self, name: str, result: AddResult) -> None:
+        """Put ``result`` (the answer to a request ``name`` sent on its output
+        stream) in ``name``'s outbox, after what is there; no-op once ``name`` was
+        dropped."""
+        with self._lock:
+            box = self._outboxes.get(name)
+        if box is not None:
+            box.steps.put(result)
 
     @property
     def num_owned(self) -> int:

@@ -199,24 +199,25 @@ def test_the_largest_seed_with_n_samples_wraps_and_reproduces(server):
 # -- failures behind the front door --------------------------------------------------------
 
 class _AddRequestPatch:
-    """Routes the router's add_request calls through ``replace(add, client, request)``
-    (``add`` the original :meth:`WorkerClient.add_request`, ``client`` the worker's
-    typed client) until :meth:`restore`."""
+    """Routes the router's adds of a request to its decode worker through
+    ``replace(add, client, request)`` until :meth:`restore`: ``add(client, request)``
+    adds ``request`` as the router does (on the worker's output stream, by call
+    where there is none), ``client`` is the worker's typed client."""
 
     def __init__(self):
-        from tandem.router.worker_client import WorkerClient
+        from tandem.router.orchestrator import Orchestrator
 
-        self.cls, self.original = WorkerClient, WorkerClient.add_request
+        self.cls, self.original = Orchestrator, Orchestrator._add_one
 
     def route(self, replace) -> None:
         original = self.original
 
-        async def add_request(client, request):
-            return await replace(original, client, request)
-        self.cls.add_request = add_request
+        async def add_one(orch, w, request):
+            return await replace(lambda client, req: original(orch, w, req), w.client, request)
+        self.cls._add_one = add_one
 
     def restore(self) -> None:
-        self.cls.add_request = self.original
+        self.cls._add_one = self.original
 
 
 @pytest.fixture

@@ -205,6 +205,8 @@ def test_prefill_kv_really_moved(disagg, tokenizer):
     # The first token reached the decode worker on the KV channel, not from the router.
     assert decode_after["first_tokens_from_peer"] == decode_before["first_tokens_from_peer"] + 1
     assert decode_after["first_tokens_from_router"] == decode_before["first_tokens_from_router"]
+    # The request reached the decode worker on its output stream, not by Ray call.
+    assert decode_after["adds_from_stream"] == decode_before["adds_from_stream"] + 1
 
 
 def test_sixteen_concurrent_streams(disagg, tokenizer):
