@@ -143,12 +143,11 @@ class Subscribers:
 
     def answer(self, name: str, result: AddResult) -> None:
         """Put ``result`` (the answer to a request ``name`` sent on its output
-        stream) in ``name``'s outbox, after what is there; no-op once ``name`` was
-        dropped."""
+        stream) in ``name``'s outbox, after what is there (made if new: the stream's
+        first poll may not have come yet)."""
         with self._lock:
-            box = self._outboxes.get(name)
-        if box is not None:
-            box.steps.put(result)
+            box = self._outbox(name)
+        box.steps.put(result)
 
     @property
     def num_owned(self) -> int:
