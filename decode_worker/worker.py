@@ -81,7 +81,7 @@ class EarlyAdds:
 
     @staticmethod
     def _key(request: WorkerRequest) -> tuple:
-        return (request.router_id, request.request_id, request.sample_index, request.attempt)
+        return (request.router_id, *AddResult.key_of(request))
 
     def _forget_old(self, now: float) -> None:
         if now < self._next_sweep:
@@ -236,11 +236,9 @@ class DecodeWorker(EngineWorker):
                 self._fence.check()
                 self._add_now(request)
             except Exception as exc:
-                self.loop.subscribers.answer(subscriber, AddResult(
-                    request.request_id, request.sample_index, request.attempt, portable(exc)))
+                self.loop.subscribers.answer(subscriber, AddResult.to(request, portable(exc)))
                 raise
-            self.loop.subscribers.answer(subscriber, AddResult(
-                request.request_id, request.sample_index, request.attempt))
+            self.loop.subscribers.answer(subscriber, AddResult.to(request))
         self.early_adds.from_stream(request, lambda: self.loop.call(add))
 
     async def start_decode(self, request_id: str, first_token_id: int | None,

@@ -107,12 +107,12 @@ class OutputStreamServer:
         unread: ``unread(subscriber, steps)`` puts back what a send failed to deliver
             (the engine loop's), so the subscriber's next stream or poll has it.
         on_request: ``on_request(subscriber, request)``, called on a connection's
-            reader thread with each request its router sends ahead of the call that
-            adds it (see the module docstring); None: nothing is read from routers.
+            reader thread with each request its router sends on the stream (see the
+            module docstring); None: nothing is read from routers.
     """
 
     def __init__(self, poll: Callable[[float, str], list[StepOutput | AddResult]], host: str,
-                 unread: Callable[[str, list[StepOutput]], None],
+                 unread: Callable[[str, list[StepOutput | AddResult]], None],
                  on_request: Callable[[str, WorkerRequest], None] | None = None):
         self._poll, self._unread, self._on_request = poll, unread, on_request
         self._sock = socket.create_server((host, 0))

@@ -173,6 +173,11 @@ class AddResult:
         """The key that matches an answer with its request."""
         return (request.request_id, request.sample_index, request.attempt)
 
+    @classmethod
+    def to(cls, request: WorkerRequest, error: BaseException | None = None) -> "AddResult":
+        """The answer to ``request``."""
+        return cls(*cls.key_of(request), error)
+
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.request_id, self.sample_index, self.attempt)
