@@ -307,15 +307,20 @@ void repack_kv_f32(const float* kc, const float* vc, const int32_t* table, int64
     }
 }
 
-// float32 version of prefill_rows: kRowsF32 query rows of one head over
-// the repacked context; scores by an FMA per channel over 16 keys, the same online
-// softmax, then P.V by an FMA per key and 16 channels. CT: head_dim / 16 fixed at
+// float32 version of prefill_rows: kRowsF32 query rows of one head over the
+// repacked context, 32 keys (two tiles) per step: the scores by an FMA per channel
+// and tile (eight independent accumulators, two K vectors per broadcast query
+// element: the FMA units, not their latency or the loads, set the pace), one online
+// softmax over the 32 keys (one max and one sum per row, one rescale of the
+// accumulators), then P.V by an FMA per key and 16 channels. The context is
+// zero-padded to whole steps (F32Prefill::repack). CT: head_dim / 16 fixed at
 // compile time (0: runtime).
 template <int CT = 0>
 void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* out,
                       const float* kt, const float* vt, int64_t d_rt, float scale) {
     constexpr int R = kRowsF32;
-    const int64_t d = CT ? 16 * CT : d_rt, chunks = d / 16;
+    constexpr int64_t kKeys = 2 * kTile;
+    const int64_t d = CT ? 16 * CT : d_rt, chunks = d / 16, tile_floats = d * kTile;
     int64_t last = 0;
     for (int r = 0; r < R; ++r) last = pos[r] > last ? pos[r] : last;
     float m[R], l[R];
@@ -325,29 +330,67 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
         l[r] = 0.0f;
         for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_setzero_ps();
     }
-    alignas(64) float pp[R][kTile];
-    const int64_t ntiles = last / kTile + 1;
-    for (int64_t tile = 0; tile < ntiles; ++tile) {
-        const float* ktile = kt + tile * d * kTile;
-        __m512 s[R];
-        for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < d; ++c) {
-            const __m512 kv = _mm512_load_ps(ktile + c * kTile);
-            for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c]), kv, s[r]);
+    alignas(64) float pp[R][kKeys];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t steps = last / kKeys + 1;
+    for (int64_t step = 0; step < steps; ++step) {
+        const float* k0 = kt + 2 * step * tile_floats;
+        const float* k1 = k0 + tile_floats;
+        const int64_t first = step * kKeys;
+        // The rows' last step may end inside its first tile: the second is then all
+        // masked (its probabilities 0) and is neither multiplied nor summed.
+        const bool both = last >= first + kTile;
+        __m512 s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+        if (both) {
+            for (int64_t c = 0; c < d; ++c) {
+                const __m512 kv0 = _mm512_load_ps(k0 + c * kTile);
+                const __m512 kv1 = _mm512_load_ps(k1 + c * kTile);
+                for (int r = 0; r < R; ++r) {
+                    const __m512 qb = _mm512_set1_ps(q[r][c]);
+                    s0[r] = _mm512_fmadd_ps(qb, kv0, s0[r]);
+                    s1[r] = _mm512_fmadd_ps(qb, kv1, s1[r]);
+                }
+            }
+        } else {
+            for (int64_t c = 0; c < d; ++c) {
+                const __m512 kv0 = _mm512_load_ps(k0 + c * kTile);
+                for (int r = 0; r < R; ++r) s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c]), kv0, s0[r]);
+            }
         }
         for (int r = 0; r < R; ++r) {
-            float corr;
-            const __m512 p = softmax_tile(s[r], pos[r], tile, scale, m[r], l[r], corr);
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
-            _mm512_store_ps(pp[r], p);
+            __m512 a = _mm512_mul_ps(s0[r], vscale), b = _mm512_mul_ps(s1[r], vscale);
+            const int64_t valid = pos[r] - first + 1;           // keys <= pos in this step
+            if (valid < kKeys) {
+                const __m512i v = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(valid, 0)));
+                a = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, v), _mm512_set1_ps(-1e30f), a);
+                b = _mm512_mask_blend_ps(
+                    _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), v),
+                    _mm512_set1_ps(-1e30f), b);
+            }
+            const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+            const __m512 mv = _mm512_set1_ps(m_new);
+            const __m512 p0 = exp512(_mm512_sub_ps(a, mv));
+            const __m512 p1 = exp512(_mm512_sub_ps(b, mv));
+            if (m_new != m[r]) {     // else the factor is fast_exp(0) = 1 exactly: skipped
+                const float corr = fast_exp(m[r] - m_new);
+                l[r] *= corr;
+                const __m512 cv = _mm512_set1_ps(corr);
+                for (int64_t c = 0; c < chunks; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
+                m[r] = m_new;
+            }
+            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            _mm512_store_ps(&pp[r][0], p0);
+            _mm512_store_ps(&pp[r][16], p1);
         }
-        const float* vtile = vt + tile * kTile * d;
-        for (int64_t j = 0; j < kTile; ++j) {
+        const float* vstep = vt + 2 * step * tile_floats;
+        for (int64_t j = 0; j < (both ? kKeys : kTile); ++j) {
+            __m512 pb[R];
+            for (int r = 0; r < R; ++r) pb[r] = _mm512_set1_ps(pp[r][j]);
             for (int64_t c = 0; c < chunks; ++c) {
-                const __m512 vv = _mm512_load_ps(vtile + j * d + 16 * c);
-                for (int r = 0; r < R; ++r)
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pp[r][j]), vv, acc[r][c]);
+                const __m512 vv = _mm512_load_ps(vstep + j * d + 16 * c);
+                for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pb[r], vv, acc[r][c]);
             }
         }
     }
@@ -363,10 +406,14 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
 struct F32Prefill {
     using T = float;
     static constexpr int rows = kRowsF32;
-    static constexpr int64_t key_block = kTile;
+    static constexpr int64_t key_block = 2 * kTile;   // keys per step of prefill_rows_f32
     static int64_t tile_words(int64_t d) { return d * kTile; }
+    // repack_kv_f32, zero-padded to whole 32-key steps.
     static void repack(const float* kc, const float* vc, const int32_t* table, int64_t len,
                        int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
+        const int64_t words = (len + key_block - 1) / key_block * 2 * tile_words(d);
+        std::memset(kt, 0, sizeof(uint32_t) * words);
+        std::memset(vt, 0, sizeof(uint32_t) * words);
         repack_kv_f32(kc, vc, table, len, h, hkv, d, bs, reinterpret_cast<float*>(kt),
                       reinterpret_cast<float*>(vt));
     }
