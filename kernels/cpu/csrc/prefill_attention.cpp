@@ -30,6 +30,18 @@ inline __m512 softmax_tile(__m512 s, int64_t pos, int64_t tile, float scale, flo
     m = m_new;
     return p;
 }
+
+// Mask the raw scores of a 32-key step, keys 0-15 in `s0` and 16-31 in `s1`, to
+// -1e30 from key `valid` on (the keys after the row's position; none when `valid`
+// >= 32).
+inline void mask_scores32(__m512& s0, __m512& s1, int64_t valid) {
+    if (valid >= 32) return;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i v = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(valid, 0)));
+    s0 = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, v), _mm512_set1_ps(-1e30f), s0);
+    s1 = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), v),
+                              _mm512_set1_ps(-1e30f), s1);
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -219,18 +231,10 @@ void prefill_rows_amx(const bf16* const* q, const int64_t* pos, bf16* const* out
         // The online softmax over the 32 keys at once (one max and one sum per row).
         const int64_t k0pos = step * kAmxKeys;
         const __m512 vscale = _mm512_set1_ps(scale);
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         for (int r = 0; r < R; ++r) {
             __m512 s0 = _mm512_mul_ps(_mm512_load_ps(&sbuf[r][0]), vscale);
             __m512 s1 = _mm512_mul_ps(_mm512_load_ps(&sbuf[r][16]), vscale);
-            const int64_t valid = pos[r] - k0pos + 1;              // keys <= pos in this step
-            if (valid < kAmxKeys) {
-                const __m512i v = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(valid, 0)));
-                s0 = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, v), _mm512_set1_ps(-1e30f), s0);
-                s1 = _mm512_mask_blend_ps(
-                    _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), v),
-                    _mm512_set1_ps(-1e30f), s1);
-            }
+            mask_scores32(s0, s1, pos[r] - k0pos + 1);             // keys <= pos in this step
             const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
             const __m512 mv = _mm512_set1_ps(m_new);
             const __m512 p0 = exp512_nonpositive(_mm512_sub_ps(s0, mv));
@@ -332,7 +336,6 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
     }
     alignas(64) float pp[R][kKeys];
     const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t steps = last / kKeys + 1;
     for (int64_t step = 0; step < steps; ++step) {
         const float* k0 = kt + 2 * step * tile_floats;
@@ -361,14 +364,7 @@ void prefill_rows_f32(const float* const* q, const int64_t* pos, float* const* o
         }
         for (int r = 0; r < R; ++r) {
             __m512 a = _mm512_mul_ps(s0[r], vscale), b = _mm512_mul_ps(s1[r], vscale);
-            const int64_t valid = pos[r] - first + 1;           // keys <= pos in this step
-            if (valid < kKeys) {
-                const __m512i v = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(valid, 0)));
-                a = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(lane, v), _mm512_set1_ps(-1e30f), a);
-                b = _mm512_mask_blend_ps(
-                    _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), v),
-                    _mm512_set1_ps(-1e30f), b);
-            }
+            mask_scores32(a, b, pos[r] - first + 1);            // keys <= pos in this step
             const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
             const __m512 mv = _mm512_set1_ps(m_new);
             const __m512 p0 = exp512(_mm512_sub_ps(a, mv));
