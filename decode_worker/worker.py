@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
-import threading
-import time
-from concurrent.futures import Future
 from typing import Callable
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.core_lending import CoreLendingConfig
+from tandem.engine.runtime.early_adds import EarlyAdds, portable
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
 from tandem.engine.runtime.outputs import AddResult, RequestDelta, WorkerRequest
@@ -37,94 +34,6 @@ from tandem.engine.runtime.worker_common import node_ip_address
 from tandem.engine.scheduling.request import TokenLogprobs
 
 logger = logging.getLogger(__name__)
-
-EARLY_ADD_TTL_S = 60.0
-"""Seconds :class:`EarlyAdds` keeps an unclaimed add or a call's mark."""
-
-
-def portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives a pickle round trip (it crosses to the router in an
-    :class:`AddResult`), else a ``RuntimeError`` with its type and first line."""
-    try:
-        pickle.loads(pickle.dumps(exc, protocol=5))
-        return exc
-    except Exception:
-        first = (str(exc).splitlines() or [""])[0]
-        return RuntimeError(f"{type(exc).__name__}: {first}")
-
-
-class EarlyAdds:
-    """Requests a router wrote on its output stream
-    (:mod:`~tandem.engine.runtime.output_stream`), matched with the ``add_request``
-    call the router makes for one when the stream broke before its answer came, so
-    that the request is added once, by whichever of the two comes first.
-
-    A frame starts the add on the engine loop (:meth:`from_stream`); a later call
-    returns that add's result (:meth:`claim`). A call that comes first adds the
-    request itself and leaves a mark that drops the frame if it still comes. Adds
-    no call claims (the usual case: the answer came on the stream) and marks no
-    frame matches (one lost with the connection) are forgotten ``ttl_s`` seconds
-    after they were made (an add not before it ran). Thread-safe: frames come on a
-    stream's reader thread, calls on the actor's event loop.
-
-    Attributes:
-        num_from_stream: adds a frame started (for tests and invariants).
-    """
-
-    def __init__(self, ttl_s: float = EARLY_ADD_TTL_S):
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
-        # key -> (when, the add a frame started; None: the call's mark)
-        self._entries: dict[tuple, tuple[float, Future | None]] = {}
-        self._next_sweep = 0.0
-        self.num_from_stream = 0
-
-    @staticmethod
-    def _key(request: WorkerRequest) -> tuple:
-        return (request.router_id, *AddResult.key_of(request))
-
-    def _forget_old(self, now: float) -> None:
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + min(1.0, self.ttl_s)
-        for key in [k for k, (t, add) in self._entries.items()
-                    if now - t > self.ttl_s and (add is None or add.done())]:
-            del self._entries[key]
-
-    def from_stream(self, request: WorkerRequest, start: Callable[[], Future]) -> bool:
-        """A frame's request: ``start()`` (which queues the add on the engine loop)
-        unless its call came first or a frame for it already did; whether it started."""
-        now = time.monotonic()
-        with self._lock:
-            self._forget_old(now)
-            key = self._key(request)
-            entry = self._entries.get(key)
-            if entry is not None:
-                if entry[1] is None:              # its call came first and added it
-                    del self._entries[key]
-                return False
-            self._entries[key] = (now, start())
-            self.num_from_stream += 1
-            return True
-
-    def claim(self, request: WorkerRequest) -> Future | None:
-        """The call of a request its router sent ahead: the add its frame started
-        (then forgotten here), or None after leaving the mark that drops the frame
-        (the call adds the request itself)."""
-        now = time.monotonic()
-        with self._lock:
-            self._forget_old(now)
-            key = self._key(request)
-            entry = self._entries.pop(key, None)
-            if entry is not None and entry[1] is not None:
-                return entry[1]
-            self._entries[key] = (now, None)
-            return None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
 
 class DecodeWorker(EngineWorker):
     """Decode (or colocated) worker around one :class:`LLMEngine`; what every worker

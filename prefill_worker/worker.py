@@ -7,12 +7,16 @@ hold) to the decode worker from inside the forward pass of the step that
 computes a request's last prompt chunk, so the transfer of layer ``l``
 overlaps the compute of layer ``l + 1`` (:mod:`tandem.engine.kv.kv_connector`).
 The first token is sampled here (that is the TTFT), handed to the decode worker
-on the KV channel and returned. The request's blocks are freed once the transfer
-drained; its full blocks stay in the prefix cache.
+on the KV channel and sent to the router. The request's blocks are freed once
+the transfer drained; its full blocks stay in the prefix cache.
 
 The router sends a request here and to its decode worker at once: a request
 that comes without a ticket waits for the one its decode worker posts on their
-KV channel once it reserved the blocks (at most ``ticket_timeout_s``).
+KV channel once it reserved the blocks (at most ``ticket_timeout_s``). It comes on
+the router's output stream (:mod:`~tandem.engine.runtime.output_stream`), and the
+first token goes back there as the answer; by ``prefill`` call only when that
+stream broke first (:class:`~tandem.engine.runtime.early_adds.EarlyAdds` runs it
+once either way) or the request's grammar must compile first.
 
 A plain class with async methods: Ray makes it an actor.
 """
@@ -22,17 +26,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future
+from typing import Callable
 
 from tandem.control.worker_control import ControlConfig, start_worker_control
 from tandem.engine.config import EngineConfig
 from tandem.engine.runtime.core_lending import CoreLendingConfig
+from tandem.engine.runtime.early_adds import EarlyAdds, portable
 from tandem.engine.runtime.engine_worker import EngineWorker
 from tandem.engine.runtime.llm_engine import LLMEngine
-from tandem.engine.runtime.outputs import RequestDelta, WorkerRequest
+from tandem.engine.runtime.outputs import AddResult, RequestDelta, WorkerRequest
 from tandem.engine.runtime.worker_common import node_ip_address
 
 logger = logging.getLogger(__name__)
+
+ABORT_MARK_TTL_S = 60.0
+"""Seconds an abort that found its request nowhere here refuses the request if it
+arrives after all (see :meth:`PrefillWorker.abort`)."""
 
 
 def prefill_engine_config(config: EngineConfig) -> EngineConfig:
@@ -82,6 +93,9 @@ class PrefillWorker(EngineWorker):
         self.ticket_timeout_s = ticket_timeout_s
         # request id -> (decode worker id, future of its ticket), while it waits
         self._ticket_waits: dict[str, tuple[str, Future]] = {}
+        self.early_prefills = EarlyAdds()
+        # request id -> when an abort found it nowhere here (it may still arrive)
+        self._aborted_early: dict[str, float] = {}
         super().__init__(worker_id, "prefill", config, cpus, lambda: LLMEngine(
             config, kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s,
             enable_kv_events=True, weights_from=weights_from), engine_nice,
@@ -113,22 +127,36 @@ class PrefillWorker(EngineWorker):
         first token.
 
         Without ``kv_transfer_params.ticket``, first waits for the ticket the decode
-        worker posts on the KV channel (see the module's docstring).
+        worker posts on the KV channel (see the module's docstring). A request its
+        router wrote on the output stream first (``request.sent_on_stream``: the
+        stream broke before the answer came) may be prefilling from there already:
+        the call then returns that prefill's result.
 
         Returns:
             The first token's :class:`RequestDelta` (``finish_reason`` ``length``, or
             ``stop`` if that token already ends the request, e.g. EOS).
 
         Raises:
-            KVTransferError: the transfer failed or timed out, or no ticket came
-                within ``ticket_timeout_s`` (blocks are freed).
+            KVTransferError: the transfer failed or timed out, no ticket came
+                within ``ticket_timeout_s`` (blocks are freed), or an abort for the
+                request came before it (:meth:`abort`).
             WorkerFencedError: this worker is fenced (:meth:`fence`).
         """
+        if request.sent_on_stream:
+            started = self.early_prefills.claim(request)
+            if started is not None:
+                return await asyncio.wrap_future(started)
+        return await self._prefill(request)
+
+    async def _prefill(self, request: WorkerRequest) -> RequestDelta:
+        """:meth:`prefill`'s work (on this actor's event loop)."""
         from tandem.kvtransfer.base import KVTransferError
 
+        self._refuse_if_aborted(request.request_id)
         self._fence.check()
         params = request.sampling_params
         await self.compile_constraint(params)
+        self._refuse_if_aborted(request.request_id)      # while its grammar compiled
         kv = request.kv_transfer_params
         if kv is not None and kv.ticket is None:
             request = dataclasses.replace(request, kv_transfer_params=dataclasses.replace(
@@ -146,6 +174,40 @@ class PrefillWorker(EngineWorker):
         if delta.finish_reason == "error":
             raise KVTransferError(f"{self.worker_id}: {delta.stop_reason}")
         return delta
+
+    def _refuse_if_aborted(self, request_id: str) -> None:
+        """Raise ``KVTransferError`` if an abort came for ``request_id`` before it
+        (see :meth:`abort`)."""
+        from tandem.kvtransfer.base import KVTransferError
+
+        if self._aborted_early.pop(request_id, None) is not None:
+            raise KVTransferError(f"{self.worker_id}: request {request_id!r} was aborted "
+                                  "before it arrived")
+
+    def _request_from_stream(self) -> Callable[[str, WorkerRequest], None]:
+        return self._prefill_from_stream
+
+    def _prefill_from_stream(self, subscriber: str, request: WorkerRequest) -> None:
+        """A request router ``subscriber`` wrote on its output stream: prefilled on
+        this actor's event loop as :meth:`prefill` would, and answered in that
+        router's outbox with an :class:`AddResult` holding the first token's delta
+        (or the error the call would raise), unless a call for it came first (runs
+        on the stream's reader thread). Its own requests only, and none whose
+        grammar must compile first (its call does that)."""
+        if (request.router_id != subscriber or self._rpc_loop is None
+                or request.sampling_params.structured_outputs is not None):
+            return
+
+        async def prefill() -> RequestDelta:
+            try:
+                first = await self._prefill(request)
+            except BaseException as exc:
+                self.loop.subscribers.answer(subscriber, AddResult.to(request, portable(exc)))
+                raise
+            self.loop.subscribers.answer(subscriber, AddResult.to(request, first=first))
+            return first
+        self.early_prefills.from_stream(
+            request, lambda: asyncio.run_coroutine_threadsafe(prefill(), self._rpc_loop))
 
     async def _wait_ticket(self, request_id: str, peer_id: str, attempt: int) -> dict:
         """The ticket decode worker ``peer_id`` posts for ``request_id`` (attempt
@@ -171,14 +233,26 @@ class PrefillWorker(EngineWorker):
 
     async def abort(self, request_id: str, sample_index: int = 0) -> bool:
         """Abort ``request_id`` here, also while it waits for its ticket (the ticket
-        that comes later is dropped); see :meth:`EngineWorker.abort`."""
+        that comes later is dropped); see :meth:`EngineWorker.abort`. An abort that
+        finds the request nowhere here may have overtaken it (the router sends it on
+        the output stream, the abort by call): the request is then refused if it
+        comes within :data:`ABORT_MARK_TTL_S` seconds (``KVTransferError``; a router
+        aborts a request here only when it no longer wants its prefill)."""
         waiting = self._ticket_waits.pop(request_id, None)
         if waiting is not None:
             peer_id, fut = waiting
             self.engine.kv_connector.forget_ticket(peer_id, request_id)
             fut.cancel()
-        return await super().abort(request_id, sample_index) or waiting is not None
+        found = await super().abort(request_id, sample_index) or waiting is not None
+        if not found:
+            now = time.monotonic()
+            self._aborted_early = {rid: t for rid, t in self._aborted_early.items()
+                                   if now - t < ABORT_MARK_TTL_S}
+            self._aborted_early[request_id] = now
+        return found
 
     def _invariant_extras(self) -> dict:
-        """KV bytes sent so far (``kv_transfer_bytes``)."""
-        return {"kv_transfer_bytes": self.engine.kv_connector.kv_transfer_bytes}
+        """KV bytes sent so far (``kv_transfer_bytes``) and requests prefilled from a
+        router's output stream (``prefills_from_stream``)."""
+        return {"kv_transfer_bytes": self.engine.kv_connector.kv_transfer_bytes,
+                "prefills_from_stream": self.early_prefills.num_from_stream}

@@ -14,7 +14,9 @@ it) convert their wire format to a :class:`ValidatedRequest` and the
    blocks are reserved, the prefill worker computes the prompt, streams its KV
    layer by layer into those blocks, and hands the first token back on the
    channel, so the decode worker decodes on without a word from the router,
-   which streams that token from the prefill worker's reply. Only when the
+   which streams that token from the prefill worker's answer. Both workers get
+   the request on the router's output stream to them and answer there (a Ray
+   call only when that stream broke first). Only when the
    prefill fails does the router step in: the decode worker computes the prompt
    itself;
 4. turns the decode worker's token deltas into text (stop strings, incremental
@@ -509,28 +511,42 @@ class Orchestrator:
 
     async def _add_one(self, w: WorkerHandle, r: WorkerRequest) -> None:
         """Add ``r`` to ``w`` on its output stream where it has one
-        (:meth:`Cluster.add_on_stream`: it reaches the engine in a fraction of a
-        millisecond, the ``add_request`` call in 2-3 ms); by call otherwise, and
-        when the stream ended or stayed silent :data:`ADD_ANSWER_TIMEOUT_S` seconds
-        before the answer came (the worker matches that call with the frame it may
-        have read). A request whose grammar must compile first goes by call.
+        (:meth:`_on_stream`: it reaches the engine in a fraction of a millisecond,
+        the ``add_request`` call in 2-3 ms); by call otherwise.
 
         Raises:
             as :meth:`WorkerClient.add_request`.
         """
+        await self._on_stream(w, r, "add_request", ADD_ANSWER_TIMEOUT_S)
+
+    async def _on_stream(self, w: WorkerHandle, r: WorkerRequest, method: str,
+                         timeout_s: float | None):
+        """Send ``r`` to ``w`` on its output stream (:meth:`Cluster.add_on_stream`)
+        and return what its answer carries (a prefill worker's first token; None
+        from a decode worker); by the call ``method`` (``add_request``,
+        ``prefill``) where ``w`` has no stream that takes requests, for a request
+        whose grammar must compile first, and when the stream ended, or stayed
+        silent ``timeout_s`` seconds (None: no limit), before the answer came: the
+        call is then marked ``sent_on_stream`` and the worker matches it with the
+        frame it may have read, so the request runs once.
+
+        Raises:
+            as the call ``method``.
+        """
+        call = getattr(w.client, method)
         if r.sampling_params.structured_outputs is None:
             ahead = dataclasses.replace(r, sent_on_stream=True)
             answer = self.cluster.add_on_stream(w, ahead)
             if answer is not None:
                 try:
-                    result = await asyncio.wait_for(asyncio.shield(answer), ADD_ANSWER_TIMEOUT_S)
+                    result = await asyncio.wait_for(asyncio.shield(answer), timeout_s)
                 except (OutputStreamError, asyncio.TimeoutError):
                     self.cluster.forget_answer(w, ahead)
-                    return await w.client.add_request(ahead)
+                    return await call(ahead)
                 if result.error is not None:
-                    raise as_raised(w.worker_id, "add_request", result.error)
-                return None
-        return await w.client.add_request(r)
+                    raise as_raised(w.worker_id, method, result.error)
+                return result.first
+        return await call(r)
 
     def _lost(self, w: WorkerHandle, exc: BaseException):
         """A call to the attempt's decode worker found it gone: raise :class:`_WorkerLost`."""
@@ -540,11 +556,15 @@ class Orchestrator:
 
     def _start_prefill(self, req: WorkerRequest, att: _Attempt) -> asyncio.Future:
         """Send ``req`` to the attempt's prefill worker, without a ticket: it takes
-        the one the decode worker posts on their KV channel."""
+        the one the decode worker posts on their KV channel. The future's result is
+        the first token's delta."""
         prefill = att.prefill
         prefill.inflight_prefill_tokens += len(req.prompt_token_ids)
-        call = asyncio.ensure_future(prefill.client.prefill(dataclasses.replace(
-            req, kv_transfer_params=KVTransferParams(att.decode.worker_id, None, att.number))))
+        # On its output stream, as the decode worker's add; no time limit on the
+        # answer: _wait_prefill watches the worker's progress and life.
+        call = asyncio.ensure_future(self._on_stream(prefill, dataclasses.replace(
+            req, kv_transfer_params=KVTransferParams(att.decode.worker_id, None, att.number)),
+            "prefill", None))
 
         def done(fut: asyncio.Future) -> None:
             prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)

@@ -1,11 +1,13 @@
-"""Requests sent to a decode worker on its output stream instead of by Ray call
-(engine/runtime/output_stream.py, :class:`~tandem.decode_worker.worker.EarlyAdds`,
-``Orchestrator._add_one``): the real listener and asyncio reader over loopback, a
-real in-process :class:`DecodeWorker` on the default model, the router's real
-:class:`Cluster` and :class:`Orchestrator`. What must hold: each request is added
-once and answered (added, or the error the call would raise), a stream that breaks
-before the answer falls back to the call without adding twice, and the tokens are
-those of the call path."""
+"""Requests sent to a decode or prefill worker on its output stream instead of by Ray
+call (engine/runtime/output_stream.py, :class:`~tandem.engine.runtime.early_adds.EarlyAdds`,
+``Orchestrator._on_stream``): the real listener and asyncio reader over loopback,
+real in-process :class:`DecodeWorker` and :class:`PrefillWorker` on the default
+model, the router's real :class:`Cluster` and :class:`Orchestrator`. What must
+hold: each request runs once and is answered (added, prefilled, or the error the
+call would raise), a stream that breaks before the answer falls back to the call
+without running it twice, and the tokens are those of the call path. A prefill
+that succeeds on the stream, through a real KV channel, is served in
+tests/serving/test_serving_e2e.py::test_prefill_kv_really_moved."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import time
 
 import pytest
 
+from tandem.engine.kv.kv_connector import KVTransferParams
 from tandem.engine.runtime.output_stream import OutputStream, OutputStreamError, OutputStreamServer
 from tandem.engine.runtime.outputs import AddResult, WorkerRequest
 from tandem.engine.runtime.subscribers import Subscribers
@@ -102,7 +105,7 @@ def test_a_frame_that_is_not_a_request_ends_the_connection(frame):
 def test_whichever_of_frame_and_call_comes_first_adds_the_request_once():
     from concurrent.futures import Future
 
-    from tandem.decode_worker.worker import EarlyAdds
+    from tandem.engine.runtime.early_adds import EarlyAdds
 
     early = EarlyAdds(ttl_s=0.2)
     starts: list[str] = []
@@ -284,3 +287,68 @@ def test_the_router_adds_on_the_stream_and_falls_back_to_the_call(config, f32_we
     assert counts["adds_from_stream"] == 1
     assert calls == ([] if path == "stream" else [True])
     assert counts["num_free_blocks"] == counts["num_blocks"]
+
+
+@pytest.mark.slow
+def test_a_prefill_worker_answers_each_request_from_the_stream(config, f32_weights):
+    """Frames handed to a prefill worker as its stream's reader thread does: each
+    prefill runs on the actor's event loop and is answered with the error its call
+    raises (no ticket from a decode worker in time: KVTransferError; fenced:
+    WorkerFencedError; aborted while waiting for the ticket; aborted before its
+    frame came: KVTransferError, and a call after such an abort too); a call marked
+    ``sent_on_stream`` returns the frame's prefill, which ran once; another
+    router's frame is ignored; no block is held after."""
+    from tandem.kvtransfer.base import KVTransferError
+    from tandem.prefill_worker.worker import PrefillWorker
+    from tandem.router.worker_client import call_worker
+
+    def remote(rid: str, router_id: str = "router-a") -> WorkerRequest:
+        return dataclasses.replace(_request(rid, router_id),
+                                   kv_transfer_params=KVTransferParams("decode-0", None, 0))
+
+    async def scenario():
+        worker = PrefillWorker("prefill-0", config, weights_from=f32_weights.engine,
+                               ticket_timeout_s=0.5)
+        try:
+            await worker.open_output_stream("router-a")    # the stream's listener
+            prefill = worker._request_from_stream()
+            outbox = _Outbox(worker, "router-a")
+            await worker.poll(0.01, "router-a")
+            prefill("router-a", remote("p1"))
+            prefill("router-b", remote("foreign"))
+            prefill("router-a", remote("p2"))
+            while "p2" not in worker._ticket_waits:      # p2 waits for its ticket
+                await asyncio.sleep(0.01)
+            assert await worker.abort("p2")
+            await outbox.read(lambda: len(outbox.answers) >= 2)
+            # The stream broke before p1's answer: the call returns that prefill's end.
+            with pytest.raises(KVTransferError, match="no KV ticket"):
+                await call_worker("prefill-0", worker, "prefill",
+                                  dataclasses.replace(remote("p1"), sent_on_stream=True))
+            await worker.fence("lease lost")
+            prefill("router-a", remote("p3"))
+            await outbox.read(lambda: len(outbox.answers) >= 3)
+            await worker.unfence()
+            # An abort (by call) that overtakes its request's frame: the frame is
+            # refused when it comes, as is a call after such an abort.
+            assert not await worker.abort("p4")
+            prefill("router-a", remote("p4"))
+            await outbox.read(lambda: len(outbox.answers) >= 4)
+            assert not await worker.abort("p5")
+            with pytest.raises(KVTransferError, match="aborted before it arrived"):
+                await call_worker("prefill-0", worker, "prefill", remote("p5"))
+            return outbox.answers, await worker.check_invariants(), dict(worker._ticket_waits)
+        finally:
+            await worker.shutdown()
+
+    answers, counts, waits = asyncio.run(scenario())
+    got = {a.request_id: a for a in answers}
+    assert sorted(got) == ["p1", "p2", "p3", "p4"]           # not router-b's
+    assert isinstance(got["p1"].error, KVTransferError) and got["p1"].first is None
+    assert isinstance(got["p2"].error, asyncio.CancelledError)
+    assert isinstance(got["p3"].error, WorkerFencedError)
+    assert isinstance(got["p4"].error, KVTransferError)
+    assert "aborted before it arrived" in str(got["p4"].error)
+    assert counts["prefills_from_stream"] == 4               # p1 once, p2, p3, p4
+    assert counts["num_free_blocks"] == counts["num_blocks"] and counts["num_waiting"] == 0
+    assert waits == {}

@@ -82,6 +82,9 @@ class EngineWorker:
         self._fence = Fence(worker_id)
         self.control: Any = None
         self._output_stream: OutputStreamServer | None = None
+        # The event loop this actor's methods run on (the first open_output_stream
+        # call's): where work a stream's reader thread starts must run.
+        self._rpc_loop: asyncio.AbstractEventLoop | None = None
 
     def _rank_lost(self, exc: RankDiedError) -> None:
         """A rank of this worker's tensor-parallel group died: end the whole worker.
@@ -190,14 +193,15 @@ class EngineWorker:
         if self.loop.error is not None:
             raise RuntimeError(f"{self.worker_id} engine failed: {self.loop.error}")
         if self._output_stream is None:
+            self._rpc_loop = asyncio.get_running_loop()
             self._output_stream = OutputStreamServer(self.loop.poll, node_ip_address(),
                                                      unread=self.loop.unread,
                                                      on_request=self._request_from_stream())
         return self._output_stream.open(subscriber)
 
     def _request_from_stream(self) -> Callable[[str, WorkerRequest], None] | None:
-        """What takes the requests routers send on their output streams ahead of
-        ``add_request`` (``on_request`` of
+        """What takes the requests routers send on their output streams instead of
+        ``add_request`` or ``prefill`` (``on_request`` of
         :class:`~tandem.engine.runtime.output_stream.OutputStreamServer`); None for a
         role that adds none that way."""
         return None

@@ -42,16 +42,18 @@ their journaled tokens, as for a dead worker), never streaming with a gap.
 Requests on the stream: a worker built with ``on_request`` also reads frames from
 the router once the handshake is done, the same framing the other way (an 8-byte
 length and a pickle of a :class:`~tandem.engine.runtime.outputs.WorkerRequest`, at
-most :data:`MAX_REQUEST_FRAME_BYTES`), and adds each request it reads; its answer,
-an :class:`~tandem.engine.runtime.outputs.AddResult` (added, or the error adding
-it raised), comes back in the router's outbox, ahead of the request's first
-delta. A request takes a fraction of a millisecond this way; as a Ray actor call
-(``add_request``) it took 2-3 ms to reach the engine, and the call's work on the
-worker's threads then ran beside the prompt's prefill on the same cores. When the
-connection breaks before a request's answer came, the router cannot tell whether
-the worker read it: it makes the ``add_request`` call, marked ``sent_on_stream``,
-and the worker matches that call with the frame if one came (the request is added
-once; :class:`~tandem.decode_worker.worker.EarlyAdds`).
+most :data:`MAX_REQUEST_FRAME_BYTES`), and runs each request it reads: a decode
+(or colocated) worker adds it, a prefill worker prefills it. The answer, an
+:class:`~tandem.engine.runtime.outputs.AddResult` (added, or prefilled with its
+first token, or the error the call would have raised), comes back in the router's
+outbox, ahead of the request's first delta. A request takes a fraction of a
+millisecond this way; as a Ray actor call (``add_request``) it took 2-3 ms to
+reach the engine, and the call's work on the worker's threads then ran beside the
+prompt's prefill on the same cores. When the connection breaks before a request's
+answer came, the router cannot tell whether the worker read it: it makes the call
+(``add_request``, ``prefill``), marked ``sent_on_stream``, and the worker matches
+that call with the frame if one came (the request runs once;
+:class:`~tandem.engine.runtime.early_adds.EarlyAdds`).
 """
 
 from __future__ import annotations

@@ -153,20 +153,24 @@ class WorkerStats:
 @dataclass(frozen=True)
 class AddResult:
     """A worker's answer to a request its router sent on the output stream
-    (:mod:`~tandem.engine.runtime.output_stream`): it is added, or why not. Sent
-    to that router only, ahead of any step output with the request's deltas.
+    (:mod:`~tandem.engine.runtime.output_stream`): a decode worker added it, a
+    prefill worker prefilled it (and its first token), or why not. Sent to that
+    router only, ahead of any step output with the request's deltas.
 
     Attributes:
         request_id, sample_index, attempt: the :class:`WorkerRequest`'s.
-        error: what adding it raised (the exception ``add_request`` would have
-            raised: ``InvalidParameterError``, ``WorkerFencedError``, ...); None:
-            added.
+        error: what the call would have raised (``add_request``'s or ``prefill``'s:
+            ``InvalidParameterError``, ``WorkerFencedError``, ``KVTransferError``,
+            ...); None: done.
+        first: a prefill worker's answer: the first token's :class:`RequestDelta`,
+            as ``prefill`` returns it; None from a decode worker.
     """
 
     request_id: str
     sample_index: int = 0
     attempt: int = 0
     error: BaseException | None = None
+    first: RequestDelta | None = None
 
     @staticmethod
     def key_of(request: WorkerRequest) -> tuple[str, int, int]:
@@ -174,9 +178,10 @@ class AddResult:
         return (request.request_id, request.sample_index, request.attempt)
 
     @classmethod
-    def to(cls, request: WorkerRequest, error: BaseException | None = None) -> "AddResult":
+    def to(cls, request: WorkerRequest, error: BaseException | None = None,
+           first: RequestDelta | None = None) -> AddResult:
         """The answer to ``request``."""
-        return cls(*cls.key_of(request), error)
+        return cls(*cls.key_of(request), error, first)
 
     @property
     def key(self) -> tuple[str, int, int]:

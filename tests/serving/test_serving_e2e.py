@@ -195,6 +195,7 @@ def test_prefer_local_prefill_shares_prompts_with_a_busy_prefill_worker(
 def test_prefill_kv_really_moved(disagg, tokenizer):
     counts = disagg.block_counts()
     before, decode_before = counts["prefill-0"]["kv_transfer_bytes"], counts["decode-0"]
+    prefill_before = counts["prefill-0"]
     ids = tokenizer.encode("Tell me about the moon. " * 6)
     disagg.generate(greedy_req(ids=ids, max_tokens=4))
     counts = disagg.block_counts()
@@ -205,8 +206,11 @@ def test_prefill_kv_really_moved(disagg, tokenizer):
     # The first token reached the decode worker on the KV channel, not from the router.
     assert decode_after["first_tokens_from_peer"] == decode_before["first_tokens_from_peer"] + 1
     assert decode_after["first_tokens_from_router"] == decode_before["first_tokens_from_router"]
-    # The request reached the decode worker on its output stream, not by Ray call.
+    # The request reached both workers on their output streams, not by Ray call
+    # (the first token came back as the prefill worker's answer there).
     assert decode_after["adds_from_stream"] == decode_before["adds_from_stream"] + 1
+    assert (counts["prefill-0"]["prefills_from_stream"]
+            == prefill_before["prefills_from_stream"] + 1)
 
 
 def test_sixteen_concurrent_streams(disagg, tokenizer):
