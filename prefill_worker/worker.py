@@ -194,7 +194,7 @@ class PrefillWorker(EngineWorker):
         (or the error the call would raise), unless a call for it came first (runs
         on the stream's reader thread). Its own requests only, and none whose
         grammar must compile first (its call does that)."""
-        if (request.router_id != subscriber or self._rpc_loop is None
+        if (request.router_id != subscriber
                 or request.sampling_params.structured_outputs is not None):
             return
 

@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, Callable
 
 from tandem.control.journal import InProcessJournal, JournalWriter, RequestJournal
 from tandem.engine.kv.kv_connector import KVTransferParams
@@ -517,23 +517,22 @@ class Orchestrator:
         Raises:
             as :meth:`WorkerClient.add_request`.
         """
-        await self._on_stream(w, r, "add_request", ADD_ANSWER_TIMEOUT_S)
+        await self._on_stream(w, r, w.client.add_request, ADD_ANSWER_TIMEOUT_S)
 
-    async def _on_stream(self, w: WorkerHandle, r: WorkerRequest, method: str,
-                         timeout_s: float | None):
+    async def _on_stream(self, w: WorkerHandle, r: WorkerRequest,
+                         call: Callable[[WorkerRequest], Awaitable], timeout_s: float | None):
         """Send ``r`` to ``w`` on its output stream (:meth:`Cluster.add_on_stream`)
         and return what its answer carries (a prefill worker's first token; None
-        from a decode worker); by the call ``method`` (``add_request``,
-        ``prefill``) where ``w`` has no stream that takes requests, for a request
+        from a decode worker); by ``call`` (``w.client.add_request``,
+        ``w.client.prefill``) where ``w`` has no stream that takes requests, for a request
         whose grammar must compile first, and when the stream ended, or stayed
         silent ``timeout_s`` seconds (None: no limit), before the answer came: the
         call is then marked ``sent_on_stream`` and the worker matches it with the
         frame it may have read, so the request runs once.
 
         Raises:
-            as the call ``method``.
+            as ``call``.
         """
-        call = getattr(w.client, method)
         if r.sampling_params.structured_outputs is None:
             ahead = dataclasses.replace(r, sent_on_stream=True)
             answer = self.cluster.add_on_stream(w, ahead)
@@ -544,7 +543,7 @@ class Orchestrator:
                     self.cluster.forget_answer(w, ahead)
                     return await call(ahead)
                 if result.error is not None:
-                    raise as_raised(w.worker_id, method, result.error)
+                    raise as_raised(w.worker_id, call.__name__, result.error)
                 return result.first
         return await call(r)
 
@@ -564,7 +563,7 @@ class Orchestrator:
         # answer: _wait_prefill watches the worker's progress and life.
         call = asyncio.ensure_future(self._on_stream(prefill, dataclasses.replace(
             req, kv_transfer_params=KVTransferParams(att.decode.worker_id, None, att.number)),
-            "prefill", None))
+            prefill.client.prefill, None))
 
         def done(fut: asyncio.Future) -> None:
             prefill.inflight_prefill_tokens -= len(req.prompt_token_ids)

@@ -293,12 +293,13 @@ struct AmxPrefill : Bf16Prefill {
 constexpr int kRowsF32 = 4;        // query rows processed together in float32
 
 // Repack one (sequence, KV head) context for the float32 kernel, tiles of 16 tokens,
-// zero past the context: kt[tile][c][j] = K[16 tile + j][c] (each channel's 16 keys
-// in one vector), vt[tile][j][c] = V[16 tile + j][c] (the rows, gathered).
+// zero past the context up to a whole 32-key step of prefill_rows_f32:
+// kt[tile][c][j] = K[16 tile + j][c] (each channel's 16 keys in one vector),
+// vt[tile][j][c] = V[16 tile + j][c] (the rows, gathered).
 void repack_kv_f32(const float* kc, const float* vc, const int32_t* table, int64_t len,
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, float* kt, float* vt) {
     const int64_t row = hkv * d;
-    const int64_t ntiles = (len + kTile - 1) / kTile;
+    const int64_t ntiles = (len + 2 * kTile - 1) / (2 * kTile) * 2;
     std::memset(kt, 0, sizeof(float) * ntiles * d * kTile);
     std::memset(vt, 0, sizeof(float) * ntiles * d * kTile);
     for (int64_t t = 0; t < len; ++t) {
@@ -404,12 +405,8 @@ struct F32Prefill {
     static constexpr int rows = kRowsF32;
     static constexpr int64_t key_block = 2 * kTile;   // keys per step of prefill_rows_f32
     static int64_t tile_words(int64_t d) { return d * kTile; }
-    // repack_kv_f32, zero-padded to whole 32-key steps.
     static void repack(const float* kc, const float* vc, const int32_t* table, int64_t len,
                        int64_t h, int64_t hkv, int64_t d, int64_t bs, uint32_t* kt, uint32_t* vt) {
-        const int64_t words = (len + key_block - 1) / key_block * 2 * tile_words(d);
-        std::memset(kt, 0, sizeof(uint32_t) * words);
-        std::memset(vt, 0, sizeof(uint32_t) * words);
         repack_kv_f32(kc, vc, table, len, h, hkv, d, bs, reinterpret_cast<float*>(kt),
                       reinterpret_cast<float*>(vt));
     }
