@@ -451,10 +451,11 @@ class EngineConfig:
             depend on batch composition, chunking, prefix-cache hits or preemption
             (see docs/batch_invariance.md).
         small_batch_linear: bfloat16 on a CPU with AMX: dense linear layers also keep
-            their weight in 16-column panels, and inputs of at most 128 rows (decode
-            steps) multiply on AMX tiles reading it
-            (:func:`tandem.kernels.cpu.linear.amx_linear`, 1.1-1.4x oneDNN's speed
-            there); longer inputs (prompts) keep oneDNN. Costs a second copy of those weights. None
+            their weight in 16-column panels, and inputs of at most 1280 rows (decode
+            steps and most prompts) multiply on AMX tiles reading it
+            (:func:`tandem.kernels.cpu.linear.amx_linear`, 1.05-1.3x oneDNN's speed
+            there, and no oneDNN primitive to create for a token count new to the
+            process); longer inputs keep oneDNN. Costs a second copy of those weights. None
             (default): on while that copy takes at most a tenth of the machine's
             memory; True / False: on / off. Nothing elsewhere (float32, GPUs,
             quantized layers, CPUs without AMX, ``batch_invariant``).

@@ -162,9 +162,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
       bfloat16 weights, 4-5x torch's emulated bfloat16 GEMM on AVX2);
     - and with ``layer.small_batch_linear`` (``EngineConfig.small_batch_linear``) on
       an AMX host, inputs of at most :data:`~tandem.kernels.cpu.linear.AMX_LINEAR_MAX_ROWS`
-      rows (decode steps) through :func:`~tandem.kernels.cpu.linear.amx_linear`'s kernel,
-      which reads a second copy of the weight in 16-column panels 1.1-1.4x faster
-      than oneDNN there; larger inputs (prompts) keep oneDNN.
+      (1280) rows (decode steps, most prompts) through
+      :func:`~tandem.kernels.cpu.linear.amx_linear`'s kernel, which reads a second
+      copy of the weight in 16-column panels 1.05-1.3x faster than oneDNN there and
+      creates nothing per row count; larger inputs keep oneDNN.
     """
 
     name = "none"

@@ -20,6 +20,7 @@ decode-sized bfloat16 inputs on AMX CPUs, :func:`amx_linear`, both over the same
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -193,11 +194,30 @@ def _linear_fn(dtype: torch.dtype):
 
 
 # -- small batches on AMX tiles (csrc/amx_linear.cpp) --------------------------------------
-AMX_LINEAR_MAX_ROWS = 128
-"""Rows up to which :func:`amx_linear` is used instead of oneDNN's packed matmul:
-with the weights coming from memory (a step's layers in turn) it read them 1.1-1.4x
-faster from 1 to 128 rows, level at 192-1024, and 1.7x slower at 2048 (its tiles
-of x no longer in L2) on a 2-core AMX host (``benchmarks/amx_linear.py``)."""
+def _max_rows_from_env(default: int) -> int:
+    value = os.environ.get("TANDEM_AMX_LINEAR_MAX_ROWS", "")
+    if not value:
+        return default
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"TANDEM_AMX_LINEAR_MAX_ROWS: expected a row count >= 0, got {value!r}")
+    return rows
+
+
+AMX_LINEAR_MAX_ROWS = _max_rows_from_env(1280)
+"""Rows up to which :func:`amx_linear` is used instead of oneDNN's packed matmul
+(``TANDEM_AMX_LINEAR_MAX_ROWS`` in the environment sets another bound, read at import:
+the crossing point is the host's and the model's; 0: decode steps too on oneDNN).
+SmolLM2-135M's 30 layers on a 2-core AMX host (``benchmarks/amx_linear.py``, the
+weights coming from memory as in a step): 1.2-1.3x oneDNN's speed from 1 to 64
+rows, 1.05-1.3x from 128 to 1280 (reading x 512 rows at a time), 0.85x from 1408
+to 2048, where oneDNN's blocking wins. Below this bound there is also no
+primitive to create: oneDNN JIT-compiles one per layer shape for every row count
+new to the process (8-18 ms a step, 4 MiB each, 1024 kept), so steps of varying
+token counts paid it again and again."""
 
 
 @functools.cache
@@ -219,9 +239,11 @@ def amx_linear(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -
 
     Every output is a float32 sum of bfloat16 products, rounded to bfloat16 once;
     the order of the sum is the tile unit's (oneDNN's AMX kernels give the same bits
-    at decode sizes, not always beyond). Meant for small ``T`` (see
-    :data:`AMX_LINEAR_MAX_ROWS`): a decode step's matmul is reading its weight, and
-    this reads it front to back, 1 KiB tiles prefetched four steps ahead.
+    at decode sizes, not always beyond). Meant for ``T`` up to
+    :data:`AMX_LINEAR_MAX_ROWS`: a decode step's matmul is reading its weight, and
+    this reads it front to back, 1 KiB tiles prefetched four steps ahead; a prompt's
+    rows are taken 512 at a time (each a pass over the weight), so that they stay in
+    L2 while every panel walks them. A row's result does not depend on ``T``.
 
     Args:
         x: ``[T, K]`` bfloat16 CPU, rows may be strided, the last dim contiguous.

@@ -385,8 +385,8 @@ def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
 
 def _check_small_batch_linear(llm, prompts, params, with_panels):
     """bfloat16 on an AMX host, small_batch_linear left to its default: the decode
-    steps' linear layers ran on amx_linear (every dense layer holds a panel copy; a
-    decode-sized input takes it, a prompt-sized one oneDNN), and with the copies
+    steps' linear layers ran on amx_linear (every dense layer holds a panel copy; an
+    input of up to AMX_LINEAR_MAX_ROWS rows takes it, a longer one oneDNN), and with the copies
     hidden (oneDNN throughout) the greedy tokens are the same, logprobs within
     bfloat16 rounding."""
     from tandem.engine.model.linear import Linear
@@ -420,11 +420,14 @@ amx_only = pytest.mark.skipif(
 
 
 @amx_only
-@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (17, 96, 576), (33, 960, 576), (5, 576, 1536)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (17, 96, 576), (33, 960, 576), (5, 576, 1536),
+                                   (1037, 40, 96)])
 def test_amx_linear_matches_the_float32_product(m, n, k):
     """Every output within one bfloat16 rounding of the float32 product of the same
     bfloat16 inputs: partial row tiles (17, 33 rows), an odd panel count and a last
-    panel of 8 columns (40), several k tiles; strided rows of x give the same bits."""
+    panel of 8 columns (40), several k tiles, rows beyond one 512-row pass (1037: two
+    whole passes and a last one of 13 rows); strided rows of x give the same bits,
+    and so does any slice of the rows on its own (a row's result is its own)."""
     g = torch.Generator().manual_seed(m * n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     big = torch.randn(m, k + 64, generator=g).bfloat16()
@@ -434,6 +437,24 @@ def test_amx_linear_matches_the_float32_product(m, n, k):
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-6)
     assert torch.equal(amx_linear(x.contiguous(), pack_invariant_weight(w), n), out)
+    for lo, hi in ((0, 1), (m // 2, m), (max(m - 525, 0), m - 12)):
+        assert torch.equal(amx_linear(x[lo:hi], pack_invariant_weight(w), n), out[lo:hi])
+
+
+def test_amx_linear_row_bound_from_the_environment(monkeypatch):
+    """TANDEM_AMX_LINEAR_MAX_ROWS sets the bound (0 included: oneDNN for every step);
+    unset or empty, the default; anything but a count >= 0 is refused, naming it."""
+    from tandem.kernels.cpu.linear import _max_rows_from_env
+
+    monkeypatch.delenv("TANDEM_AMX_LINEAR_MAX_ROWS", raising=False)
+    assert _max_rows_from_env(1280) == 1280
+    for value, rows in (("", 1280), ("0", 0), ("128", 128)):
+        monkeypatch.setenv("TANDEM_AMX_LINEAR_MAX_ROWS", value)
+        assert _max_rows_from_env(1280) == rows
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv("TANDEM_AMX_LINEAR_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="TANDEM_AMX_LINEAR_MAX_ROWS"):
+            _max_rows_from_env(1280)
 
 
 @amx_only
