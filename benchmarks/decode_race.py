@@ -36,7 +36,7 @@ def race_engine_kwargs(args: argparse.Namespace) -> tuple[int, dict]:
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     return threads, dict(dtype=args.dtype, num_threads=threads, enable_prefix_caching=False,
-                         max_num_seqs=max(args.num_seqs))
+                         max_num_seqs=max(args.num_seqs, default=1))
 
 
 def alternated_decode_steps(engines: dict, num_seqs: int, prompt_len: int, block: int,

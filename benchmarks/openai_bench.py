@@ -240,6 +240,8 @@ def bench_cmd(base_url: str, result_dir: Path, result_file: str, label: str, arg
             "--endpoint", "/v1/completions", "--base-url", base_url, "--model", MODEL_NAME,
             "--tokenizer", args.hf_model, "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            *(["--random-range-ratio", json.dumps({"input": args.input_range_ratio, "output": 0.0})]
+              if args.input_range_ratio else []),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
             "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
             "--num-warmups", str(args.num_warmups), "--temperature", "0",
@@ -447,6 +449,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both servers' dtype")
     p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--input-range-ratio", type=float, default=0.0, metavar="R",
+                   help="prompt lengths drawn uniformly from [input-len x (1 - R), input-len x "
+                        "(1 + R)] (vllm bench serve --random-range-ratio, output lengths kept "
+                        "fixed); 0 (default): every prompt input-len tokens")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=4)
@@ -507,7 +513,8 @@ def main(argv=None) -> int:
     report = {"command": [Path(sys.executable).name, *sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                                          time.localtime(t0)),
               "wall_s": time.time() - t0, "workdir": str(workdir), "machine": versions(args),
-              "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
+              "workload": {"dataset": "random", "input_len": args.input_len,
+                           "input_range_ratio": args.input_range_ratio, "output_len": args.output_len,
                            "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                            "request_rate": "inf", "ignore_eos": True, "temperature": 0, "seed": args.seed,
                            "num_warmups": args.num_warmups},
@@ -515,7 +522,8 @@ def main(argv=None) -> int:
               "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{args.dtype}, {args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output "
+    spread = f" (x 1 +- {args.input_range_ratio:g})" if args.input_range_ratio else ""
+    print(f"\n{args.dtype}, {args.num_prompts} prompts of {args.input_len}{spread} tokens, {args.output_len} output "
           f"tokens each, concurrency {args.max_concurrency}:\n")
     print(table(runs, args.slo_ttft_ms, args.slo_tpot_ms))
     print(f"\nwrote {args.out} (server logs in {workdir}); whole run {report['wall_s']:.0f} s")

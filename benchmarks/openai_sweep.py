@@ -232,7 +232,11 @@ def plot(report: dict, path: Path) -> None:
     axes[0].legend()
     m = report["machine"]
     isa = " ".join(f for f in m.get("cpu_flags", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-    fig.suptitle(f"{report['dtype']}, {report['workload']['input_len']}-token prompts, "
+    r = report["workload"].get("input_range_ratio") or 0.0
+    prompts = (f"{report['workload']['input_len']}-token" if not r else
+               f"{round(report['workload']['input_len'] * (1 - r))}-"
+               f"{round(report['workload']['input_len'] * (1 + r))}-token")
+    fig.suptitle(f"{report['dtype']}, {prompts} prompts, "
                  f"{report['workload']['output_len']} output tokens; {m.get('cpu')} x{m.get('cores')} ({isa})",
                  fontsize=10)
     fig.tight_layout()
@@ -254,7 +258,8 @@ def main(argv=None) -> int:
     report = {"command": [Path(sys.executable).name, *sys.argv],
               "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
               "wall_s": time.time() - t0, "workdir": str(workdir), "machine": ob.versions(args),
-              "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
+              "workload": {"dataset": "random", "input_len": args.input_len,
+                           "input_range_ratio": args.input_range_ratio, "output_len": args.output_len,
                            "num_prompts": f"max({args.num_prompts}, 2 x concurrency)",
                            "concurrency": args.concurrency, "request_rate": "inf", "ignore_eos": True,
                            "temperature": 0, "seed": f"{args.seed} + 1000 x concurrency" + (" + round" if args.rounds > 1 else ""),
