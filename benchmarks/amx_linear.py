@@ -1,6 +1,7 @@
-"""Decode-sized linear layers on AMX tiles (``amx_linear``) against oneDNN's packed
-matmul, bfloat16, on an AMX host: the kernels alone, then the offline engine's
-decode step.
+"""Linear layers on AMX tiles (``amx_linear``) against oneDNN's packed matmul,
+bfloat16, on an AMX host: the kernels alone at decode and prompt sizes (with each
+one's first call at a row count new to the process), then the offline engine's
+decode step (``--num-seqs`` given no values: the kernels only).
 
 Kernels: SmolLM2-135M's four linear layers of a decoder layer (QKV 960 x 576, O
 576 x 576, gate-up 3072 x 576, down 576 x 1536), 30 layers of separate random

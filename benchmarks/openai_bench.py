@@ -494,6 +494,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for s in args.systems:
         if s not in SYSTEMS + EXTRA_SYSTEMS:
             p.error(f"--systems: unknown {s!r}")
+    if not 0.0 <= args.input_range_ratio < 1.0:
+        p.error(f"--input-range-ratio: expected 0 <= R < 1, got {args.input_range_ratio:g}")
     if args.num_warmups is None:
         args.num_warmups = args.max_concurrency
     args.out = args.out or str(REPO / "benchmarks" / "results" / f"openai_bench_{args.dtype}.json")

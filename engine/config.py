@@ -455,7 +455,8 @@ class EngineConfig:
             steps and most prompts) multiply on AMX tiles reading it
             (:func:`tandem.kernels.cpu.linear.amx_linear`, 1.05-1.3x oneDNN's speed
             there, and no oneDNN primitive to create for a token count new to the
-            process); longer inputs keep oneDNN. Costs a second copy of those weights. None
+            process; ``TANDEM_AMX_LINEAR_MAX_ROWS`` in the environment moves the
+            bound); longer inputs keep oneDNN. Costs a second copy of those weights. None
             (default): on while that copy takes at most a tenth of the machine's
             memory; True / False: on / off. Nothing elsewhere (float32, GPUs,
             quantized layers, CPUs without AMX, ``batch_invariant``).

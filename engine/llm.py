@@ -49,8 +49,9 @@ class LLM:
             among the ranks, each rank's process setting its own).
         batch_invariant: see :class:`EngineConfig` (outputs independent of batch
             composition; CPU).
-        small_batch_linear: see :class:`EngineConfig` (decode-sized linear layers on
-            AMX tiles, from a second copy of the weights; None: while it fits).
+        small_batch_linear: see :class:`EngineConfig` (linear layers of steps of up
+            to 1280 tokens on AMX tiles, from a second copy of the weights; None:
+            while it fits).
         speculative_config: speculative decoding, a
             :class:`~tandem.engine.config.SpeculativeConfig` or a dict of its fields
             (vLLM style: ``{"method": "ngram", "num_speculative_tokens": 4}``);

@@ -86,8 +86,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-batch-linear", default="auto", choices=["auto", "on", "off"],
                    help="bfloat16 on a CPU with AMX: linear layers of steps of up to 1280 "
                         "tokens on AMX tiles from a second, panel-packed copy of the dense "
-                        "weights (1.05-1.3x oneDNN's speed there); auto (default): on while "
-                        "that copy takes at most a tenth of the machine's memory")
+                        "weights (1.05-1.3x oneDNN's speed there; TANDEM_AMX_LINEAR_MAX_ROWS "
+                        "moves the bound); auto (default): on while that copy takes at most a "
+                        "tenth of the machine's memory")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
                    help="speculative decoding on decode workers: ngram (prompt lookup) or "
                         "draft_model (see docs/speculative_decoding.md); default off")

@@ -13,7 +13,8 @@ ops, the same ones torch.compile's CPU backend emits; where they are missing, or
 this CPU lacks their path for the dtype, nothing is packed.
 
 Also here: the batch-invariant linear kernel (:func:`invariant_linear`) and, for
-decode-sized bfloat16 inputs on AMX CPUs, :func:`amx_linear`, both over the same
+bfloat16 inputs of up to :data:`AMX_LINEAR_MAX_ROWS` rows on AMX CPUs,
+:func:`amx_linear`, both over the same
 16-column panel layout (:func:`pack_invariant_weight`).
 """
 
@@ -216,8 +217,10 @@ weights coming from memory as in a step): 1.2-1.3x oneDNN's speed from 1 to 64
 rows, 1.05-1.3x from 128 to 1280 (reading x 512 rows at a time), 0.85x from 1408
 to 2048, where oneDNN's blocking wins. Below this bound there is also no
 primitive to create: oneDNN JIT-compiles one per layer shape for every row count
-new to the process (8-18 ms a step, 4 MiB each, 1024 kept), so steps of varying
-token counts paid it again and again."""
+new to the process (5-18 ms a step, ~4 MiB per count; 1024 primitives, so 128
+counts, kept), so steps of varying token counts paid it again and again
+(``benchmarks/onednn_row_counts.py``). An invalid value of the variable raises
+``ValueError`` when this module is imported (with the engine)."""
 
 
 @functools.cache

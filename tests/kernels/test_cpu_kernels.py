@@ -7,6 +7,10 @@ bfloat16 the reference runs in float32 on the same bf16 inputs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -392,14 +396,33 @@ def _check_small_batch_linear(llm, prompts, params, with_panels):
     from tandem.engine.model.linear import Linear
     from tandem.kernels.cpu.linear import AMX_LINEAR_MAX_ROWS
 
+    import tandem.engine.model.linear as linear_module
+
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.panel_weight is not None for m in layers)
     layer = layers[0]
+    calls = []
+    real = {"amx_linear_unchecked": linear_module.amx_linear_unchecked,
+            "packed_linear": linear_module.packed_linear}
+
+    def counted(name):
+        def call(*args):
+            calls.append(name)
+            return real[name](*args)
+        return call
     for rows in (1, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, layer.in_features).bfloat16()
         want = (amx_linear(x, layer.panel_weight, layer.out_features)
                 if rows <= AMX_LINEAR_MAX_ROWS else packed_linear(x, layer.packed_weight))
-        assert torch.equal(layer.quant_method.apply(layer, x), want)
+        for name in real:
+            setattr(linear_module, name, counted(name))
+        try:
+            got = layer.quant_method.apply(layer, x)
+        finally:
+            for name, fn in real.items():
+                setattr(linear_module, name, fn)
+        assert torch.equal(got, want)
+    assert calls == ["amx_linear_unchecked", "amx_linear_unchecked", "packed_linear"]
     saved = [m.panel_weight for m in layers]
     for m in layers:
         m.panel_weight = None
@@ -437,7 +460,10 @@ def test_amx_linear_matches_the_float32_product(m, n, k):
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-6)
     assert torch.equal(amx_linear(x.contiguous(), pack_invariant_weight(w), n), out)
-    for lo, hi in ((0, 1), (m // 2, m), (max(m - 525, 0), m - 12)):
+    slices = [(lo, hi) for lo, hi in ((1, m), (3, m), (m - 520, m - 1), (m // 3, m))
+              if 0 <= lo < hi]              # shifted across 16- and 512-row boundaries
+    assert slices
+    for lo, hi in slices:
         assert torch.equal(amx_linear(x[lo:hi], pack_invariant_weight(w), n), out[lo:hi])
 
 
@@ -455,6 +481,12 @@ def test_amx_linear_row_bound_from_the_environment(monkeypatch):
         monkeypatch.setenv("TANDEM_AMX_LINEAR_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="TANDEM_AMX_LINEAR_MAX_ROWS"):
             _max_rows_from_env(1280)
+    # ...and the engine's linear layers see it (read once, at import: a new process).
+    env = {**os.environ, "TANDEM_AMX_LINEAR_MAX_ROWS": "7"}
+    out = subprocess.run([sys.executable, "-c", "import tandem.engine.model.linear as m; "
+                          "print(m.AMX_LINEAR_MAX_ROWS)"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["7"]
 
 
 @amx_only

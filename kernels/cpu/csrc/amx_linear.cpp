@@ -14,7 +14,8 @@
 //
 // At decode sizes (a few to 64 rows) a linear layer's time is reading its weight;
 // this reads each panel pair once per two row tiles, sequentially, with nothing
-// else per call than a tile configuration per thread.
+// else per call than a tile configuration per thread. Prompt-sized inputs (up to
+// AMX_LINEAR_MAX_ROWS in ../linear.py) are taken 512 rows a pass (kRowChunk).
 #include "common.h"
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -126,7 +127,7 @@ void amx_linear_rows(bf16* out, int64_t os, const bf16* x, int64_t xs, const bf1
 }
 
 // Rows a call multiplies at a time: every panel pair walks all of them, and past
-// ~512 (590 KiB of x at k = 576) they no longer stay in L2 beside the weight
+// ~512 (576 KiB of x at k = 576) they no longer stay in L2 beside the weight
 // streaming through (2048 rows at once: 287 ms for SmolLM2-135M's 30 layers, by
 // 512: 181; benchmarks/amx_linear.py).
 constexpr int64_t kRowChunk = 512;
