@@ -82,15 +82,24 @@ def test_fused_experts_equal_the_loop_and_a_per_token_computation(num_tokens, to
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_experts_equal_the_stacked_weights(dtype):
-    """The CPU path packs each expert for oneDNN and drops the stacked copy:
-    bfloat16 bit-identical to ``F.linear`` on the stacked weights, float32 up to
-    summation order; the loop dispatch gives the fused one's result."""
-    from tandem.kernels.cpu.linear import packing_available
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "onednn"), (torch.bfloat16, "onednn"),
+                                          (torch.bfloat16, "amx")])
+def test_packed_experts_equal_the_stacked_weights(dtype, kernel, monkeypatch):
+    """The CPU path packs each expert once and drops the stacked copy: for oneDNN
+    (bfloat16 bit-identical to ``F.linear`` on the stacked weights, float32 up to
+    summation order) or, bfloat16 on an AMX host, into amx_linear's panels (the
+    bound at 0 keeps oneDNN); the loop dispatch gives the fused one's result. 23
+    tokens, top-2: up to 23 rows an expert, where the AMX tile unit sums in
+    oneDNN's order (the same bits; beyond, bfloat16 roundings apart)."""
+    import tandem.engine.model.moe as moe_module
+    from tandem.kernels.cpu.linear import amx_linear_usable, packing_available
 
-    if not packing_available(dtype):
+    if kernel == "amx" and not amx_linear_usable(64):
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused tile state)")
+    if kernel == "onednn" and not packing_available(dtype):
         pytest.skip(f"no oneDNN packed {dtype} matmul on this CPU")
+    if kernel == "onednn":
+        monkeypatch.setattr(moe_module, "AMX_LINEAR_MAX_ROWS", 0)
     torch.manual_seed(0)
     moe = FusedMoE(ModelConfig.from_hf_dict(MIXTRAL), None).to(dtype)
     x = torch.randn(23, 64).to(dtype)
@@ -101,6 +110,8 @@ def test_packed_experts_equal_the_stacked_weights(dtype):
         moe.process_weights_after_loading()
         moe.gate.process_weights_after_loading()
         assert not hasattr(moe.experts.gate_up_proj, "weight")
+        assert (moe._panels is not None, moe._packed is not None) == (kernel == "amx",
+                                                                      kernel == "onednn")
         packed = moe(x, backend)
         moe.impl = "loop"
         looped = moe(x, backend)
