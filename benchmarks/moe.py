@@ -52,6 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import VLLM_PYTHON, isa_flags, run_vllm_offline  # noqa: E402
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """The random Mixtral's shape (:func:`make_checkpoint` reads them)."""
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+
+
 def make_checkpoint(path: Path, args) -> None:
     """A random Mixtral and a ``WordLevel`` tokenizer of ``args.vocab`` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -309,12 +319,7 @@ def print_expert_memory(args) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_checkpoint_args(p)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)

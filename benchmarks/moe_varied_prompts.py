@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import VLLM_PYTHON, isa_flags, run_vllm_offline  # noqa: E402
-from moe import make_checkpoint  # noqa: E402
+from moe import add_checkpoint_args, make_checkpoint  # noqa: E402
 
 
 def tandem_engine(path: Path, experts_on_amx: bool, args):
@@ -56,12 +56,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_checkpoint_args(p)
     p.add_argument("--vllm-python", default=VLLM_PYTHON)
     p.add_argument("--out", default=None)
     args = p.parse_args()
