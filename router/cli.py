@@ -87,8 +87,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 on a CPU with AMX: linear layers of steps of up to 1280 "
                         "tokens on AMX tiles from a second, panel-packed copy of the dense "
                         "weights (1.05-1.3x oneDNN's speed there; TANDEM_AMX_LINEAR_MAX_ROWS "
-                        "moves the bound); auto (default): on while that copy takes at most a "
-                        "tenth of the machine's memory")
+                        "moves the bound); with AVX-512 BF16 and no AMX, steps of up to 256 "
+                        "tokens by AVX-512 BF16 dot products from the same copy (1.3-1.6x "
+                        "oneDNN's at 1-16 tokens; TANDEM_DPBF16_LINEAR_MAX_ROWS); auto "
+                        "(default): on while that copy takes at most a tenth of the machine's "
+                        "memory")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
                    help="speculative decoding on decode workers: ngram (prompt lookup) or "
                         "draft_model (see docs/speculative_decoding.md); default off")

@@ -35,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, amx_linear_unchecked,
-                                       amx_linear_usable, invariant_linear,
+from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, DPBF16_LINEAR_MAX_ROWS,
+                                       amx_linear_unchecked, amx_linear_usable,
+                                       dpbf16_linear_unchecked, dpbf16_linear_usable,
+                                       invariant_linear,
                                        invariant_linear_available, pack_invariant_weight,
                                        pack_weight, packed_linear, packing_available)
 
@@ -165,7 +167,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
       (1280) rows (decode steps, most prompts) through
       :func:`~tandem.kernels.cpu.linear.amx_linear`'s kernel, which reads a second
       copy of the weight in 16-column panels 1.05-1.3x faster than oneDNN there and
-      creates nothing per row count; larger inputs keep oneDNN.
+      creates nothing per row count; larger inputs keep oneDNN. On an AVX-512 BF16
+      host without AMX the same copy serves inputs of at most
+      :data:`~tandem.kernels.cpu.linear.DPBF16_LINEAR_MAX_ROWS` (256) rows through
+      :func:`~tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.6x oneDNN's speed at
+      1-16 rows, 1.04-1.2x up to 256).
     """
 
     name = "none"
@@ -180,6 +186,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.packed_weight = None
         layer.invariant_weight = None
         layer.panel_weight = None
+        layer.panel_kernel = None       # "amx" or "dpbf16": which kernel reads panel_weight
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         if param_name != "weight":
@@ -206,9 +213,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
             # oneDNN's packed matmul; for float32 also instead of MKL's sgemm, whose
             # AVX2 path is all AMD CPUs get (see tandem.kernels.cpu.linear).
             layer.packed_weight = pack_weight(w)
-            if layer.small_batch_linear and w.dtype == torch.bfloat16 and \
-                    amx_linear_usable(layer.in_features):
-                layer.panel_weight = pack_invariant_weight(w)
+            if layer.small_batch_linear and w.dtype == torch.bfloat16:
+                if amx_linear_usable(layer.in_features):
+                    layer.panel_kernel = "amx"
+                elif dpbf16_linear_usable(layer.in_features):
+                    layer.panel_kernel = "dpbf16"
+                if layer.panel_kernel is not None:
+                    layer.panel_weight = pack_invariant_weight(w)
         elif w.dtype == torch.bfloat16 and invariant_linear_available():
             # No native bfloat16 dot product for oneDNN (no AVX-512): torch
             # emulates bfloat16 GEMMs (about 14 GFLOP/s on 2 AVX2 cores) and the
@@ -229,8 +240,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x):
         if layer.invariant_weight is not None:
             return invariant_linear(x, layer.invariant_weight, layer.out_features)
-        if layer.panel_weight is not None and x.shape[0] <= AMX_LINEAR_MAX_ROWS:
-            return amx_linear_unchecked(x, layer.panel_weight, layer.out_features)
+        if layer.panel_weight is not None:
+            if layer.panel_kernel == "amx":
+                if x.shape[0] <= AMX_LINEAR_MAX_ROWS:
+                    return amx_linear_unchecked(x, layer.panel_weight, layer.out_features)
+            elif x.shape[0] <= DPBF16_LINEAR_MAX_ROWS:
+                return dpbf16_linear_unchecked(x, layer.panel_weight, layer.out_features)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight)
         return F.linear(x, layer.weight)
@@ -364,7 +379,7 @@ weights while it takes at most this share of the machine's memory."""
 
 def small_batch_linear_fits(model: nn.Module) -> bool:
     """Whether the panel copies of ``model``'s dense bfloat16 CPU linear weights
-    (:func:`~tandem.kernels.cpu.linear.amx_linear`) would take at most
+    (:func:`~tandem.kernels.cpu.linear.amx_linear`, :func:`~tandem.kernels.cpu.linear.dpbf16_linear`) would take at most
     :data:`SMALL_BATCH_COPY_SHARE` of this machine's physical memory (bytes from
     ``sysconf``): SmolLM2-135M's 0.2 GB yes on 24 GB, a 7B model's 13 GB no."""
     import os

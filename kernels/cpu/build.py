@@ -176,6 +176,9 @@ _UNSUFFIXED = {
     # out, out row stride, x, x row stride, panel weight, M, N, K, threads.
     "amx_linear_usable": ([_I64], _INT),
     "amx_linear_bf16": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], None),
+    # the same on AVX-512 BF16 without AMX (csrc/dpbf16_linear.cpp), same arguments.
+    "dpbf16_linear_usable": ([_I64], _INT),
+    "dpbf16_linear_bf16": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], None),
 }
 # Kernels that exist only where the CPU has them: for bfloat16 with AVX-512 BF16, for
 # float32 with AVX-512F (``tandem_has_{name}_{suffix}`` says).

@@ -14,8 +14,9 @@ this CPU lacks their path for the dtype, nothing is packed.
 
 Also here: the batch-invariant linear kernel (:func:`invariant_linear`) and, for
 bfloat16 inputs of up to :data:`AMX_LINEAR_MAX_ROWS` rows on AMX CPUs,
-:func:`amx_linear`, both over the same
-16-column panel layout (:func:`pack_invariant_weight`).
+:func:`amx_linear` (up to :data:`DPBF16_LINEAR_MAX_ROWS` on AVX-512 BF16 CPUs
+without AMX, :func:`dpbf16_linear`), all over the same 16-column panel layout
+(:func:`pack_invariant_weight`).
 """
 
 from __future__ import annotations
@@ -195,8 +196,14 @@ def _linear_fn(dtype: torch.dtype):
 
 
 # -- small batches on AMX tiles (csrc/amx_linear.cpp) --------------------------------------
-def _max_rows_from_env(default: int) -> int:
-    value = os.environ.get("TANDEM_AMX_LINEAR_MAX_ROWS", "")
+def _max_rows_from_env(default: int, name: str = "TANDEM_AMX_LINEAR_MAX_ROWS") -> int:
+    """The row bound in the environment variable ``name``; ``default`` where it is
+    unset or empty.
+
+    Raises:
+        ValueError: anything but an integer >= 0, naming the variable.
+    """
+    value = os.environ.get(name, "")
     if not value:
         return default
     try:
@@ -204,7 +211,7 @@ def _max_rows_from_env(default: int) -> int:
     except ValueError:
         rows = -1
     if rows < 0:
-        raise ValueError(f"TANDEM_AMX_LINEAR_MAX_ROWS: expected a row count >= 0, got {value!r}")
+        raise ValueError(f"{name}: expected a row count >= 0, got {value!r}")
     return rows
 
 
@@ -291,3 +298,81 @@ def _amx_linear_fn():
     from tandem.kernels.cpu.build import load_library
 
     return load_library().tandem_amx_linear_bf16
+
+
+# -- small batches on AVX-512 BF16 without AMX (csrc/dpbf16_linear.cpp) ------------------
+DPBF16_LINEAR_MAX_ROWS = _max_rows_from_env(256, "TANDEM_DPBF16_LINEAR_MAX_ROWS")
+"""Rows up to which :func:`dpbf16_linear` is used instead of oneDNN's packed matmul
+on a CPU with AVX-512 BF16 and no AMX (``TANDEM_DPBF16_LINEAR_MAX_ROWS`` in the
+environment sets another bound, read at import; 0: oneDNN everywhere).
+SmolLM2-135M's 30 layers on a 2-core AMD EPYC with AVX-512 BF16, the weights
+coming from memory as in a step (``benchmarks/amx_linear.py``): 1.4-1.6x oneDNN's
+speed from 1 to 8 rows, 1.3x at 16, 1.1-1.2x at 32-64, 1.04-1.09x from 96 to 256.
+An invalid value raises ``ValueError`` when this module is imported."""
+
+
+@functools.cache
+def dpbf16_linear_usable(in_features: int) -> bool:
+    """Whether :func:`dpbf16_linear` runs here for ``in_features``: the compiled
+    kernels load, the build has AVX-512 BF16 (the ``-march``), and ``in_features`` is
+    even (whole k pairs)."""
+    if not invariant_linear_available():
+        return False
+    from tandem.kernels.cpu.build import load_library
+
+    return bool(load_library().tandem_dpbf16_linear_usable(in_features))
+
+
+def dpbf16_linear(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x W^T`` in bfloat16 by AVX-512 BF16 dot products (``vdpbf16ps``), reading the
+    weight in the 16-column panels of :func:`pack_invariant_weight` (``[P, K / 2, 16,
+    2]``: one k pair of a panel is one 64-byte vector): ``[T, K]`` -> ``[T, N]``.
+
+    Each output is a float32 sum over the k pairs in order, rounded to bfloat16 once;
+    a row's result does not depend on ``T`` or on the other rows. Meant for ``T`` up
+    to :data:`DPBF16_LINEAR_MAX_ROWS` on CPUs without AMX: blocks of up to 6 rows by
+    4 panels (24 zmm accumulators) walk K once, so a decode step reads each weight
+    once, four panels side by side; the threads split the panels.
+
+    Args:
+        x: ``[T, K]`` bfloat16 CPU, rows may be strided, the last dim contiguous.
+        panel_weight: :func:`pack_invariant_weight` of a bfloat16 ``[N, K]`` weight.
+        out_features: ``N``.
+
+    Raises:
+        ValueError: dtype, device or shape mismatch, or :func:`dpbf16_linear_usable`
+            is false for ``K``.
+    """
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
+            panel_weight.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
+                         f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    t, k = x.shape
+    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
+        raise ValueError(f"x: in_features {k} does not fit the panel weight "
+                         f"{tuple(panel_weight.shape)}")
+    if not dpbf16_linear_usable(k):
+        raise ValueError(f"x: no AVX-512 BF16 linear kernel here for in_features {k} (needs "
+                         "a CPU with AVX-512 BF16 and an even in_features)")
+    return dpbf16_linear_unchecked(x, panel_weight, out_features)
+
+
+def dpbf16_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
+                            out_features: int) -> torch.Tensor:
+    """:func:`dpbf16_linear` without its checks, for a layer whose ``panel_weight``
+    was packed for it where :func:`dpbf16_linear_usable` held."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    out = x.new_empty(t, out_features)
+    if t:
+        _dpbf16_linear_fn()(out.data_ptr(), out_features, x.data_ptr(), x.stride(0),
+                            panel_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _dpbf16_linear_fn():
+    from tandem.kernels.cpu.build import load_library
+
+    return load_library().tandem_dpbf16_linear_bf16

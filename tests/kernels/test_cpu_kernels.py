@@ -17,7 +17,8 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.kernels import reference as ref
 from tandem.kernels.cpu import build, ops
-from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable, pack_invariant_weight,
+from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable, dpbf16_linear,
+                                       dpbf16_linear_usable, pack_invariant_weight,
                                        packed_linear)
 
 try:
@@ -383,46 +384,51 @@ def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
         general = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert [o.token_ids for o in fast] == [o.token_ids for o in general]
         assert [o.logprobs for o in fast] == [o.logprobs for o in general]
-        if dtype == "bfloat16" and amx_linear_usable(576):
+        if dtype == "bfloat16" and (amx_linear_usable(576) or dpbf16_linear_usable(576)):
             _check_small_batch_linear(llm, prompts, params, fast)
 
 
 def _check_small_batch_linear(llm, prompts, params, with_panels):
-    """bfloat16 on an AMX host, small_batch_linear left to its default: the decode
-    steps' linear layers ran on amx_linear (every dense layer holds a panel copy; an
-    input of up to AMX_LINEAR_MAX_ROWS rows takes it, a longer one oneDNN), and with the copies
+    """bfloat16 on an AMX host (or an AVX-512 BF16 one without AMX), small_batch_linear
+    left to its default: the decode steps' linear layers ran on amx_linear (dpbf16_linear;
+    every dense layer holds a panel copy; an input of up to AMX_LINEAR_MAX_ROWS
+    (DPBF16_LINEAR_MAX_ROWS) rows takes it, a longer one oneDNN), and with the copies
     hidden (oneDNN throughout) the greedy tokens are the same, logprobs within
-    bfloat16 rounding."""
+    what bfloat16 roundings add up to."""
     from tandem.engine.model.linear import Linear
-    from tandem.kernels.cpu.linear import AMX_LINEAR_MAX_ROWS
+    from tandem.kernels.cpu.linear import AMX_LINEAR_MAX_ROWS, DPBF16_LINEAR_MAX_ROWS
 
     import tandem.engine.model.linear as linear_module
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.panel_weight is not None for m in layers)
+    kernel = "amx" if amx_linear_usable(576) else "dpbf16"
+    assert all(m.panel_kernel == kernel for m in layers)
+    small, bound = ((amx_linear, AMX_LINEAR_MAX_ROWS) if kernel == "amx"
+                    else (dpbf16_linear, DPBF16_LINEAR_MAX_ROWS))
     layer = layers[0]
     calls = []
-    real = {"amx_linear_unchecked": linear_module.amx_linear_unchecked,
-            "packed_linear": linear_module.packed_linear}
+    name = f"{kernel}_linear_unchecked"
+    real = {name: getattr(linear_module, name), "packed_linear": linear_module.packed_linear}
 
     def counted(name):
         def call(*args):
             calls.append(name)
             return real[name](*args)
         return call
-    for rows in (1, AMX_LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS + 1):
+    for rows in (1, bound, bound + 1):
         x = torch.randn(rows, layer.in_features).bfloat16()
-        want = (amx_linear(x, layer.panel_weight, layer.out_features)
-                if rows <= AMX_LINEAR_MAX_ROWS else packed_linear(x, layer.packed_weight))
-        for name in real:
-            setattr(linear_module, name, counted(name))
+        want = (small(x, layer.panel_weight, layer.out_features)
+                if rows <= bound else packed_linear(x, layer.packed_weight))
+        for fn_name in real:
+            setattr(linear_module, fn_name, counted(fn_name))
         try:
             got = layer.quant_method.apply(layer, x)
         finally:
-            for name, fn in real.items():
-                setattr(linear_module, name, fn)
+            for fn_name, fn in real.items():
+                setattr(linear_module, fn_name, fn)
         assert torch.equal(got, want)
-    assert calls == ["amx_linear_unchecked", "amx_linear_unchecked", "packed_linear"]
+    assert calls == [name, name, "packed_linear"]
     saved = [m.panel_weight for m in layers]
     for m in layers:
         m.panel_weight = None
@@ -432,9 +438,12 @@ def _check_small_batch_linear(llm, prompts, params, with_panels):
         for m, w in zip(layers, saved):
             m.panel_weight = w
     assert [o.token_ids for o in with_panels] == [o.token_ids for o in onednn]
+    # The LM head's logits are bfloat16 (one ulp is 0.0625-0.125 for logits of 8-32),
+    # and either path is up to ~0.12 from the float32 model's logprobs on these
+    # prompts: two ulps apart at most.
     for a, b in zip(with_panels, onednn):
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.05
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.25
 
 
 amx_only = pytest.mark.skipif(
@@ -467,26 +476,66 @@ def test_amx_linear_matches_the_float32_product(m, n, k):
         assert torch.equal(amx_linear(x[lo:hi], pack_invariant_weight(w), n), out[lo:hi])
 
 
+dpbf16_only = pytest.mark.skipif(
+    not __import__("tandem.kernels.cpu.linear", fromlist=["x"]).dpbf16_linear_usable(64),
+    reason="no AVX-512 BF16 on this CPU")
+
+
+@dpbf16_only
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (7, 96, 576), (16, 960, 576), (37, 576, 1536),
+                                   (13, 200, 2)])
+def test_dpbf16_linear_matches_the_float32_product(m, n, k):
+    """Every output within one bfloat16 rounding of the float32 product of the same
+    bfloat16 inputs: row blocks of 6 and their remainders (7, 13, 37 rows), a last
+    panel of 8 columns (40, 200), a panel group of 1-3 panels per thread (40, 96, 200),
+    one k pair (k = 2); strided rows of x give the same bits, and so does any slice of
+    the rows on its own (a row's result is its own)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    big = torch.randn(m, k + 64, generator=g).bfloat16()
+    x = big[:, :k]                                     # rows strided
+    out = dpbf16_linear(x, pack_invariant_weight(w), n)
+    want = x.float() @ w.float().t()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(dpbf16_linear(x.contiguous(), pack_invariant_weight(w), n), out)
+    for lo, hi in ((1, m), (m // 3, m), (m - 1, m)):
+        if lo < hi:
+            assert torch.equal(dpbf16_linear(x[lo:hi], pack_invariant_weight(w), n), out[lo:hi])
+
+
+@dpbf16_only
+def test_dpbf16_linear_refusals():
+    w = pack_invariant_weight(torch.randn(32, 64).bfloat16())
+    assert not dpbf16_linear_usable(63) and dpbf16_linear_usable(64)
+    with pytest.raises(ValueError, match="x: expected a 2-D bfloat16"):
+        dpbf16_linear(torch.randn(2, 64), w, 32)
+    with pytest.raises(ValueError, match="x: in_features 96"):
+        dpbf16_linear(torch.randn(2, 96).bfloat16(), w, 32)
+
+
 def test_amx_linear_row_bound_from_the_environment(monkeypatch):
-    """TANDEM_AMX_LINEAR_MAX_ROWS sets the bound (0 included: oneDNN for every step);
+    """TANDEM_AMX_LINEAR_MAX_ROWS (TANDEM_DPBF16_LINEAR_MAX_ROWS) sets the bound (0
+    included: oneDNN for every step);
     unset or empty, the default; anything but a count >= 0 is refused, naming it."""
     from tandem.kernels.cpu.linear import _max_rows_from_env
 
-    monkeypatch.delenv("TANDEM_AMX_LINEAR_MAX_ROWS", raising=False)
-    assert _max_rows_from_env(1280) == 1280
-    for value, rows in (("", 1280), ("0", 0), ("128", 128)):
-        monkeypatch.setenv("TANDEM_AMX_LINEAR_MAX_ROWS", value)
-        assert _max_rows_from_env(1280) == rows
-    for bad in ("-1", "many", "1.5"):
-        monkeypatch.setenv("TANDEM_AMX_LINEAR_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match="TANDEM_AMX_LINEAR_MAX_ROWS"):
-            _max_rows_from_env(1280)
-    # ...and the engine's linear layers see it (read once, at import: a new process).
-    env = {**os.environ, "TANDEM_AMX_LINEAR_MAX_ROWS": "7"}
+    for var in ("TANDEM_AMX_LINEAR_MAX_ROWS", "TANDEM_DPBF16_LINEAR_MAX_ROWS"):
+        monkeypatch.delenv(var, raising=False)
+        assert _max_rows_from_env(1280, var) == 1280
+        for value, rows in (("", 1280), ("0", 0), ("128", 128)):
+            monkeypatch.setenv(var, value)
+            assert _max_rows_from_env(1280, var) == rows
+        for bad in ("-1", "many", "1.5"):
+            monkeypatch.setenv(var, bad)
+            with pytest.raises(ValueError, match=var):
+                _max_rows_from_env(1280, var)
+    # ...and the engine's linear layers see them (read once, at import: a new process).
+    env = {**os.environ, "TANDEM_AMX_LINEAR_MAX_ROWS": "7", "TANDEM_DPBF16_LINEAR_MAX_ROWS": "9"}
     out = subprocess.run([sys.executable, "-c", "import tandem.engine.model.linear as m; "
-                          "print(m.AMX_LINEAR_MAX_ROWS)"], env=env, capture_output=True,
-                         text=True, check=True).stdout
-    assert out.split() == ["7"]
+                          "print(m.AMX_LINEAR_MAX_ROWS, m.DPBF16_LINEAR_MAX_ROWS)"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["7", "9"]
 
 
 @amx_only
