@@ -1,5 +1,6 @@
 """Linear layers on AMX tiles (``amx_linear``) against oneDNN's packed matmul,
-bfloat16, on an AMX host: the kernels alone at decode and prompt sizes (with each
+bfloat16, on an AMX host (on an AVX-512 BF16 host without AMX, ``dpbf16_linear``
+over the same panels): the kernels alone at decode and prompt sizes (with each
 one's first call at a row count new to the process), then the offline engine's
 decode step (``--num-seqs`` given no values: the kernels only).
 
@@ -16,6 +17,8 @@ The outputs are not required to be equal (the two sum in different orders): the
 share of equal greedy tokens is reported.
 
     .venv/bin/python benchmarks/amx_linear.py --out benchmarks/results/amx_linear_amx.json
+
+The JSON's keys name the panel kernel that ran: ``amx_ms`` or ``dpbf16_ms``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,23 @@ from bench_peers import isa_flags  # noqa: E402
 from decode_race import print_race, race, race_engine_kwargs  # noqa: E402
 
 from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable,  # noqa: E402
+                                       dpbf16_linear, dpbf16_linear_usable,
                                        pack_invariant_weight, pack_weight, packed_linear)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K) of one layer
 
 
+def panel_kernel() -> tuple[str, object] | None:
+    """(name, function) of the panel kernel this machine runs, AMX first; None: neither."""
+    if amx_linear_usable(576):
+        return "amx", amx_linear
+    if dpbf16_linear_usable(576):
+        return "dpbf16", dpbf16_linear
+    return None
+
+
 def kernel_rows(rows: list[int], layers: int, rounds: int) -> list[dict]:
+    kname, small = panel_kernel()
     g = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=g).bfloat16() * 0.05 for n, k in SHAPES]
                for _ in range(layers)]
@@ -54,29 +68,30 @@ def kernel_rows(rows: list[int], layers: int, rounds: int) -> list[dict]:
                 for (n, k), w in zip(SHAPES, layer):
                     packed_linear(xs[k], w)
 
-        def run_amx():
+        def run_panels():
             for layer in panels:
                 for (n, k), w in zip(SHAPES, layer):
-                    amx_linear(xs[k], w, n)
-        times: dict[str, list[float]] = {"onednn": [], "amx": []}
+                    small(xs[k], w, n)
+        times: dict[str, list[float]] = {"onednn": [], kname: []}
         first = {}
-        for name, fn in (("onednn", run_onednn), ("amx", run_amx)):
+        for name, fn in (("onednn", run_onednn), (kname, run_panels)):
             t0 = time.perf_counter()    # a row count new to the process: oneDNN
             fn()                        # creates (JIT-compiles) its primitives here
             first[name] = time.perf_counter() - t0
         for _ in range(rounds):
-            for name, fn in (("onednn", run_onednn), ("amx", run_amx)):
+            for name, fn in (("onednn", run_onednn), (kname, run_panels)):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        close = max((amx_linear(xs[k], panels[0][i], n).float()
+        close = max((small(xs[k], panels[0][i], n).float()
                      - packed_linear(xs[k], onednn[0][i]).float()).abs().max().item()
                     for i, (n, k) in enumerate(SHAPES))
-        out.append({"rows": m, "onednn_ms": med["onednn"] * 1e3, "amx_ms": med["amx"] * 1e3,
-                    "onednn_first_ms": first["onednn"] * 1e3, "amx_first_ms": first["amx"] * 1e3,
+        out.append({"rows": m, "onednn_ms": med["onednn"] * 1e3, f"{kname}_ms": med[kname] * 1e3,
+                    "onednn_first_ms": first["onednn"] * 1e3,
+                    f"{kname}_first_ms": first[kname] * 1e3,
                     "onednn_gb_s": nbytes / med["onednn"] / 1e9,
-                    "amx_gb_s": nbytes / med["amx"] / 1e9, "max_abs_diff": close})
+                    f"{kname}_gb_s": nbytes / med[kname] / 1e9, "max_abs_diff": close})
     return out
 
 
@@ -115,18 +130,19 @@ def main() -> int:
     args = p.parse_args()
     args.dtype = "bfloat16"
     threads, kw = race_engine_kwargs(args)
-    if not amx_linear_usable(576):
-        print("no AMX linear kernel on this machine (needs AMX-BF16)")
+    if panel_kernel() is None:
+        print("no panel linear kernel on this machine (needs AMX-BF16 or AVX-512 BF16)")
         return 1
+    kname = panel_kernel()[0]
     kernels = kernel_rows(args.rows, args.layers, args.rounds)
     print(f"bfloat16, {threads} threads, {args.layers} layers of SmolLM2-135M's linear shapes\n")
-    print("| rows | oneDNN ms (GB/s) | amx_linear ms (GB/s) | oneDNN, amx_linear first call ms "
-          "| max abs diff |")
+    print(f"| rows | oneDNN ms (GB/s) | {kname}_linear ms (GB/s) | oneDNN, {kname}_linear first "
+          "call ms | max abs diff |")
     print("|---|---|---|---|---|")
     for r in kernels:
         print(f"| {r['rows']} | {r['onednn_ms']:.2f} ({r['onednn_gb_s']:.1f}) | "
-              f"{r['amx_ms']:.2f} ({r['amx_gb_s']:.1f}) | {r['onednn_first_ms']:.1f}, "
-              f"{r['amx_first_ms']:.1f} | {r['max_abs_diff']:.4f} |")
+              f"{r[kname + '_ms']:.2f} ({r[kname + '_gb_s']:.1f}) | {r['onednn_first_ms']:.1f}, "
+              f"{r[kname + '_first_ms']:.1f} | {r['max_abs_diff']:.4f} |")
 
     steps = None
     if args.num_seqs:
@@ -143,15 +159,16 @@ def _decode_race(args, kw) -> list:
     from tandem.engine.llm import LLM
     from tandem.engine.model.linear import Linear
 
-    amx = LLM(None, small_batch_linear=True, **kw)
-    other = LLM(None, small_batch_linear=True, weights_from=amx, **kw)
-    layers = [m for m in amx.engine.model.modules()
+    kname = panel_kernel()[0] + "_linear"
+    panels = LLM(None, small_batch_linear=True, **kw)
+    other = LLM(None, small_batch_linear=True, weights_from=panels, **kw)
+    layers = [m for m in panels.engine.model.modules()
               if isinstance(m, Linear) and m.panel_weight is not None]
     engines = {"onednn": _Panels(other.engine, layers, hide=True),
-               "amx_linear": _Panels(amx.engine, layers, hide=False)}
+               kname: _Panels(panels.engine, layers, hide=False)}
     steps = race(engines, args)
     print(f"\n{len(layers)} layers with a panel copy\n")
-    print_race(steps, {"onednn": "oneDNN", "amx_linear": "amx_linear"})
+    print_race(steps, {"onednn": "oneDNN", kname: kname})
     return steps
 
 

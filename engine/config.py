@@ -458,7 +458,7 @@ class EngineConfig:
             process; ``TANDEM_AMX_LINEAR_MAX_ROWS`` in the environment moves the
             bound); longer inputs keep oneDNN. On an AVX-512 BF16 CPU without AMX the
             same copy serves inputs of at most 256 rows through
-            :func:`tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.6x oneDNN's speed at
+            :func:`tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.7x oneDNN's speed at
             1-16 rows; ``TANDEM_DPBF16_LINEAR_MAX_ROWS`` moves that bound). Costs a
             second copy of those weights. None (default): on while that copy takes at
             most a tenth of the machine's memory; True / False: on / off. Nothing

@@ -88,7 +88,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens on AMX tiles from a second, panel-packed copy of the dense "
                         "weights (1.05-1.3x oneDNN's speed there; TANDEM_AMX_LINEAR_MAX_ROWS "
                         "moves the bound); with AVX-512 BF16 and no AMX, steps of up to 256 "
-                        "tokens by AVX-512 BF16 dot products from the same copy (1.3-1.6x "
+                        "tokens by AVX-512 BF16 dot products from the same copy (1.3-1.7x "
                         "oneDNN's at 1-16 tokens; TANDEM_DPBF16_LINEAR_MAX_ROWS); auto "
                         "(default): on while that copy takes at most a tenth of the machine's "
                         "memory")

@@ -170,8 +170,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
       creates nothing per row count; larger inputs keep oneDNN. On an AVX-512 BF16
       host without AMX the same copy serves inputs of at most
       :data:`~tandem.kernels.cpu.linear.DPBF16_LINEAR_MAX_ROWS` (256) rows through
-      :func:`~tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.6x oneDNN's speed at
-      1-16 rows, 1.04-1.2x up to 256).
+      :func:`~tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.7x oneDNN's speed at
+      1-16 rows, 1.04-1.3x up to 256).
     """
 
     name = "none"
@@ -379,7 +379,8 @@ weights while it takes at most this share of the machine's memory."""
 
 def small_batch_linear_fits(model: nn.Module) -> bool:
     """Whether the panel copies of ``model``'s dense bfloat16 CPU linear weights
-    (:func:`~tandem.kernels.cpu.linear.amx_linear`, :func:`~tandem.kernels.cpu.linear.dpbf16_linear`) would take at most
+    (:func:`~tandem.kernels.cpu.linear.amx_linear`,
+    :func:`~tandem.kernels.cpu.linear.dpbf16_linear`) would take at most
     :data:`SMALL_BATCH_COPY_SHARE` of this machine's physical memory (bytes from
     ``sysconf``): SmolLM2-135M's 0.2 GB yes on 24 GB, a 7B model's 13 GB no."""
     import os

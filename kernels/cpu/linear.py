@@ -306,8 +306,10 @@ DPBF16_LINEAR_MAX_ROWS = _max_rows_from_env(256, "TANDEM_DPBF16_LINEAR_MAX_ROWS"
 on a CPU with AVX-512 BF16 and no AMX (``TANDEM_DPBF16_LINEAR_MAX_ROWS`` in the
 environment sets another bound, read at import; 0: oneDNN everywhere).
 SmolLM2-135M's 30 layers on a 2-core AMD EPYC with AVX-512 BF16, the weights
-coming from memory as in a step (``benchmarks/amx_linear.py``): 1.4-1.6x oneDNN's
-speed from 1 to 8 rows, 1.3x at 16, 1.1-1.2x at 32-64, 1.04-1.09x from 96 to 256.
+coming from memory as in a step (``benchmarks/amx_linear.py``, two runs): 1.4-1.7x
+oneDNN's speed from 1 to 8 rows, 1.2-1.3x at 16-32, 1.04-1.2x from 64 to 256 (1.04x
+at 512 in one run). Below the bound no oneDNN primitive is created per row count
+either (2-3 ms a count here, far less than on AMX hosts).
 An invalid value raises ``ValueError`` when this module is imported."""
 
 
