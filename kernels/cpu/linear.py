@@ -230,6 +230,39 @@ counts, kept), so steps of varying token counts paid it again and again
 ``ValueError`` when this module is imported (with the engine)."""
 
 
+def _check_panel_input(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -> int:
+    """``x``'s in_features after the checks :func:`amx_linear` and
+    :func:`dpbf16_linear` share.
+
+    Raises:
+        ValueError: ``x`` not 2-D bfloat16 on the CPU, the weight not bfloat16, or the
+            two shapes not matching.
+    """
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
+            panel_weight.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
+                         f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
+    k = x.shape[1]
+    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
+        raise ValueError(f"x: in_features {k} does not fit the panel weight "
+                         f"{tuple(panel_weight.shape)}")
+    return k
+
+
+def _panel_call(fn, x: torch.Tensor, panel_weight: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+    """``[T, K]`` -> ``[T, N]`` through the compiled panel kernel ``fn`` (out, out
+    stride, x, x stride, weight, M, N, K, threads)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    out = x.new_empty(t, out_features)
+    if t:
+        fn(out.data_ptr(), out_features, x.data_ptr(), x.stride(0), panel_weight.data_ptr(), t,
+           out_features, k, torch.get_num_threads())
+    return out
+
+
 @functools.cache
 def amx_linear_usable(in_features: int) -> bool:
     """Whether :func:`amx_linear` runs here for ``in_features``: the compiled kernels
@@ -264,14 +297,7 @@ def amx_linear(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -
         ValueError: dtype, device or shape mismatch, or :func:`amx_linear_usable` is
             false for ``K``.
     """
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
-            panel_weight.dtype != torch.bfloat16:
-        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
-                         f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    t, k = x.shape
-    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
-        raise ValueError(f"x: in_features {k} does not fit the panel weight "
-                         f"{tuple(panel_weight.shape)}")
+    k = _check_panel_input(x, panel_weight, out_features)
     if not amx_linear_usable(k):
         raise ValueError(f"x: no AMX linear kernel here for in_features {k} (needs an "
                          "AMX-BF16 CPU and in_features % 32 == 0)")
@@ -283,14 +309,7 @@ def amx_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
     """:func:`amx_linear` without its checks, for a layer whose ``panel_weight`` was
     packed for it where :func:`amx_linear_usable` held (every decode step calls this
     once per linear layer; the checks were ~2.5 us of a ~10 us call)."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    t, k = x.shape
-    out = x.new_empty(t, out_features)
-    if t:
-        _amx_linear_fn()(out.data_ptr(), out_features, x.data_ptr(), x.stride(0),
-                         panel_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
-    return out
+    return _panel_call(_amx_linear_fn(), x, panel_weight, out_features)
 
 
 @functools.cache
@@ -345,14 +364,7 @@ def dpbf16_linear(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int
         ValueError: dtype, device or shape mismatch, or :func:`dpbf16_linear_usable`
             is false for ``K``.
     """
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
-            panel_weight.dtype != torch.bfloat16:
-        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
-                         f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
-    t, k = x.shape
-    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
-        raise ValueError(f"x: in_features {k} does not fit the panel weight "
-                         f"{tuple(panel_weight.shape)}")
+    k = _check_panel_input(x, panel_weight, out_features)
     if not dpbf16_linear_usable(k):
         raise ValueError(f"x: no AVX-512 BF16 linear kernel here for in_features {k} (needs "
                          "a CPU with AVX-512 BF16 and an even in_features)")
@@ -363,14 +375,7 @@ def dpbf16_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
                             out_features: int) -> torch.Tensor:
     """:func:`dpbf16_linear` without its checks, for a layer whose ``panel_weight``
     was packed for it where :func:`dpbf16_linear_usable` held."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    t, k = x.shape
-    out = x.new_empty(t, out_features)
-    if t:
-        _dpbf16_linear_fn()(out.data_ptr(), out_features, x.data_ptr(), x.stride(0),
-                            panel_weight.data_ptr(), t, out_features, k, torch.get_num_threads())
-    return out
+    return _panel_call(_dpbf16_linear_fn(), x, panel_weight, out_features)
 
 
 @functools.cache
