@@ -74,8 +74,9 @@ void dpbf16_linear(bf16* out, int64_t os, const bf16* x, int64_t xs, const bf16*
     const int nt = threads_for(panels, num_threads, 2);
 #pragma omp parallel num_threads(nt)
     {
-        const int t = nt > 1 ? omp_get_thread_num() : 0;
-        const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
+        // The team the runtime gave (it may give fewer threads than asked for).
+        const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t p_begin = panels * t / team, p_end = panels * (t + 1) / team;
         for (int64_t p0 = p_begin; p0 < p_end; p0 += kPanels) {
             const int np = static_cast<int>(std::min<int64_t>(kPanels, p_end - p0));
             const bf16* wp = w + p0 * panel;
