@@ -86,6 +86,35 @@ def test_claims_never_exceed_the_cores_and_a_lender_waits_for_the_borrowers_step
     assert _read(board) == [0, 0, 0]
 
 
+def test_a_borrower_gives_a_share_back_between_layers_when_its_owner_claims_it(board):
+    """Shares 1, 1, 2: a borrows all 4 cores; while nobody asks, give_back changes
+    nothing (no lock, no call to torch); once b waits for its core, a's next
+    give_back (after the layer it computes) shrinks a to 3 and b steps at once,
+    long before a's next busy; with c waiting too, a comes down to its share, never
+    below it."""
+    ra, rb, rc = Recorder(), Recorder(), Recorder()
+    a, b, c = _slot(board, 0, ra), _slot(board, 1, rb), _slot(board, 2, rc)
+    assert a.busy() == 4 and a.borrowing
+    assert a.give_back() == 4 and ra.calls == [4] and a.given_back == 0
+    t, got = _busy_in_thread(b)
+    time.sleep(0.05)
+    assert t.is_alive() and _read(board) == [4, 1, 0]
+    assert a.give_back() == 3 and _read(board)[0] == 3
+    t.join(5)
+    assert got["n"] == 1 and _read(board) == [3, 1, 0]
+    assert a.give_back() == 3                    # c idle: its cores stay borrowed
+    t, got = _busy_in_thread(c)
+    time.sleep(0.05)
+    assert a.give_back() == 1 and not a.borrowing
+    t.join(5)
+    assert got["n"] == 2 and _read(board) == [1, 1, 2]
+    assert a.give_back() == 1                    # its own share: nothing to give
+    assert ra.calls == [4, 3, 1] and a.given_back == 2
+    assert b.waited_s < 1.0 and c.waited_s < 1.0
+    for w in (a, b, c):
+        w.close()
+
+
 def test_more_workers_than_cores_take_at_most_the_cores(board):
     """1 prefill + 2 decode workers on 2 cores: shares 1, 1, 1 (two share a core);
     with the others idle a worker takes the machine's 2, not 3; once all are busy
@@ -226,6 +255,8 @@ def test_a_disaggregated_pair_lends_each_other_their_cores(f32_weights, tmp_path
         # The prompt was prefilled on both workers' shares: the decode side was idle.
         assert prefill.core_lending.threads == 2
         assert prefill.call(torch.get_num_threads).result(30) == 2
+        # That step would have given the borrowed core back between layers.
+        assert prefill.engine.runner.between_layers == prefill.core_lending.give_back
         deadline = time.monotonic() + 60
         while not req.is_finished:
             assert time.monotonic() < deadline, "decode did not finish"
@@ -243,3 +274,60 @@ def test_a_disaggregated_pair_lends_each_other_their_cores(f32_weights, tmp_path
         decode.engine.kv_connector.close()
         prefill.engine.kv_connector.close()
         remove_board(path)
+
+
+@pytest.mark.slow
+def test_a_step_on_borrowed_cores_gives_them_back_after_the_layer_a_peer_claims_them(
+        f32_weights, tmp_path):
+    """The real model's forward pass on both cores of a 2-slot board: the peer wakes
+    during layer 3 and claims its core; the step goes on with one thread from layer
+    4 on and the peer steps at once (it would wait 30 s for the step's end
+    otherwise); the tokens are those of the step on a fixed pool."""
+    import torch
+
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", num_blocks=64, weights_from=f32_weights)
+    prompt = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = llm.generate([prompt], params)[0].outputs[0].token_ids
+    num_layers = len(llm.engine.model.model.layers)
+    path = create_board(2, directory=str(tmp_path))
+    before = torch.get_num_threads()
+    lending = CoreLending(CoreLendingConfig(path, 0, (1, 1)))
+    peer = CoreLending(CoreLendingConfig(path, 1, (1, 1)), set_threads=Recorder(),
+                       max_wait_s=30.0)
+    threads: list[int] = []         # torch's thread count as each layer ended
+    claim: dict = {}
+
+    def between_layers():
+        threads.append(torch.get_num_threads())
+        if len(threads) == 3:       # the peer claims its core while layer 3 runs
+            claim["thread"] = threading.Thread(
+                target=lambda: claim.setdefault("n", peer.busy()))
+            claim["thread"].start()
+            deadline = time.monotonic() + 5
+            while _read(path)[1] != 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        lending.give_back()
+        if len(threads) == 4:       # the peer stepped before this step went on
+            claim["thread"].join(5)
+            claim["alive"] = claim["thread"].is_alive()
+    try:
+        assert lending.busy() == 2 and lending.borrowing
+        llm.engine.runner.between_layers = between_layers
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    finally:
+        llm.engine.runner.between_layers = None
+        if "thread" in claim:
+            claim["thread"].join(30)
+        lending.close()
+        peer.close()
+        remove_board(path)
+        torch.set_num_threads(before)
+    assert claim["alive"] is False and claim["n"] == 1 and peer.waited_s < 5
+    assert threads[:3] == [2, 2, 2]
+    assert set(threads[3:]) == {1} and len(threads) == 4 * num_layers
+    assert lending.given_back == 1
+    assert list(got) == list(want)

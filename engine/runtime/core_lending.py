@@ -14,8 +14,10 @@ the machine, one byte per worker (its *slot*): the threads it steps on now, 0
 while it waits for work. Before each step a worker claims its own share of the
 cores plus the shares of the workers that are idle now, and sizes torch's
 intra-op thread pool to that; the claims never add up to more than the machine's
-cores (:class:`CoreLending`), so a worker whose cores were lent waits for the
-borrower's step to end. The workers are not pinned (the operating system places
+cores (:class:`CoreLending`), so a worker whose cores were lent waits until the
+borrower gives them back: after the layer it is computing (the engine calls
+:meth:`CoreLending.give_back` between layers), not at the end of its step, which
+for a prompt chunk of thousands of tokens is hundreds of milliseconds. The workers are not pinned (the operating system places
 their threads); when all are busy each runs on its share, as if pinned.
 
 The board's file is created and removed by whoever starts the workers
@@ -102,13 +104,15 @@ class CoreLending:
     both spin-wait, each step of both would stall), except where the shares
     themselves add up to more (more workers than cores: each steps on its share).
     A worker whose share a peer is stepping on marks its share claimed and waits
-    for that peer's step to end (the peer then claims only its own share): at most
-    one of the peer's steps, at most ``max_wait_s`` (a peer that died holding
-    cores), after which it steps on its share anyway.
+    for that peer to give it back (the peer's :meth:`give_back`, after its current
+    layer; at the latest its next :meth:`busy`, which claims only its own share),
+    at most ``max_wait_s`` (a peer that died holding cores), after which it steps
+    on its share anyway.
 
     Call :meth:`busy` from the thread that runs the engine's steps (torch's thread
-    count is that thread's OpenMP setting), before a step; :meth:`idle` before
-    waiting for work.
+    count is that thread's OpenMP setting), before a step; :meth:`give_back` from
+    the same thread between the layers of a step that borrowed (:attr:`borrowing`);
+    :meth:`idle` before waiting for work.
 
     Raises:
         OSError: the board's file cannot be opened or mapped.
@@ -130,8 +134,10 @@ class CoreLending:
             import torch
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
+        self._peers = tuple(i for i in range(len(config.shares)) if i != config.slot)
         self.threads = 0            # what the pool was last sized to (0: not yet)
         self.waited_s = 0.0         # seconds spent waiting for lent cores (total)
+        self.given_back = 0         # steps cut short on borrowed cores (give_back)
         self._board[config.slot] = 0
 
     @property
@@ -167,7 +173,7 @@ class CoreLending:
                     n = self.lendable()
                     board[me] = n
                     break
-                board[me] = share       # the borrower sees it at its next step
+                board[me] = share       # the borrower sees it after its layer
             finally:
                 fcntl.flock(self._file, fcntl.LOCK_UN)
             if t0 is None:
@@ -178,6 +184,37 @@ class CoreLending:
         if n != self.threads:
             self._set_threads(n)
             self.threads = n
+        return n
+
+    @property
+    def borrowing(self) -> bool:
+        """This worker's thread pool holds more than its share: idle peers' cores."""
+        return self.threads > self.config.shares[self.config.slot]
+
+    def give_back(self) -> int:
+        """Between two parts of a step that borrowed cores (the engine calls it after
+        each of the model's layers): if a peer has since claimed its share back (it
+        waits in :meth:`busy`), shrink this worker's claim and thread pool to what the
+        others leave, never below its own share, so the peer waits for one layer
+        instead of the rest of the step. No lock and no write while nobody asked:
+        one read of the board. Returns the thread count in effect."""
+        share = self.config.shares[self.config.slot]
+        if self.threads <= share:
+            return self.threads
+        board, me, peers = self._board, self.config.slot, self._peers
+        if sum(board[i] for i in peers) + self.threads <= self.max_threads:
+            return self.threads
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+        try:
+            free = self.max_threads - sum(board[i] for i in peers)
+            n = max(share, min(self.threads, free))
+            board[me] = n
+        finally:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+        if n != self.threads:
+            self._set_threads(n)
+            self.threads = n
+            self.given_back += 1
         return n
 
     def idle(self) -> None:

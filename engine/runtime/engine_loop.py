@@ -58,7 +58,8 @@ class EngineLoop:
         core_lending: this worker's slot on its machine's core board
             (:mod:`~tandem.engine.runtime.core_lending`): before each step the loop
             sizes torch's thread pool to its share of the cores plus its idle
-            peers'. Build the loop on the thread that will run it
+            peers', and a step on borrowed cores gives them back after the layer
+            in which a peer claims its share. Build the loop on the thread that will run it
             (:meth:`build`): the thread count is that thread's. None: the pool
             keeps its size.
     """
@@ -173,6 +174,7 @@ class EngineLoop:
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         lending = self.core_lending
+        runner = self.engine.runner
         try:
             while not self._stop.is_set():
                 self._drain_commands()
@@ -188,6 +190,9 @@ class EngineLoop:
                             lending.busy()
                         else:
                             lending.idle()
+                        # On borrowed cores, give them back after the layer in which
+                        # a peer claims its share, not at the end of the step.
+                        runner.between_layers = lending.give_back if lending.borrowing else None
                     if not self.step():
                         # Only remote KV loads pending: wait for one to end (or a command).
                         if lending is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -339,6 +340,12 @@ class ModelRunner:
             the forward pass, right after that layer is written.
         structured_outputs: the engine's grammar matchers (constrained requests'
             rows are masked by its sampler).
+
+    Attributes:
+        between_layers: None, or called with no arguments after each decoder layer
+            of the next steps' forward passes, after that layer's KV transfer
+            started (the engine loop sets it for a step on borrowed cores: core
+            lending gives them back there, :meth:`CoreLending.give_back`).
     """
 
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
@@ -351,6 +358,7 @@ class ModelRunner:
         self.block_table_fn = block_table_fn
         self.device = device
         self.kv_connector = kv_connector
+        self.between_layers: Callable[[], object] | None = None
         self.sampler = Sampler(torch.Generator().manual_seed(seed),
                                structured_outputs=structured_outputs)
 
@@ -404,11 +412,25 @@ class ModelRunner:
         self.sampler.prefetch_masks([r for s in ordered if s.samples and not s.spec_token_ids
                                      for r in (s.request, *s.request.pending_forks)])
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
-                            self.kv_connector.save_kv_layer if saves else None,
-                            kv_scales=self.kv_cache.scales, open_keys=self.kv_cache.open_keys)
+                            self._after_layer(bool(saves)), kv_scales=self.kv_cache.scales, open_keys=self.kv_cache.open_keys)
         failures = self.kv_connector.wait_for_save() if saves else {}
         return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures,
                                  self._prompt_logprobs(hidden, ordered, meta))
+
+    def _after_layer(self, saving: bool) -> Callable[[int], object] | None:
+        """The forward pass's per-layer callback: the layer's KV transfer (``saving``),
+        then :attr:`between_layers`."""
+        save = self.kv_connector.save_kv_layer if saving else None
+        hook = self.between_layers
+        if hook is None:
+            return save
+        if save is None:
+            return lambda i: hook()
+
+        def both(i: int) -> None:
+            save(i)
+            hook()
+        return both
 
     def _kv_saves(self, out: SchedulerOutput) -> list[KVSave]:
         """Requests whose prompt completes in this step and whose KV goes to a consumer."""
