@@ -1,8 +1,9 @@
 """Linear layers on AMX tiles (``amx_linear``) against oneDNN's packed matmul,
 bfloat16, on an AMX host (on an AVX-512 BF16 host without AMX, ``dpbf16_linear``
-over the same panels): the kernels alone at decode and prompt sizes (with each
-one's first call at a row count new to the process), then the offline engine's
-decode step (``--num-seqs`` given no values: the kernels only).
+over the same panels; ``--dtype float32``: ``avx512_f32_linear`` on an AVX-512F
+host): the kernels alone at decode and prompt sizes (with each one's first call
+at a row count new to the process), then the offline engine's decode step
+(``--num-seqs`` given no values: the kernels only).
 
 Kernels: SmolLM2-135M's four linear layers of a decoder layer (QKV 960 x 576, O
 576 x 576, gate-up 3072 x 576, down 576 x 1536), 30 layers of separate random
@@ -18,7 +19,8 @@ share of equal greedy tokens is reported.
 
     .venv/bin/python benchmarks/amx_linear.py --out benchmarks/results/amx_linear_amx.json
 
-The JSON's keys name the panel kernel that ran: ``amx_ms`` or ``dpbf16_ms``.
+The JSON's keys name the panel kernel that ran: ``amx_ms``, ``dpbf16_ms`` or
+``avx512_f32_ms``.
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ from bench_peers import isa_flags  # noqa: E402
 from decode_race import print_race, race, race_engine_kwargs  # noqa: E402
 
 from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable,  # noqa: E402
+                                       avx512_f32_linear, avx512_f32_linear_usable,
                                        dpbf16_linear, dpbf16_linear_usable,
                                        pack_invariant_weight, pack_weight, packed_linear)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (N, K) of one layer
 
 
-def panel_kernel() -> tuple[str, object] | None:
-    """(name, function) of the panel kernel this machine runs, AMX first; None: neither."""
+def panel_kernel(dtype: str = "bfloat16") -> tuple[str, object] | None:
+    """(name, function) of the panel kernel this machine runs for ``dtype``, AMX first;
+    None: none."""
+    if dtype == "float32":
+        return ("avx512_f32", avx512_f32_linear) if avx512_f32_linear_usable(576) else None
     if amx_linear_usable(576):
         return "amx", amx_linear
     if dpbf16_linear_usable(576):
@@ -51,17 +57,19 @@ def panel_kernel() -> tuple[str, object] | None:
     return None
 
 
-def kernel_rows(rows: list[int], layers: int, rounds: int) -> list[dict]:
-    kname, small = panel_kernel()
+def kernel_rows(rows: list[int], layers: int, rounds: int,
+                dtype: str = "bfloat16") -> list[dict]:
+    kname, small = panel_kernel(dtype)
+    dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
-    weights = [[torch.randn(n, k, generator=g).bfloat16() * 0.05 for n, k in SHAPES]
+    weights = [[(torch.randn(n, k, generator=g) * 0.05).to(dt) for n, k in SHAPES]
                for _ in range(layers)]
     onednn = [[pack_weight(w) for w in layer] for layer in weights]
     panels = [[pack_invariant_weight(w) for w in layer] for layer in weights]
-    nbytes = sum(n * k * 2 for n, k in SHAPES) * layers
+    nbytes = sum(n * k * dt.itemsize for n, k in SHAPES) * layers
     out = []
     for m in rows:
-        xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in SHAPES}
+        xs = {k: torch.randn(m, k, generator=g).to(dt) for _, k in SHAPES}
 
         def run_onednn():
             for layer in onednn:
@@ -126,16 +134,18 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    args.dtype = "bfloat16"
     threads, kw = race_engine_kwargs(args)
-    if panel_kernel() is None:
-        print("no panel linear kernel on this machine (needs AMX-BF16 or AVX-512 BF16)")
+    if panel_kernel(args.dtype) is None:
+        print(f"no {args.dtype} panel linear kernel on this machine (bfloat16: AMX-BF16 or "
+              "AVX-512 BF16; float32: AVX-512F)")
         return 1
-    kname = panel_kernel()[0]
-    kernels = kernel_rows(args.rows, args.layers, args.rounds)
-    print(f"bfloat16, {threads} threads, {args.layers} layers of SmolLM2-135M's linear shapes\n")
+    kname = panel_kernel(args.dtype)[0]
+    kernels = kernel_rows(args.rows, args.layers, args.rounds, args.dtype)
+    print(f"{args.dtype}, {threads} threads, {args.layers} layers of SmolLM2-135M's "
+          "linear shapes\n")
     print(f"| rows | oneDNN ms (GB/s) | {kname}_linear ms (GB/s) | oneDNN, {kname}_linear first "
           "call ms | max abs diff |")
     print("|---|---|---|---|---|")
@@ -149,7 +159,8 @@ def main() -> int:
         steps = _decode_race(args, kw)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": sys.argv, "threads": threads, "cpu_flags": isa_flags(),
+            "command": sys.argv, "dtype": args.dtype, "threads": threads,
+            "cpu_flags": isa_flags(),
             "kernels": kernels, "decode_steps": steps, "prompt_len": args.prompt_len,
             "block": args.block, "blocks": args.blocks}, indent=1) + "\n")
     return 0
@@ -159,7 +170,7 @@ def _decode_race(args, kw) -> list:
     from tandem.engine.llm import LLM
     from tandem.engine.model.linear import Linear
 
-    kname = panel_kernel()[0] + "_linear"
+    kname = panel_kernel(args.dtype)[0] + "_linear"
     panels = LLM(None, small_batch_linear=True, **kw)
     other = LLM(None, small_batch_linear=True, weights_from=panels, **kw)
     layers = [m for m in panels.engine.model.modules()

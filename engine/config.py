@@ -459,11 +459,13 @@ class EngineConfig:
             bound); longer inputs keep oneDNN. On an AVX-512 BF16 CPU without AMX the
             same copy serves inputs of at most 256 rows through
             :func:`tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.7x oneDNN's speed at
-            1-16 rows; ``TANDEM_DPBF16_LINEAR_MAX_ROWS`` moves that bound). Costs a
-            second copy of those weights. None (default): on while that copy takes at
-            most a tenth of the machine's memory; True / False: on / off. Nothing
-            elsewhere (float32, GPUs, quantized layers, CPUs without AVX-512 BF16,
-            ``batch_invariant``).
+            1-16 rows; ``TANDEM_DPBF16_LINEAR_MAX_ROWS`` moves that bound). float32 on
+            an AVX-512F CPU: inputs of at most 1024 rows through
+            :func:`tandem.kernels.cpu.linear.avx512_f32_linear` from a float32 panel
+            copy (``TANDEM_AVX512_F32_LINEAR_MAX_ROWS``). Costs a second copy of
+            those weights. None (default): on while that copy takes at most a tenth
+            of the machine's memory; True / False: on / off. Nothing elsewhere (GPUs,
+            quantized layers, CPUs without AVX-512, ``batch_invariant``).
         speculative: speculative decoding (:class:`SpeculativeConfig`); None: off.
             Only decode steps speculate: a prefill worker ignores it.
         activation_quantization: ``none``: quantized linear layers multiply the

@@ -51,7 +51,8 @@ class LLM:
             composition; CPU).
         small_batch_linear: see :class:`EngineConfig` (linear layers of steps of up
             to 1280 tokens on AMX tiles, of up to 256 by AVX-512 BF16 dot products
-            without AMX, from a second copy of the weights; None: while it fits).
+            without AMX, float32 ones of up to 1024 by AVX-512 FMAs, from a second copy
+            of the weights; None: while it fits).
         speculative_config: speculative decoding, a
             :class:`~tandem.engine.config.SpeculativeConfig` or a dict of its fields
             (vLLM style: ``{"method": "ngram", "num_speculative_tokens": 4}``);

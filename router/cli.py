@@ -89,9 +89,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "weights (1.05-1.3x oneDNN's speed there; TANDEM_AMX_LINEAR_MAX_ROWS "
                         "moves the bound); with AVX-512 BF16 and no AMX, steps of up to 256 "
                         "tokens by AVX-512 BF16 dot products from the same copy (1.3-1.7x "
-                        "oneDNN's at 1-16 tokens; TANDEM_DPBF16_LINEAR_MAX_ROWS); auto "
-                        "(default): on while that copy takes at most a tenth of the machine's "
-                        "memory")
+                        "oneDNN's at 1-16 tokens; TANDEM_DPBF16_LINEAR_MAX_ROWS); float32 on "
+                        "AVX-512F: steps of up to 1024 tokens by AVX-512 FMAs from a float32 "
+                        "panel copy (TANDEM_AVX512_F32_LINEAR_MAX_ROWS); auto (default): on "
+                        "while that copy takes at most a tenth of the machine's memory")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
                    help="speculative decoding on decode workers: ngram (prompt lookup) or "
                         "draft_model (see docs/speculative_decoding.md); default off")

@@ -35,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.model.weights import WeightLoadError, copy_checked
-from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, DPBF16_LINEAR_MAX_ROWS,
-                                       amx_linear_unchecked, amx_linear_usable,
+from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, AVX512_F32_LINEAR_MAX_ROWS,
+                                       DPBF16_LINEAR_MAX_ROWS, amx_linear_unchecked,
+                                       amx_linear_usable, avx512_f32_linear_unchecked,
+                                       avx512_f32_linear_usable,
                                        dpbf16_linear_unchecked, dpbf16_linear_usable,
                                        invariant_linear,
                                        invariant_linear_available, pack_invariant_weight,
@@ -171,7 +173,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
       host without AMX the same copy serves inputs of at most
       :data:`~tandem.kernels.cpu.linear.DPBF16_LINEAR_MAX_ROWS` (256) rows through
       :func:`~tandem.kernels.cpu.linear.dpbf16_linear` (1.3-1.7x oneDNN's speed at
-      1-16 rows, 1.04-1.3x up to 256).
+      1-16 rows, 1.04-1.3x up to 256); for float32 on any AVX-512F host, inputs of
+      at most :data:`~tandem.kernels.cpu.linear.AVX512_F32_LINEAR_MAX_ROWS` rows
+      through :func:`~tandem.kernels.cpu.linear.avx512_f32_linear` (float32 panels).
     """
 
     name = "none"
@@ -186,7 +190,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.packed_weight = None
         layer.invariant_weight = None
         layer.panel_weight = None
-        layer.panel_kernel = None       # "amx" or "dpbf16": which kernel reads panel_weight
+        layer.panel_kernel = None       # "amx", "dpbf16", "avx512_f32": reads panel_weight
 
     def load_weight(self, layer, param_name, loaded, shard_id):
         if param_name != "weight":
@@ -213,8 +217,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
             # oneDNN's packed matmul; for float32 also instead of MKL's sgemm, whose
             # AVX2 path is all AMD CPUs get (see tandem.kernels.cpu.linear).
             layer.packed_weight = pack_weight(w)
-            if layer.small_batch_linear and w.dtype == torch.bfloat16:
-                if amx_linear_usable(layer.in_features):
+            if layer.small_batch_linear:
+                if w.dtype == torch.float32:
+                    if avx512_f32_linear_usable(layer.in_features):
+                        layer.panel_kernel = "avx512_f32"
+                elif amx_linear_usable(layer.in_features):
                     layer.panel_kernel = "amx"
                 elif dpbf16_linear_usable(layer.in_features):
                     layer.panel_kernel = "dpbf16"
@@ -241,11 +248,15 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.invariant_weight is not None:
             return invariant_linear(x, layer.invariant_weight, layer.out_features)
         if layer.panel_weight is not None:
-            if layer.panel_kernel == "amx":
-                if x.shape[0] <= AMX_LINEAR_MAX_ROWS:
+            kernel, rows = layer.panel_kernel, x.shape[0]
+            if kernel == "amx":
+                if rows <= AMX_LINEAR_MAX_ROWS:
                     return amx_linear_unchecked(x, layer.panel_weight, layer.out_features)
-            elif x.shape[0] <= DPBF16_LINEAR_MAX_ROWS:
-                return dpbf16_linear_unchecked(x, layer.panel_weight, layer.out_features)
+            elif kernel == "dpbf16":
+                if rows <= DPBF16_LINEAR_MAX_ROWS:
+                    return dpbf16_linear_unchecked(x, layer.panel_weight, layer.out_features)
+            elif rows <= AVX512_F32_LINEAR_MAX_ROWS:
+                return avx512_f32_linear_unchecked(x, layer.panel_weight, layer.out_features)
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight)
         return F.linear(x, layer.weight)
@@ -341,8 +352,8 @@ def process_weights_after_loading(model: nn.Module, batch_invariant: bool = Fals
             (:meth:`LinearMethodBase.supports_int8_activations`) multiplies int8
             activation blocks (``EngineConfig.activation_quantization``).
         small_batch_linear: ``EngineConfig.small_batch_linear``: True gives every
-            dense bfloat16 layer the AMX small-batch kernel where the CPU has one (a
-            second copy of its weight); None decides by :func:`small_batch_linear_fits`;
+            dense bfloat16 or float32 layer the small-batch kernel the CPU has one
+            for (a second copy of its weight); None decides by :func:`small_batch_linear_fits`;
             ignored with ``batch_invariant``.
 
     Raises:
@@ -374,20 +385,23 @@ def process_weights_after_loading(model: nn.Module, batch_invariant: bool = Fals
 
 SMALL_BATCH_COPY_SHARE = 0.1
 """``small_batch_linear=None`` keeps the second (panel) copy of the dense bfloat16
-weights while it takes at most this share of the machine's memory."""
+and float32 weights while it takes at most this share of the machine's memory."""
 
 
 def small_batch_linear_fits(model: nn.Module) -> bool:
-    """Whether the panel copies of ``model``'s dense bfloat16 CPU linear weights
-    (:func:`~tandem.kernels.cpu.linear.amx_linear`,
-    :func:`~tandem.kernels.cpu.linear.dpbf16_linear`) would take at most
+    """Whether the panel copies of ``model``'s dense bfloat16 and float32 CPU linear
+    weights (:func:`~tandem.kernels.cpu.linear.amx_linear`,
+    :func:`~tandem.kernels.cpu.linear.dpbf16_linear`,
+    :func:`~tandem.kernels.cpu.linear.avx512_f32_linear`) would take at most
     :data:`SMALL_BATCH_COPY_SHARE` of this machine's physical memory (bytes from
-    ``sysconf``): SmolLM2-135M's 0.2 GB yes on 24 GB, a 7B model's 13 GB no."""
+    ``sysconf``): SmolLM2-135M's 0.2 GB (bfloat16) or 0.4 GB (float32) yes on 24 GB,
+    a 7B model's 13 GB no."""
     import os
 
     extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                 if isinstance(m, Linear) and isinstance(m.quant_method, UnquantizedLinearMethod)
                 and isinstance(getattr(m, "weight", None), torch.Tensor)
-                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu")
+                and m.weight.dtype in (torch.bfloat16, torch.float32)
+                and m.weight.device.type == "cpu")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 0 < extra <= SMALL_BATCH_COPY_SHARE * total

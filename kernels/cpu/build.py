@@ -179,6 +179,9 @@ _UNSUFFIXED = {
     # the same on AVX-512 BF16 without AMX (csrc/dpbf16_linear.cpp), same arguments.
     "dpbf16_linear_usable": ([_I64], _INT),
     "dpbf16_linear_bf16": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], None),
+    # float32 on AVX-512F (the same file), same arguments, float32 panels.
+    "avx512_f32_linear_usable": ([_I64], _INT),
+    "avx512_f32_linear_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT], None),
 }
 # Kernels that exist only where the CPU has them: for bfloat16 with AVX-512 BF16, for
 # float32 with AVX-512F (``tandem_has_{name}_{suffix}`` says).

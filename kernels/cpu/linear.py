@@ -230,20 +230,24 @@ counts, kept), so steps of varying token counts paid it again and again
 ``ValueError`` when this module is imported (with the engine)."""
 
 
-def _check_panel_input(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int) -> int:
-    """``x``'s in_features after the checks :func:`amx_linear` and
-    :func:`dpbf16_linear` share.
+def _check_panel_input(x: torch.Tensor, panel_weight: torch.Tensor, out_features: int,
+                       dtype: torch.dtype = torch.bfloat16) -> int:
+    """``x``'s in_features after the checks :func:`amx_linear`, :func:`dpbf16_linear`
+    and (``dtype`` float32) :func:`avx512_f32_linear` share.
 
     Raises:
-        ValueError: ``x`` not 2-D bfloat16 on the CPU, the weight not bfloat16, or the
+        ValueError: ``x`` not 2-D ``dtype`` on the CPU, the weight not ``dtype``, or the
             two shapes not matching.
     """
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16 or \
-            panel_weight.dtype != torch.bfloat16:
-        raise ValueError(f"x: expected a 2-D bfloat16 CPU tensor (and a bfloat16 panel "
+    name = str(dtype).removeprefix("torch.")
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != dtype or \
+            panel_weight.dtype != dtype:
+        raise ValueError(f"x: expected a 2-D {name} CPU tensor (and a {name} panel "
                          f"weight), got {tuple(x.shape)} {x.dtype} on {x.device}")
     k = x.shape[1]
-    if panel_weight.shape[1] * 2 != k or out_features > panel_weight.shape[0] * INVARIANT_PANEL:
+    per_row = 2 if dtype == torch.bfloat16 else 1
+    if panel_weight.shape[1] * per_row != k or \
+            out_features > panel_weight.shape[0] * INVARIANT_PANEL:
         raise ValueError(f"x: in_features {k} does not fit the panel weight "
                          f"{tuple(panel_weight.shape)}")
     return k
@@ -383,3 +387,69 @@ def _dpbf16_linear_fn():
     from tandem.kernels.cpu.build import load_library
 
     return load_library().tandem_dpbf16_linear_bf16
+
+
+# -- small batches in float32 on AVX-512F (csrc/dpbf16_linear.cpp) ---------------------------
+AVX512_F32_LINEAR_MAX_ROWS = _max_rows_from_env(1024, "TANDEM_AVX512_F32_LINEAR_MAX_ROWS")
+"""Rows up to which :func:`avx512_f32_linear` is used instead of oneDNN's packed
+float32 matmul on an AVX-512F CPU (``TANDEM_AVX512_F32_LINEAR_MAX_ROWS`` in the
+environment sets another bound, read at import; 0: oneDNN everywhere).
+SmolLM2-135M's 30 layers on a 2-core AMD EPYC with AVX-512 (``benchmarks/amx_linear.py
+--dtype float32``): 1.3-2x oneDNN's speed from 1 to 8 rows, 1.1-1.3x at 16-64,
+1.03-1.1x from 128 to 1024, level at 1536-2048. Below the bound no oneDNN
+primitive is created per row count either. An invalid value raises
+``ValueError`` when this module is imported."""
+
+
+@functools.cache
+def avx512_f32_linear_usable(in_features: int) -> bool:
+    """Whether :func:`avx512_f32_linear` runs here for ``in_features``: the compiled
+    kernels load and the build has AVX-512F (the ``-march``)."""
+    if not invariant_linear_available():
+        return False
+    from tandem.kernels.cpu.build import load_library
+
+    return bool(load_library().tandem_avx512_f32_linear_usable(in_features))
+
+
+def avx512_f32_linear(x: torch.Tensor, panel_weight: torch.Tensor,
+                      out_features: int) -> torch.Tensor:
+    """``x W^T`` in float32 by AVX-512 FMAs, reading the weight in the float32
+    16-column panels of :func:`pack_invariant_weight` (``[P, K, 16]``: one k of a
+    panel is one 64-byte vector): ``[T, K]`` -> ``[T, N]``.
+
+    Each output is one float32 fused-multiply-add chain over ``k`` in order, as in
+    :func:`invariant_linear`, whose results it equals bit for bit (so a row's result
+    does not depend on ``T``). Meant for ``T`` up to
+    :data:`AVX512_F32_LINEAR_MAX_ROWS`: blocks of up to 6 rows by 4 panels (24 zmm
+    accumulators) walk K once, the four panels' weights streaming side by side; the
+    threads split the panels.
+
+    Args:
+        x: ``[T, K]`` float32 CPU, rows may be strided, the last dim contiguous.
+        panel_weight: :func:`pack_invariant_weight` of a float32 ``[N, K]`` weight.
+        out_features: ``N``.
+
+    Raises:
+        ValueError: dtype, device or shape mismatch, or :func:`avx512_f32_linear_usable`
+            is false for ``K``.
+    """
+    k = _check_panel_input(x, panel_weight, out_features, torch.float32)
+    if not avx512_f32_linear_usable(k):
+        raise ValueError(f"x: no AVX-512 float32 linear kernel here for in_features {k} "
+                         "(needs a CPU with AVX-512F)")
+    return avx512_f32_linear_unchecked(x, panel_weight, out_features)
+
+
+def avx512_f32_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
+                                out_features: int) -> torch.Tensor:
+    """:func:`avx512_f32_linear` without its checks, for a layer whose ``panel_weight``
+    was packed for it where :func:`avx512_f32_linear_usable` held."""
+    return _panel_call(_avx512_f32_linear_fn(), x, panel_weight, out_features)
+
+
+@functools.cache
+def _avx512_f32_linear_fn():
+    from tandem.kernels.cpu.build import load_library
+
+    return load_library().tandem_avx512_f32_linear_f32

@@ -17,9 +17,10 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.kernels import reference as ref
 from tandem.kernels.cpu import build, ops
-from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable, dpbf16_linear,
-                                       dpbf16_linear_usable, pack_invariant_weight,
-                                       packed_linear)
+from tandem.kernels.cpu.linear import (amx_linear, amx_linear_usable, avx512_f32_linear,
+                                       avx512_f32_linear_usable, dpbf16_linear,
+                                       dpbf16_linear_usable, invariant_linear,
+                                       pack_invariant_weight, packed_linear)
 
 try:
     build.load_library()
@@ -384,28 +385,38 @@ def test_engine_tokens_equal_with_and_without_the_decode_path(f32_weights):
         general = [o.outputs[0] for o in llm.generate(prompts, params)]
         assert [o.token_ids for o in fast] == [o.token_ids for o in general]
         assert [o.logprobs for o in fast] == [o.logprobs for o in general]
-        if dtype == "bfloat16" and (amx_linear_usable(576) or dpbf16_linear_usable(576)):
-            _check_small_batch_linear(llm, prompts, params, fast)
+        if _panel_kernel(dtype) is not None:
+            _check_small_batch_linear(llm, prompts, params, fast, dtype)
 
 
-def _check_small_batch_linear(llm, prompts, params, with_panels):
-    """bfloat16 on an AMX host (or an AVX-512 BF16 one without AMX), small_batch_linear
-    left to its default: the decode steps' linear layers ran on amx_linear (dpbf16_linear;
-    every dense layer holds a panel copy; an input of up to AMX_LINEAR_MAX_ROWS
-    (DPBF16_LINEAR_MAX_ROWS) rows takes it, a longer one oneDNN), and with the copies
-    hidden (oneDNN throughout) the greedy tokens are the same, logprobs within
-    what bfloat16 roundings add up to."""
+def _panel_kernel(dtype: str) -> str | None:
+    """The small-batch kernel the engine gives a dense ``dtype`` layer on this CPU."""
+    if dtype == "float32":
+        return "avx512_f32" if avx512_f32_linear_usable(576) else None
+    return ("amx" if amx_linear_usable(576) else "dpbf16" if dpbf16_linear_usable(576)
+            else None)
+
+
+def _check_small_batch_linear(llm, prompts, params, with_panels, dtype):
+    """small_batch_linear left to its default: every dense layer holds a panel copy
+    for this CPU's small-batch kernel (bfloat16: amx_linear on an AMX host,
+    dpbf16_linear on an AVX-512 BF16 one without AMX; float32: avx512_f32_linear on
+    AVX-512F); an input of up to the kernel's row bound takes it, a longer one
+    oneDNN; with the copies hidden (oneDNN throughout) the greedy tokens are the
+    same, logprobs within what the dtype's roundings add up to."""
     from tandem.engine.model.linear import Linear
-    from tandem.kernels.cpu.linear import AMX_LINEAR_MAX_ROWS, DPBF16_LINEAR_MAX_ROWS
+    from tandem.kernels.cpu.linear import (AMX_LINEAR_MAX_ROWS, AVX512_F32_LINEAR_MAX_ROWS,
+                                           DPBF16_LINEAR_MAX_ROWS)
 
     import tandem.engine.model.linear as linear_module
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.panel_weight is not None for m in layers)
-    kernel = "amx" if amx_linear_usable(576) else "dpbf16"
+    kernel = _panel_kernel(dtype)
     assert all(m.panel_kernel == kernel for m in layers)
-    small, bound = ((amx_linear, AMX_LINEAR_MAX_ROWS) if kernel == "amx"
-                    else (dpbf16_linear, DPBF16_LINEAR_MAX_ROWS))
+    small, bound = {"amx": (amx_linear, AMX_LINEAR_MAX_ROWS),
+                    "dpbf16": (dpbf16_linear, DPBF16_LINEAR_MAX_ROWS),
+                    "avx512_f32": (avx512_f32_linear, AVX512_F32_LINEAR_MAX_ROWS)}[kernel]
     layer = layers[0]
     calls = []
     name = f"{kernel}_linear_unchecked"
@@ -417,7 +428,7 @@ def _check_small_batch_linear(llm, prompts, params, with_panels):
             return real[name](*args)
         return call
     for rows in (1, bound, bound + 1):
-        x = torch.randn(rows, layer.in_features).bfloat16()
+        x = torch.randn(rows, layer.in_features).to(getattr(torch, dtype))
         want = (small(x, layer.panel_weight, layer.out_features)
                 if rows <= bound else packed_linear(x, layer.packed_weight))
         for fn_name in real:
@@ -438,12 +449,14 @@ def _check_small_batch_linear(llm, prompts, params, with_panels):
         for m, w in zip(layers, saved):
             m.panel_weight = w
     assert [o.token_ids for o in with_panels] == [o.token_ids for o in onednn]
-    # The LM head's logits are bfloat16 (one ulp is 0.0625-0.125 for logits of 8-32),
-    # and either path is up to ~0.12 from the float32 model's logprobs on these
-    # prompts: two ulps apart at most.
+    # bfloat16: the LM head's logits are bfloat16 (one ulp is 0.0625-0.125 for
+    # logits of 8-32), and either path is up to ~0.12 from the float32 model's
+    # logprobs on these prompts: two ulps apart at most. float32: two summation
+    # orders of the same float32 products.
+    tol = 0.25 if dtype == "bfloat16" else 1e-3
     for a, b in zip(with_panels, onednn):
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < 0.25
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) < tol
 
 
 amx_only = pytest.mark.skipif(
@@ -514,13 +527,53 @@ def test_dpbf16_linear_refusals():
         dpbf16_linear(torch.randn(2, 96).bfloat16(), w, 32)
 
 
+avx512_f32_only = pytest.mark.skipif(
+    not __import__("tandem.kernels.cpu.linear", fromlist=["x"]).avx512_f32_linear_usable(64),
+    reason="no AVX-512F on this CPU")
+
+
+@avx512_f32_only
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (7, 96, 576), (16, 960, 576), (37, 576, 1536),
+                                   (13, 200, 1), (64, 3072, 576)])
+def test_avx512_f32_linear_equals_the_batch_invariant_kernel(m, n, k):
+    """Bit for bit the batch-invariant kernel's results (the same FMA chain over k in
+    order), and within float32 rounding of torch's product: row blocks of 6 and
+    their remainders (7, 13, 37 rows), a last panel of 8 columns (40, 200), panel
+    groups of 1-4 per thread, k = 1; strided rows of x give the same bits, and so
+    does any slice of the rows on its own."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    big = torch.randn(m, k + 64, generator=g)
+    x = big[:, :k]                                     # rows strided
+    panels = pack_invariant_weight(w)
+    out = avx512_f32_linear(x, panels, n)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert torch.equal(out, invariant_linear(x, panels, n))
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(avx512_f32_linear(x.contiguous(), panels, n), out)
+    for lo, hi in ((1, m), (m // 3, m), (m - 1, m)):
+        if lo < hi:
+            assert torch.equal(avx512_f32_linear(x[lo:hi], panels, n), out[lo:hi])
+
+
+@avx512_f32_only
+def test_avx512_f32_linear_refusals():
+    w = pack_invariant_weight(torch.randn(32, 64))
+    assert not avx512_f32_linear_usable(0) and avx512_f32_linear_usable(64)
+    with pytest.raises(ValueError, match="x: expected a 2-D float32"):
+        avx512_f32_linear(torch.randn(2, 64).bfloat16(), w, 32)
+    with pytest.raises(ValueError, match="x: in_features 96"):
+        avx512_f32_linear(torch.randn(2, 96), w, 32)
+
+
 def test_amx_linear_row_bound_from_the_environment(monkeypatch):
     """TANDEM_AMX_LINEAR_MAX_ROWS (TANDEM_DPBF16_LINEAR_MAX_ROWS) sets the bound (0
     included: oneDNN for every step);
     unset or empty, the default; anything but a count >= 0 is refused, naming it."""
     from tandem.kernels.cpu.linear import _max_rows_from_env
 
-    for var in ("TANDEM_AMX_LINEAR_MAX_ROWS", "TANDEM_DPBF16_LINEAR_MAX_ROWS"):
+    for var in ("TANDEM_AMX_LINEAR_MAX_ROWS", "TANDEM_DPBF16_LINEAR_MAX_ROWS",
+                "TANDEM_AVX512_F32_LINEAR_MAX_ROWS"):
         monkeypatch.delenv(var, raising=False)
         assert _max_rows_from_env(1280, var) == 1280
         for value, rows in (("", 1280), ("0", 0), ("128", 128)):
@@ -531,11 +584,13 @@ def test_amx_linear_row_bound_from_the_environment(monkeypatch):
             with pytest.raises(ValueError, match=var):
                 _max_rows_from_env(1280, var)
     # ...and the engine's linear layers see them (read once, at import: a new process).
-    env = {**os.environ, "TANDEM_AMX_LINEAR_MAX_ROWS": "7", "TANDEM_DPBF16_LINEAR_MAX_ROWS": "9"}
+    env = {**os.environ, "TANDEM_AMX_LINEAR_MAX_ROWS": "7", "TANDEM_DPBF16_LINEAR_MAX_ROWS": "9",
+           "TANDEM_AVX512_F32_LINEAR_MAX_ROWS": "11"}
     out = subprocess.run([sys.executable, "-c", "import tandem.engine.model.linear as m; "
-                          "print(m.AMX_LINEAR_MAX_ROWS, m.DPBF16_LINEAR_MAX_ROWS)"], env=env,
+                          "print(m.AMX_LINEAR_MAX_ROWS, m.DPBF16_LINEAR_MAX_ROWS, "
+                          "m.AVX512_F32_LINEAR_MAX_ROWS)"], env=env,
                          capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["7", "9"]
+    assert out.split() == ["7", "9", "11"]
 
 
 @amx_only
