@@ -253,6 +253,14 @@ def _check_panel_input(x: torch.Tensor, panel_weight: torch.Tensor, out_features
     return k
 
 
+@functools.cache
+def _library_fn(name: str):
+    """The compiled kernel ``name``, looked up once (every layer of every step calls it)."""
+    from tandem.kernels.cpu.build import load_library
+
+    return getattr(load_library(), name)
+
+
 def _panel_call(fn, x: torch.Tensor, panel_weight: torch.Tensor,
                 out_features: int) -> torch.Tensor:
     """``[T, K]`` -> ``[T, N]`` through the compiled panel kernel ``fn`` (out, out
@@ -313,14 +321,7 @@ def amx_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
     """:func:`amx_linear` without its checks, for a layer whose ``panel_weight`` was
     packed for it where :func:`amx_linear_usable` held (every decode step calls this
     once per linear layer; the checks were ~2.5 us of a ~10 us call)."""
-    return _panel_call(_amx_linear_fn(), x, panel_weight, out_features)
-
-
-@functools.cache
-def _amx_linear_fn():
-    from tandem.kernels.cpu.build import load_library
-
-    return load_library().tandem_amx_linear_bf16
+    return _panel_call(_library_fn("tandem_amx_linear_bf16"), x, panel_weight, out_features)
 
 
 # -- small batches on AVX-512 BF16 without AMX (csrc/dpbf16_linear.cpp) ------------------
@@ -379,14 +380,7 @@ def dpbf16_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
                             out_features: int) -> torch.Tensor:
     """:func:`dpbf16_linear` without its checks, for a layer whose ``panel_weight``
     was packed for it where :func:`dpbf16_linear_usable` held."""
-    return _panel_call(_dpbf16_linear_fn(), x, panel_weight, out_features)
-
-
-@functools.cache
-def _dpbf16_linear_fn():
-    from tandem.kernels.cpu.build import load_library
-
-    return load_library().tandem_dpbf16_linear_bf16
+    return _panel_call(_library_fn("tandem_dpbf16_linear_bf16"), x, panel_weight, out_features)
 
 
 # -- small batches in float32 on AVX-512F (csrc/dpbf16_linear.cpp) ---------------------------
@@ -445,11 +439,5 @@ def avx512_f32_linear_unchecked(x: torch.Tensor, panel_weight: torch.Tensor,
                                 out_features: int) -> torch.Tensor:
     """:func:`avx512_f32_linear` without its checks, for a layer whose ``panel_weight``
     was packed for it where :func:`avx512_f32_linear_usable` held."""
-    return _panel_call(_avx512_f32_linear_fn(), x, panel_weight, out_features)
-
-
-@functools.cache
-def _avx512_f32_linear_fn():
-    from tandem.kernels.cpu.build import load_library
-
-    return load_library().tandem_avx512_f32_linear_f32
+    return _panel_call(_library_fn("tandem_avx512_f32_linear_f32"), x, panel_weight,
+                       out_features)

@@ -31,42 +31,42 @@
 namespace tandem_cpu {
 namespace {
 
-#if defined(__AVX512BF16__)
-// bfloat16: acc[r][p] += the 16 columns' pairs of panel p times row r's pair, per k pair.
-template <int MR, int NP>
-void dpbf16_tile(bf16* out, int64_t os, const bf16* x, int64_t xs, const bf16* w,
-                 int64_t panel, int64_t n0, int64_t n, int64_t k) {
-    __m512 acc[MR][NP];
-    for (int r = 0; r < MR; ++r)
-        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
-    const int64_t pairs = k / 2;
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-        __m512bh wv[NP];
-        for (int p = 0; p < NP; ++p)
-            wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel + 32 * kp);
-        for (int r = 0; r < MR; ++r) {
-            uint32_t pair;
-            std::memcpy(&pair, x + r * xs + 2 * kp, sizeof pair);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xv);
-        }
-    }
-    for (int p = 0; p < NP; ++p) {
-        const int64_t c0 = n0 + 16 * p;
-        if (c0 >= n) break;
-        const __mmask16 cols = c0 + 16 <= n ? static_cast<__mmask16>(0xffff)
-                                            : static_cast<__mmask16>((1u << (n - c0)) - 1u);
-        for (int r = 0; r < MR; ++r)
-            _mm256_mask_storeu_epi16(out + r * os + c0, cols, (__m256i)_mm512_cvtneps_pbh(acc[r][p]));
-    }
+// The columns of a 16-column panel starting at c0 that exist (n columns in all).
+inline __mmask16 column_mask(int64_t c0, int64_t n) {
+    return c0 + 16 <= n ? static_cast<__mmask16>(0xffff)
+                        : static_cast<__mmask16>((1u << (n - c0)) - 1u);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16: acc[r][p] += the 16 columns' pairs of panel p times row r's pair, per k pair.
 struct Dpbf16 {
     using T = bf16;
     template <int MR, int NP>
-    static void tile(T* out, int64_t os, const T* x, int64_t xs, const T* w, int64_t panel,
-                     int64_t n0, int64_t n, int64_t k) {
-        dpbf16_tile<MR, NP>(out, os, x, xs, w, panel, n0, n, k);
+    static void tile(bf16* out, int64_t os, const bf16* x, int64_t xs, const bf16* w,
+                     int64_t panel, int64_t n0, int64_t n, int64_t k) {
+        __m512 acc[MR][NP];
+        for (int r = 0; r < MR; ++r)
+            for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+        const int64_t pairs = k / 2;
+        for (int64_t kp = 0; kp < pairs; ++kp) {
+            __m512bh wv[NP];
+            for (int p = 0; p < NP; ++p)
+                wv[p] = (__m512bh)_mm512_loadu_si512(w + p * panel + 32 * kp);
+            for (int r = 0; r < MR; ++r) {
+                uint32_t pair;
+                std::memcpy(&pair, x + r * xs + 2 * kp, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+                for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv[p], xv);
+            }
+        }
+        for (int p = 0; p < NP; ++p) {
+            const int64_t c0 = n0 + 16 * p;
+            if (c0 >= n) break;
+            const __mmask16 cols = column_mask(c0, n);
+            for (int r = 0; r < MR; ++r)
+                _mm256_mask_storeu_epi16(out + r * os + c0, cols,
+                                         (__m256i)_mm512_cvtneps_pbh(acc[r][p]));
+        }
     }
 };
 #endif  // __AVX512BF16__
@@ -74,35 +74,29 @@ struct Dpbf16 {
 // float32: acc[r][p] = fma(x[r][k], the 16 columns of panel p at k, acc[r][p]), k in
 // order from 0: each output the batch-invariant kernel's FMA chain (linear.cpp), so
 // the same bits.
-template <int MR, int NP>
-void fma_f32_tile(float* out, int64_t os, const float* x, int64_t xs, const float* w,
-                  int64_t panel, int64_t n0, int64_t n, int64_t k) {
-    __m512 acc[MR][NP];
-    for (int r = 0; r < MR; ++r)
-        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; ++kk) {
-        __m512 wv[NP];
-        for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel + 16 * kk);
-        for (int r = 0; r < MR; ++r) {
-            const __m512 xv = _mm512_set1_ps(x[r * xs + kk]);
-            for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
-        }
-    }
-    for (int p = 0; p < NP; ++p) {
-        const int64_t c0 = n0 + 16 * p;
-        if (c0 >= n) break;
-        const __mmask16 cols = c0 + 16 <= n ? static_cast<__mmask16>(0xffff)
-                                            : static_cast<__mmask16>((1u << (n - c0)) - 1u);
-        for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * os + c0, cols, acc[r][p]);
-    }
-}
-
 struct FmaF32 {
     using T = float;
     template <int MR, int NP>
-    static void tile(T* out, int64_t os, const T* x, int64_t xs, const T* w, int64_t panel,
-                     int64_t n0, int64_t n, int64_t k) {
-        fma_f32_tile<MR, NP>(out, os, x, xs, w, panel, n0, n, k);
+    static void tile(float* out, int64_t os, const float* x, int64_t xs, const float* w,
+                     int64_t panel, int64_t n0, int64_t n, int64_t k) {
+        __m512 acc[MR][NP];
+        for (int r = 0; r < MR; ++r)
+            for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < k; ++kk) {
+            __m512 wv[NP];
+            for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + p * panel + 16 * kk);
+            for (int r = 0; r < MR; ++r) {
+                const __m512 xv = _mm512_set1_ps(x[r * xs + kk]);
+                for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+            }
+        }
+        for (int p = 0; p < NP; ++p) {
+            const int64_t c0 = n0 + 16 * p;
+            if (c0 >= n) break;
+            const __mmask16 cols = column_mask(c0, n);
+            for (int r = 0; r < MR; ++r)
+                _mm512_mask_storeu_ps(out + r * os + c0, cols, acc[r][p]);
+        }
     }
 };
 
