@@ -17,8 +17,9 @@ intra-op thread pool to that; the claims never add up to more than the machine's
 cores (:class:`CoreLending`), so a worker whose cores were lent waits until the
 borrower gives them back: after the layer it is computing (the engine calls
 :meth:`CoreLending.give_back` between layers), not at the end of its step, which
-for a prompt chunk of thousands of tokens is hundreds of milliseconds. The workers are not pinned (the operating system places
-their threads); when all are busy each runs on its share, as if pinned.
+for a prompt chunk of thousands of tokens is hundreds of milliseconds. The
+workers are not pinned (the operating system places their threads); when all are
+busy each runs on its share, as if pinned.
 
 The board's file is created and removed by whoever starts the workers
 (:func:`create_board`, :func:`remove_board`); a worker only maps it. A worker that

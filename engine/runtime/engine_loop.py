@@ -59,9 +59,9 @@ class EngineLoop:
             (:mod:`~tandem.engine.runtime.core_lending`): before each step the loop
             sizes torch's thread pool to its share of the cores plus its idle
             peers', and a step on borrowed cores gives them back after the layer
-            in which a peer claims its share. Build the loop on the thread that will run it
-            (:meth:`build`): the thread count is that thread's. None: the pool
-            keeps its size.
+            in which a peer claims its share. Build the loop on the thread that
+            will run it (:meth:`build`): the thread count is that thread's. None:
+            the pool keeps its size.
     """
 
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, idle_wait_s: float = 0.5,

@@ -412,7 +412,8 @@ class ModelRunner:
         self.sampler.prefetch_masks([r for s in ordered if s.samples and not s.spec_token_ids
                                      for r in (s.request, *s.request.pending_forks)])
         hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta, self.backend,
-                            self._after_layer(bool(saves)), kv_scales=self.kv_cache.scales, open_keys=self.kv_cache.open_keys)
+                            self._after_layer(bool(saves)), kv_scales=self.kv_cache.scales,
+                            open_keys=self.kv_cache.open_keys)
         failures = self.kv_connector.wait_for_save() if saves else {}
         return ModelRunnerOutput(self._sample(hidden, ordered, meta), failures,
                                  self._prompt_logprobs(hidden, ordered, meta))
